@@ -1,0 +1,10 @@
+"""hf3d: tensor, pipeline and data (ZeRO-1) parallel training of stock transformers models."""
+
+from .config import ParallelConfig
+from .model import ParallelModel
+from .optim import ParallelOptimizer, build_optimizer
+from .parallelize import parallelize
+
+__version__ = "0.1.0"
+
+__all__ = ["ParallelConfig", "ParallelModel", "ParallelOptimizer", "build_optimizer", "parallelize"]

@@ -1,0 +1,81 @@
+"""Parallel dimensions: one validated object that names every degree and builds the mesh."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PP_SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+
+
+@dataclass
+class ParallelConfig:
+    """How one training job is split over processes.
+
+    The device mesh has axes ("pp", "dp", "tp"), pp outermost and tp innermost, so tensor
+    parallel peers are neighbouring ranks (same node on GPU clusters).
+    """
+
+    tp: int = 1
+    """Tensor-parallel degree: attention heads, MLP columns and the vocabulary are split tp ways."""
+    pp: int = 1
+    """Pipeline-parallel degree: the decoder layers are split into pp stages."""
+    dp: int | None = None
+    """Data-parallel degree; None means world_size // (tp * pp)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: one of PP_SCHEDULES."""
+    num_microbatches: int = 1
+    """Micro-batches per optimizer step (gradient accumulation, and the pipeline's micro-batches)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank; interleaved-1f1b needs >= 2, zbv and dualpipev use 2."""
+    zero_stage: int = 1
+    """0: optimizer replicated over dp, gradients all-reduced; 1: optimizer state sharded over dp."""
+    sequence_parallel: bool = False
+    """Shard norms and residuals along the sequence inside tensor-parallel regions."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "num_microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ValueError(f"ParallelConfig.dp must be a positive integer or None, got {self.dp!r}")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; known schedules: {', '.join(PP_SCHEDULES)}")
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
+        if self.pp_schedule in ("zbv", "dualpipev"):
+            if self.virtual_stages == 1:
+                self.virtual_stages = 2
+            if self.virtual_stages != 2:
+                raise ValueError(f"pp_schedule {self.pp_schedule!r} runs exactly 2 virtual stages per rank")
+        if self.pp_schedule == "interleaved-1f1b" and self.pp > 1 and self.virtual_stages < 2:
+            raise ValueError(
+                "pp_schedule 'interleaved-1f1b' needs virtual_stages >= 2 "
+                "(model chunks per pipeline rank); use '1f1b' for one chunk per rank"
+            )
+        if self.pp_schedule in ("afab", "1f1b") and self.virtual_stages != 1:
+            raise ValueError(
+                f"pp_schedule {self.pp_schedule!r} runs one stage per rank; "
+                "use 'interleaved-1f1b' for virtual_stages > 1"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        """Total pipeline stages (model chunks) over all pipeline ranks."""
+        return self.pp * (self.virtual_stages if self.pp > 1 else 1)
+
+    def resolve(self, world_size: int) -> ParallelConfig:
+        """Fill in dp from the world size and check that tp * pp * dp == world_size."""
+        if world_size % (self.tp * self.pp) != 0:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp * pp = {self.tp} * {self.pp} = "
+                f"{self.tp * self.pp}; launch tp * pp * dp processes"
+            )
+        dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
+        if self.tp * self.pp * dp != world_size:
+            raise ValueError(
+                f"tp * pp * dp = {self.tp} * {self.pp} * {dp} = {self.tp * self.pp * dp} but the world "
+                f"size is {world_size}; launch exactly tp * pp * dp processes or set dp=None"
+            )
+        self.dp = dp
+        return self

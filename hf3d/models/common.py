@@ -1,0 +1,260 @@
+"""Tensor-parallel rewrite shared by the Llama-style decoders (Llama/SmolLM, Qwen2, Qwen3).
+
+The stock HF model stays the model: only `self_attn`, `mlp`, `embed_tokens` and `lm_head`
+are swapped for tensor-parallel modules, in place, under their stock names. Each family file
+says what differs (biases, per-head q/k norms); this file owns the head bookkeeping.
+
+Head layout (DESIGN decision 2): rank r of t holds query heads [r*h/t, (r+1)*h/t) and KV
+heads [r*g/t, (r+1)*g/t), fused as [q_r; k_r; v_r]. With HF's grouping (query head i reads KV
+head i // (h/g)) no permutation is needed. When t > g, KV head r // (t/g) is replicated over
+t/g ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..layout import Piece, concat_pieces, set_pieces, shard_range, whole
+from ..tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+)
+
+
+@dataclass
+class TPContext:
+    """This rank's place in the tensor-parallel group, passed to every swap."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    sequence_parallel: bool = False
+    dtype: torch.dtype | None = None
+
+
+def mark_tp_partial(param: nn.Parameter, ctx: TPContext) -> None:
+    """The gradient of a replicated parameter that each tp rank computes from only part of the data."""
+    if ctx.size > 1:
+        param.hf3d_tp_partial_grad = True
+
+
+class TPAttention(nn.Module):
+    """Attention over this rank's heads; projections fused, everything else HF's own."""
+
+    def __init__(self, stock: nn.Module, prefix: str, ctx: TPContext):
+        super().__init__()
+        qkv_bias, o_bias = stock.q_proj.bias is not None, stock.o_proj.bias is not None
+        config = stock.config
+        self.config, self.layer_idx = config, stock.layer_idx
+        self.head_dim, self.scaling = stock.head_dim, stock.scaling
+        self.attention_dropout, self.is_causal = stock.attention_dropout, True
+        self.sliding_window = getattr(stock, "sliding_window", None)
+        h, g, t, r = config.num_attention_heads, config.num_key_value_heads, ctx.size, ctx.rank
+        q0, q1 = shard_range(h, t, r)
+        if t <= g:
+            (k0, k1), kv_owner, kv_partial = shard_range(g, t, r), True, False
+        else:
+            per_kv = t // g
+            k0 = r // per_kv
+            k1, kv_owner, kv_partial = k0 + 1, r % per_kv == 0, True
+        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        d = self.head_dim
+        module = sys.modules[type(stock).__module__]
+        self._apply_rotary: Callable = module.apply_rotary_pos_emb
+        self._eager: Callable = module.eager_attention_forward
+        width = (self.num_heads + 2 * self.num_kv_heads) * d
+        sp = ctx.sequence_parallel
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, width, bias=qkv_bias, group=ctx.group, sequence_parallel=sp, dtype=ctx.dtype
+        )
+        self.o_proj = RowParallelLinear(
+            self.num_heads * d,
+            config.hidden_size,
+            bias=o_bias,
+            group=ctx.group,
+            sequence_parallel=sp,
+            dtype=ctx.dtype,
+        )
+        for kind in ("weight", "bias") if qkv_bias else ("weight",):
+            q = concat_pieces([(f"{prefix}.q_proj.{kind}", q0 * d, q1 * d)], dim=0)
+            kv = concat_pieces(
+                [(f"{prefix}.k_proj.{kind}", k0 * d, k1 * d), (f"{prefix}.v_proj.{kind}", k0 * d, k1 * d)],
+                dim=0,
+                owner=kv_owner,
+                partial_grad=kv_partial,
+            )
+            kv = [_shift(p, q[-1].local_stop) for p in kv]
+            set_pieces(getattr(self.qkv_proj, kind), q + kv)
+        set_pieces(self.o_proj.weight, [Piece(f"{prefix}.o_proj.weight", 1, q0 * d, q1 * d, 0, (q1 - q0) * d)])
+        if o_bias:
+            set_pieces(self.o_proj.bias, whole(f"{prefix}.o_proj.bias", config.hidden_size, owner=r == 0))
+        self.q_norm = self.k_norm = None
+        if hasattr(stock, "q_norm"):  # Qwen3: RMSNorm over head_dim of each head, before RoPE
+            self.q_norm, self.k_norm = stock.q_norm, stock.k_norm
+            for name in ("q_norm", "k_norm"):
+                w = getattr(self, name).weight
+                set_pieces(w, whole(f"{prefix}.{name}.weight", d, owner=r == 0))
+                mark_tp_partial(w, ctx)  # each rank sees only its own heads
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        qkv = self.qkv_proj(hidden_states)  # [b, s, (hq + 2 hkv) * d], s full even under SP
+        input_shape = qkv.shape[:-1]
+        d = self.head_dim
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = (x.reshape(*input_shape, -1, d) for x in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, heads_local, s, d]
+        cos, sin = position_embeddings
+        q, k = self._apply_rotary(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
+        extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
+        out, weights = attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **extra,
+            **kwargs,
+        )
+        out = out.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(out), weights
+
+
+def _shift(p: Piece, by: int) -> Piece:
+    return Piece(
+        p.hf_name, p.dim, p.hf_start, p.hf_stop, p.local_start + by, p.local_stop + by, p.owner, p.partial_grad
+    )
+
+
+class TPMLP(nn.Module):
+    """SwiGLU MLP with gate/up fused into one column-parallel projection."""
+
+    def __init__(self, stock: nn.Module, prefix: str, ctx: TPContext):
+        super().__init__()
+        bias = stock.gate_proj.bias is not None
+        hidden, inter = stock.hidden_size, stock.intermediate_size
+        i0, i1 = shard_range(inter, ctx.size, ctx.rank)
+        self.act_fn = stock.act_fn
+        sp = ctx.sequence_parallel
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden, 2 * (i1 - i0), bias=bias, group=ctx.group, sequence_parallel=sp, dtype=ctx.dtype
+        )
+        self.down_proj = RowParallelLinear(
+            i1 - i0, hidden, bias=bias, group=ctx.group, sequence_parallel=sp, dtype=ctx.dtype
+        )
+        for kind in ("weight", "bias") if bias else ("weight",):
+            set_pieces(
+                getattr(self.gate_up_proj, kind),
+                concat_pieces([(f"{prefix}.gate_proj.{kind}", i0, i1), (f"{prefix}.up_proj.{kind}", i0, i1)], dim=0),
+            )
+        set_pieces(self.down_proj.weight, [Piece(f"{prefix}.down_proj.weight", 1, i0, i1, 0, i1 - i0)])
+        if bias:
+            set_pieces(self.down_proj.bias, whole(f"{prefix}.down_proj.bias", hidden, owner=ctx.rank == 0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def valid_tp_sizes(config) -> list[int]:
+    h, g = config.num_attention_heads, config.num_key_value_heads
+    return [
+        t for t in range(1, h + 1) if h % t == 0 and (g % t == 0 or t % g == 0) and config.intermediate_size % t == 0
+    ]
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+class DecoderAdapter:
+    """How one family's stock modules become tensor-parallel ones.
+
+    Biases are read off the stock modules (Qwen2 hard-codes q/k/v bias and no o_proj bias;
+    Llama and Qwen3 follow `attention_bias`), so a family only overrides what is structural.
+    """
+
+    model_types: tuple[str, ...] = ()
+
+    def check_tp(self, config, tp: int) -> None:
+        valid = valid_tp_sizes(config)
+        if tp not in valid:
+            raise ValueError(
+                f"tp={tp} does not fit this {config.model_type} model: {config.num_attention_heads} query "
+                f"heads, {config.num_key_value_heads} KV heads, intermediate size {config.intermediate_size}. "
+                f"tp must divide the query heads and the intermediate size, and divide or be a multiple of "
+                f"the KV heads. Valid tp values: {', '.join(map(str, valid))}"
+            )
+
+    def swap_layer(self, layer: nn.Module, prefix: str, ctx: TPContext) -> None:
+        layer.self_attn = TPAttention(layer.self_attn, f"{prefix}.self_attn", ctx)
+        layer.mlp = TPMLP(layer.mlp, f"{prefix}.mlp", ctx)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w = getattr(layer, name).weight
+            set_pieces(w, whole(f"{prefix}.{name}.weight", w.shape[0], owner=ctx.rank == 0))
+            if ctx.sequence_parallel:
+                mark_tp_partial(w, ctx)
+
+    def swap_final_norm(self, norm: nn.Module, ctx: TPContext) -> None:
+        set_pieces(norm.weight, whole("model.norm.weight", norm.weight.shape[0], owner=ctx.rank == 0))
+        if ctx.sequence_parallel:
+            mark_tp_partial(norm.weight, ctx)
+
+    def make_embedding(self, config, ctx: TPContext) -> VocabParallelEmbedding:
+        v0, v1 = shard_range(padded_vocab(config.vocab_size, ctx.size), ctx.size, ctx.rank)
+        emb = VocabParallelEmbedding(
+            v1 - v0,
+            config.hidden_size,
+            vocab_start=v0,
+            padding_idx=config.pad_token_id,
+            group=ctx.group,
+            sequence_parallel=ctx.sequence_parallel,
+            dtype=ctx.dtype,
+        )
+        set_pieces(emb.weight, _vocab_pieces("model.embed_tokens.weight", config.vocab_size, v0, v1, owner=True))
+        return emb
+
+    def make_lm_head(
+        self, config, ctx: TPContext, *, tied_weight: nn.Parameter | None, tied_owner: bool = True
+    ) -> VocabParallelLMHead:
+        """tied_weight: the embedding Parameter when it lives on this rank; tied_owner=False when the
+        embedding lives on another pipeline rank (this copy is then exported and counted there)."""
+        v0, v1 = shard_range(padded_vocab(config.vocab_size, ctx.size), ctx.size, ctx.rank)
+        head = VocabParallelLMHead(
+            v1 - v0,
+            config.hidden_size,
+            vocab_start=v0,
+            vocab_size=config.vocab_size,
+            group=ctx.group,
+            sequence_parallel=ctx.sequence_parallel,
+            weight=tied_weight,
+            dtype=ctx.dtype,
+        )
+        if tied_weight is None:
+            tied = config.tie_word_embeddings
+            name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            set_pieces(head.weight, _vocab_pieces(name, config.vocab_size, v0, v1, owner=not tied or tied_owner))
+            if tied:
+                head.weight.hf3d_tied_copy = True
+        return head
+
+
+def _vocab_pieces(name: str, vocab: int, v0: int, v1: int, *, owner: bool) -> list[Piece]:
+    stop = min(v1, vocab)
+    return [] if stop <= v0 else [Piece(name, 0, v0, stop, 0, stop - v0, owner)]

@@ -1,0 +1,390 @@
+"""Data parallelism: FP32 main gradients in buckets, ZeRO-1 sharded optimizer, global-norm clipping.
+
+Built after Megatron-Core's distributed optimizer. Every parameter's gradient lands in one
+contiguous fp32 buffer (`main_grad` views), split into buckets laid out in backward order and
+padded to a multiple of dp. A post-accumulate-grad hook adds each micro-batch's (bf16/fp16/fp32)
+gradient into the buffer and frees it. When the last micro-batch has filled every gradient of
+a bucket, the bucket's data-parallel collective starts asynchronously while backward continues:
+reduce-scatter (or all-reduce, cheaper on gloo) for ZeRO-1, all-reduce for ZeRO-0.
+
+ZeRO-1: dp rank d owns the d-th 1/dp of every bucket. For the parameter fragments inside its
+shard it keeps fp32 master weights and the wrapped torch optimizer's state, steps them with the
+reduced gradient, and the updated values are all-gathered back into the model's parameters,
+which are views of one flat buffer per bucket (so the gather lands in place).
+
+Gradients that one tp rank computes only in part (per-head q/k norms, norms under sequence
+parallelism, replicated KV heads) are summed over tp, and tied embeddings held on two pipeline
+ranks are summed over the pair, before the data-parallel reduction. The grad norm counts each
+element once: pieces a rank does not own (layout.Piece.owner) and vocab padding are masked out.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .layout import get_pieces, shard_range
+
+ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside AccumulateGrad
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    offset: int  # into the flat buffers
+    numel: int  # padded to a multiple of dp
+    deferred: bool = False  # tied across pipeline ranks: reduced at step time, not from hooks
+    pending: int = 0
+    work: object = None
+    param_data: torch.Tensor | None = None  # flat model-dtype storage the params view (zero 1)
+    fragments: list = field(default_factory=list)  # (param, flat_start, flat_stop) inside my shard
+
+
+class ParallelOptimizer:
+    """Wraps a torch optimizer class with ZeRO-0/1 over dp and global-norm clipping over the mesh."""
+
+    def __init__(
+        self,
+        pmodel,
+        optimizer_cls,
+        *,
+        zero_stage: int,
+        max_grad_norm: float | None,
+        bucket_size: int,
+        overlap_grad_reduce: bool,
+        dp_collective: str,
+        exclude_from_weight_decay: bool,
+        optimizer_kwargs: dict,
+    ):
+        self.pmodel, self.zero_stage, self.max_grad_norm = pmodel, zero_stage, max_grad_norm
+        mesh = pmodel.mesh
+        self.dp_group, self.tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+        self.dp_size, self.dp_rank = pmodel.dp_size, pmodel.dp_rank
+        self.tp_size = pmodel.pcfg.tp
+        self.dp_collective = dp_collective
+        self.overlap = overlap_grad_reduce and pmodel.pcfg.pp_schedule not in ZERO_BUBBLE_SCHEDULES
+        self.tied_group = _tied_embedding_group(pmodel)
+        named = pmodel.unique_parameters()
+        self.names = {id(p): n for n, p in named}
+        params = [p for _, p in named if p.requires_grad]
+        self.device = params[0].device
+        self.param_dtype = params[0].dtype
+
+        # -- buckets in backward order (last layers first), tied-across-pp params on their own --
+        tied = [p for p in params if getattr(p, "hf3d_tied_copy", False) or self._is_tied_source(p)]
+        plain = [p for p in reversed(params) if not any(p is t for t in tied)]
+        self.buckets: list[_Bucket] = []
+        offset = 0
+        for group, deferred in ((plain, False), (tied, True)):
+            current: list[nn.Parameter] = []
+            for p in group:
+                current.append(p)
+                if sum(q.numel() for q in current) >= bucket_size:
+                    offset = self._add_bucket(current, offset, deferred)
+                    current = []
+            if current:
+                offset = self._add_bucket(current, offset, deferred)
+        self.main_grad = torch.zeros(offset, dtype=torch.float32, device=self.device)
+        self._count_mask = torch.zeros(offset, dtype=torch.bool, device=self.device)
+        self._partial_tp: list[nn.Parameter] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._uses = _uses_per_step(pmodel)
+        for b in self.buckets:
+            start = b.offset
+            for p in b.params:
+                p.main_grad = self.main_grad[start : start + p.numel()].view(p.shape)
+                self._bucket_of[id(p)] = b
+                mask = torch.zeros(p.shape, dtype=torch.bool, device=self.device)
+                for piece in get_pieces(p):
+                    if piece.owner:
+                        piece.local(mask).fill_(True)
+                self._count_mask[start : start + p.numel()] = mask.flatten()
+                start += p.numel()
+
+        # -- fp32 master fragments and the wrapped optimizer --
+        self._build_master(exclude_from_weight_decay)
+        try:
+            self.optimizer = optimizer_cls(self._param_groups, **optimizer_kwargs)
+        except TypeError as e:
+            raise TypeError(f"{optimizer_cls.__name__} rejected the optimizer arguments {optimizer_kwargs}: {e}") from e
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if self.overlap else []
+        self._step_started = False
+        self.last_step_skipped = False
+        pmodel.grad_sync = self
+
+    # ---------------------------------------------------------------------------------------------
+    def _is_tied_source(self, p) -> bool:
+        """The embedding whose tied lm_head copy lives on another pipeline rank."""
+        return self.tied_group is not None and any(
+            piece.hf_name == "model.embed_tokens.weight" for piece in get_pieces(p)
+        )
+
+    def _add_bucket(self, params, offset, deferred) -> int:
+        n = sum(p.numel() for p in params)
+        padded = -(-n // self.dp_size) * self.dp_size
+        self.buckets.append(_Bucket(list(params), offset, padded, deferred))
+        return offset + padded
+
+    def _my_shard(self, b: _Bucket) -> tuple[int, int]:
+        lo, hi = shard_range(b.numel, self.dp_size, self.dp_rank)
+        return b.offset + lo, b.offset + hi
+
+    def _build_master(self, exclude_from_weight_decay: bool) -> None:
+        decay, no_decay = [], []
+        self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
+        for b in self.buckets:
+            lo, hi = self._my_shard(b) if self.zero_stage == 1 else (b.offset, b.offset + b.numel)
+            if self.zero_stage == 1:  # params become views of one flat buffer so all-gather lands in place
+                b.param_data = torch.zeros(b.numel, dtype=self.param_dtype, device=self.device)
+            start = b.offset
+            for p in b.params:
+                end = start + p.numel()
+                if self.zero_stage == 1:
+                    view = b.param_data[start - b.offset : end - b.offset]
+                    view.copy_(p.detach().flatten())
+                    p.data = view.view(p.shape)
+                a, z = max(start, lo), min(end, hi)
+                if a < z:
+                    master = p.detach().flatten()[a - start : z - start].float().clone()
+                    self._masters.append((p, master, a, z))
+                    name = self.names[id(p)]
+                    excluded = exclude_from_weight_decay and (
+                        p.dim() < 2 or "embed_tokens" in name or "lm_head" in name
+                    )
+                    (no_decay if excluded else decay).append(master)
+                start = end
+        self._param_groups = [{"params": decay}]
+        if no_decay:
+            self._param_groups.append({"params": no_decay, "weight_decay": 0.0})
+
+    # -- gradient path -----------------------------------------------------------------------------
+    def start_step(self, num_microbatches: int) -> None:
+        if self._step_started:
+            raise RuntimeError(
+                "train_step was called twice without opt.step(); call opt.step() and "
+                "opt.zero_grad() after each train_step"
+            )
+        self._step_started = True
+        self._counts: dict[int, int] = {}
+        for b in self.buckets:
+            b.pending = sum(self._uses.get(id(p), 1) * num_microbatches for p in b.params)
+        self._m = num_microbatches
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        b = self._bucket_of[id(p)]
+        b.pending -= 1
+        if b.pending == 0 and not b.deferred:
+            self._launch(b)
+
+    def _sync_partial_tp(self, b: _Bucket) -> None:
+        if self.tp_size == 1:
+            return
+        for p in b.params:
+            if getattr(p, "hf3d_tp_partial_grad", False):
+                dist.all_reduce(p.main_grad, group=self.tp_group)
+            for piece in get_pieces(p):
+                if piece.partial_grad:  # replicated KV heads: sum over the ranks holding the same rows
+                    span = piece.hf_stop - piece.hf_start
+                    full = torch.zeros((self._hf_rows(piece), *p.main_grad.shape[1:]), device=self.device)
+                    full.narrow(0, piece.hf_start, span).copy_(piece.local(p.main_grad))
+                    dist.all_reduce(full, group=self.tp_group)
+                    piece.local(p.main_grad).copy_(full.narrow(0, piece.hf_start, span))
+
+    def _hf_rows(self, piece) -> int:
+        return self.pmodel.hf_shapes[piece.hf_name][0]
+
+    def _launch(self, b: _Bucket) -> None:
+        self._sync_partial_tp(b)
+        if b.deferred and self.tied_group is not None:
+            for p in b.params:
+                dist.all_reduce(p.main_grad, group=self.tied_group)
+        if self.dp_size == 1:
+            b.work = None
+            return
+        flat = self.main_grad[b.offset : b.offset + b.numel]
+        if self.zero_stage == 1 and self.dp_collective == "reduce_scatter":
+            lo, hi = self._my_shard(b)
+            out = torch.empty(hi - lo, device=self.device)
+            b.work = (dist.reduce_scatter_single(out, flat, group=self.dp_group, async_op=True), out, lo, hi)
+        else:
+            b.work = (dist.all_reduce(flat, group=self.dp_group, async_op=True), None, 0, 0)
+
+    def finish_grad_sync(self) -> None:
+        """Collect any gradients the hooks did not take, run the remaining collectives, wait."""
+        for b in self.buckets:
+            for p in b.params:
+                if p.grad is not None:
+                    p.main_grad.add_(p.grad)
+                    p.grad = None
+        for b in self.buckets:
+            if b.work is None and (b.deferred or not self.overlap or b.pending != 0):
+                self._launch(b)
+        for b in self.buckets:
+            if b.work is not None:
+                work, out, lo, hi = b.work
+                work.wait()
+                if out is not None:
+                    self.main_grad[lo:hi].copy_(out)
+                b.work = None
+
+    # -- step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm over tp x pp x dp, every element counted once."""
+        if self.zero_stage == 1:
+            sq = torch.zeros((), device=self.device)
+            for b in self.buckets:
+                lo, hi = self._my_shard(b)
+                g = self.main_grad[lo:hi]
+                sq += (g * g * self._count_mask[lo:hi]).sum()
+        else:
+            g = self.main_grad
+            sq = (g * g * self._count_mask).sum() if self.dp_rank == 0 else torch.zeros((), device=self.device)
+        dist.all_reduce(sq)
+        return sq.sqrt()
+
+    @torch.no_grad()
+    def step(self) -> torch.Tensor:
+        """Reduce gradients, clip to max_grad_norm, step the shard, sync params. Returns the
+        pre-clip global grad norm; a non-finite norm skips the update (last_step_skipped)."""
+        self.finish_grad_sync()
+        norm = self.grad_norm()
+        self.last_step_skipped = not math.isfinite(norm.item())
+        if self.last_step_skipped:
+            warnings.warn(f"grad norm is {norm.item()}: optimizer step skipped", stacklevel=2)
+            self._step_started = False
+            return norm
+        if self.max_grad_norm is not None and self.max_grad_norm > 0:
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            self.main_grad.mul_(coef)
+        for _p, master, lo, hi in self._masters:
+            master.grad = self.main_grad[lo:hi]
+        self.optimizer.step()
+        self._write_back()
+        self._step_started = False
+        return norm
+
+    def _write_back(self) -> None:
+        if self.zero_stage == 0:
+            for p, master, _, _ in self._masters:
+                p.data.copy_(master.view(p.shape))
+            return
+        for b in self.buckets:
+            lo, hi = self._my_shard(b)
+            for _, master, a, z in self._masters:
+                if lo <= a < hi:
+                    b.param_data[a - b.offset : z - b.offset].copy_(master)
+            if self.dp_size > 1:
+                shard = b.param_data[lo - b.offset : hi - b.offset].clone()
+                dist.all_gather_single(b.param_data, shard, group=self.dp_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.main_grad.zero_()
+        for _, master, _, _ in self._masters:
+            master.grad = None
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held on this rank by each part of the training state."""
+        params = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
+        master = sum(m.numel() * m.element_size() for _, m, _, _ in self._masters)
+        state = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
+        return {
+            "params": params,
+            "main_grads": self.main_grad.numel() * 4,
+            "master_weights": master,
+            "optimizer_state": state,
+            "total": params + self.main_grad.numel() * 4 + master + state,
+        }
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+
+def _uses_per_step(pmodel) -> dict[int, int]:
+    """How many backward passes per micro-batch reach each parameter (a tied embedding used by two
+    stage chunks on one rank is reached twice)."""
+    uses: dict[int, int] = {}
+    for stage in pmodel.stages:
+        for p in {id(q): q for q in stage.parameters()}.values():
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    if pmodel.pcfg.pp == 1:
+        return {k: 1 for k in uses}
+    return uses
+
+
+def _tied_embedding_group(pmodel):
+    """For tied embeddings split over two pipeline ranks: a group {first, last} per (dp, tp) place.
+    Every rank creates every group (new_group is collective)."""
+    owners = pmodel.stage_owners
+    if not pmodel.config.tie_word_embeddings or owners[0] == owners[-1]:
+        return None
+    ranks = pmodel.mesh.mesh  # [pp, dp, tp] -> global rank
+    mine = None
+    for d in range(ranks.shape[1]):
+        for t in range(ranks.shape[2]):
+            pair = [int(ranks[owners[0], d, t]), int(ranks[owners[-1], d, t])]
+            g = dist.new_group(pair)
+            if dist.get_rank() in pair:
+                mine = g
+    return mine
+
+
+def build_optimizer(
+    pmodel,
+    optimizer_cls=torch.optim.AdamW,
+    *,
+    zero_stage: int | None = None,
+    max_grad_norm: float | None = 1.0,
+    bucket_size: int = 2**22,
+    overlap_grad_reduce: bool = True,
+    dp_collective: str = "auto",
+    exclude_from_weight_decay: bool = False,
+    **optimizer_kwargs,
+) -> ParallelOptimizer:
+    """Wrap any torch optimizer class for a ParallelModel.
+
+    zero_stage: 0 (replicated optimizer, all-reduced grads) or 1 (state and fp32 master weights on
+    1/dp of the elements); default from the ParallelConfig. bucket_size: elements per gradient
+    bucket. dp_collective: "reduce_scatter", "all_reduce" or "auto" (all_reduce on gloo, where it
+    measured faster, reduce_scatter elsewhere). exclude_from_weight_decay: no decay for norms,
+    biases and embeddings. Other keyword arguments go to optimizer_cls.
+    """
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+    zero_stage = pmodel.pcfg.zero_stage if zero_stage is None else zero_stage
+    if zero_stage not in (0, 1):
+        raise ValueError(f"zero_stage must be 0 or 1, got {zero_stage!r}")
+    if not isinstance(bucket_size, int) or bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+    if dp_collective == "auto":
+        dp_collective = "all_reduce" if dist.get_backend() == "gloo" else "reduce_scatter"
+    if dp_collective not in ("reduce_scatter", "all_reduce"):
+        raise ValueError(f"dp_collective must be 'reduce_scatter', 'all_reduce' or 'auto', got {dp_collective!r}")
+    return ParallelOptimizer(
+        pmodel,
+        optimizer_cls,
+        zero_stage=zero_stage,
+        max_grad_norm=max_grad_norm,
+        bucket_size=bucket_size,
+        overlap_grad_reduce=overlap_grad_reduce,
+        dp_collective=dp_collective,
+        exclude_from_weight_decay=exclude_from_weight_decay,
+        optimizer_kwargs=optimizer_kwargs,
+    )

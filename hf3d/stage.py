@@ -1,0 +1,110 @@
+"""A pipeline stage: a contiguous run of the stock model's layers, run the way HF runs them.
+
+The stage owns no weights of its own; it points at modules of the stock HF model (which keeps
+its stock parameter names) and reproduces the stock forward: embedding (first stage), rotary
+cos/sin recomputed from position ids (every stage; the rotary module holds only buffers),
+HF's mask builders (full and sliding window, per `config.layer_types`), the decoder layers,
+and the final norm + lm_head (last stage), which returns this rank's vocab shard of logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+
+class StageModule(nn.Module):
+    def __init__(self, hf_model: nn.Module, layer_ids: list[int], *, first: bool, last: bool, stage_index: int):
+        super().__init__()
+        base = hf_model.model
+        self.config = hf_model.config
+        self.stage_index, self.layer_ids = stage_index, list(layer_ids)
+        self.first, self.last = first, last
+        self.embed_tokens = base.embed_tokens if first else None
+        self.layers = nn.ModuleList([base.layers[str(i)] for i in layer_ids])
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm if last else None
+        self.lm_head = hf_model.lm_head if last else None
+        types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
+        self.layer_types = [types[i] for i in layer_ids]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """x: token ids [b, s] (first stage) or hidden states [b, s(/tp under SP), h].
+
+        Returns hidden states, or [b, s, V/tp] logits on the last stage.
+        """
+        hidden = self.embed_tokens(x) if self.first else x
+        b, s = position_ids.shape
+        shape_probe = hidden.new_empty((b, s, 1))  # the mask builders read batch, seq, dtype, device
+        masks = {}
+        for kind in set(self.layer_types):
+            build = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+            masks[kind] = build(
+                config=self.config,
+                inputs_embeds=shape_probe,
+                attention_mask=None,
+                cache=None,
+                position_ids=position_ids,
+            )
+        position_embeddings = self.rotary_emb(shape_probe, position_ids=position_ids)
+        for layer, kind in zip(self.layers, self.layer_types):
+            hidden = layer(
+                hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
+            )
+        if self.last:
+            return self.lm_head(self.norm(hidden))
+        return hidden
+
+
+def layer_costs(config) -> tuple[float, list[float], float]:
+    """Parameter counts as the balance measure: (embedding, each layer, lm_head)."""
+    h, inter = config.hidden_size, config.intermediate_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
+    layer = attn + 3 * h * inter
+    vocab = h * config.vocab_size
+    return float(vocab), [float(layer)] * config.num_hidden_layers, float(vocab)
+
+
+def split_layers(num_stages: int, embed_cost: float, costs: list[float], head_cost: float) -> list[list[int]]:
+    """Contiguous layer ranges, one per stage, each non-empty, minimising the most loaded stage
+    (embedding counted on the first, lm_head on the last)."""
+    n = len(costs)
+    if num_stages > n:
+        raise ValueError(
+            f"{num_stages} pipeline stages for a model with {n} decoder layers: each stage needs at least "
+            f"one layer; lower pp (or virtual_stages) to at most {n} stages in all"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def load(stage: int, i: int, j: int) -> float:
+        extra = (embed_cost if stage == 0 else 0.0) + (head_cost if stage == num_stages - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    inf = float("inf")
+    # best[s][j]: smallest max-load placing layers [0, j) on stages [0, s)
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for j in range(s, n - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                value = max(best[s - 1][i], load(s - 1, i, j))
+                if value < best[s][j] - 1e-9:
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [], n
+    for s in range(num_stages, 0, -1):
+        i = cut[s][j]
+        bounds.append(list(range(i, j)))
+        j = i
+    return bounds[::-1]
+
+
+def stage_ranks(num_stages: int, pp: int, schedule: str) -> list[int]:
+    """Which pipeline rank runs each stage: round robin, or a V for zbv / dualpipev."""
+    if schedule in ("zbv", "dualpipev"):
+        return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
+    return [s % pp for s in range(num_stages)]

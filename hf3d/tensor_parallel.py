@@ -1,0 +1,252 @@
+"""Tensor-parallel layers built from small autograd collectives (Megatron-LM style).
+
+Each collective is a pair: what the forward does and its adjoint in the backward
+(identity <-> all-reduce, all-gather <-> reduce-scatter, split <-> all-gather). Layers hold
+plain tensors of this rank's slice; which slice of which HF parameter they hold is recorded
+separately (hf3d.layout), so the layers know nothing about checkpoints.
+
+Sequence parallelism (Korthikanti et al., 2022) swaps the identity/all-reduce pair around
+each tensor-parallel block for all-gather/reduce-scatter along the sequence dim, so norms
+and residuals between the blocks hold 1/tp of the sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+SEQ_DIM = 1  # activations are [batch, seq, hidden]
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((world * x0.shape[0], *x0.shape[1:]))
+    dist.all_gather_single(out, x0, group=group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()
+    if x0.shape[0] % world:
+        raise ValueError(f"dim {dim} of size {x0.shape[0]} cannot be split over {world} tensor-parallel ranks")
+    out = x0.new_empty((x0.shape[0] // world, *x0.shape[1:]))
+    dist.reduce_scatter_single(out, x0, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[dim] % world:
+        raise ValueError(
+            f"dim {dim} of size {x.shape[dim]} cannot be split over {world} tensor-parallel ranks"
+            + ("; with sequence_parallel the sequence length must be a multiple of tp" if dim == SEQ_DIM else "")
+        )
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad.clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    """all-gather along dim; backward: reduce-scatter (reduce=True) or split."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, reduce_grad):
+        ctx.group, ctx.dim, ctx.reduce_grad = group, dim, reduce_grad
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            return _reduce_scatter(grad, ctx.group, ctx.dim), None, None, None
+        return _split(grad, ctx.group, ctx.dim), None, None, None
+
+
+class _ReduceScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _SplitAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def _trivial(group: dist.ProcessGroup | None) -> bool:
+    return group is None or dist.get_world_size(group) == 1
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _trivial(group) else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    return x if _trivial(group) else _ReduceFromTP.apply(x, group)
+
+
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, s/tp, h] -> [b, s, h]; backward reduce-scatters (the input feeds tp-sharded math)."""
+    return x if _trivial(group) else _GatherAlong.apply(x, group, SEQ_DIM, True)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """partial [b, s, h] -> summed [b, s/tp, h]; backward all-gathers."""
+    return x if _trivial(group) else _ReduceScatterAlong.apply(x, group, SEQ_DIM)
+
+
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """replicated [b, s, ...] -> this rank's [b, s/tp, ...]; backward all-gathers."""
+    return x if _trivial(group) else _SplitAlong.apply(x, group, SEQ_DIM)
+
+
+def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    """[..., n/tp] -> [..., n]; backward keeps this rank's slice."""
+    return x if _trivial(group) else _GatherAlong.apply(x, group, x.dim() - 1, False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_local = x W_local^T + b_local, W split along its output rows; no communication of y."""
+
+    def __init__(self, in_features, out_features_local, *, bias, group, sequence_parallel=False, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features_local, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features_local, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T + b, W split along its input columns; partial sums reduced over tp."""
+
+    def __init__(self, in_features_local, out_features, *, bias, group, sequence_parallel=False, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features_local, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.hf3d_tp_partial_grad = True  # each rank adds it to its own sequence shard
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + n_local) of a (padded) vocabulary; other ids contribute zeros."""
+
+    def __init__(self, num_local, hidden, *, vocab_start, padding_idx, group, sequence_parallel=False, dtype=None):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start, self.num_local = vocab_start, num_local
+        local_pad = None
+        if padding_idx is not None and vocab_start <= padding_idx < vocab_start + num_local:
+            local_pad = padding_idx - vocab_start
+        self.local_padding_idx = local_pad
+        self.weight = nn.Parameter(torch.empty(num_local, hidden, dtype=dtype))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_local)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
+        if _trivial(self.group):
+            return out
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_scatter_seq(out, self.group) if self.sequence_parallel else reduce_from_tp(out, self.group)
+
+
+class VocabParallelLMHead(nn.Module):
+    """Column-parallel output projection over the padded vocabulary; returns local logits.
+
+    `weight` may be the embedding's own Parameter (tied embeddings on one rank).
+    """
+
+    def __init__(
+        self,
+        num_local,
+        hidden,
+        *,
+        vocab_start,
+        vocab_size,
+        group,
+        sequence_parallel=False,
+        weight: nn.Parameter | None = None,
+        dtype=None,
+    ):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.vocab_start, self.num_local, self.vocab_size = vocab_start, num_local, vocab_size
+        self.weight = weight if weight is not None else nn.Parameter(torch.empty(num_local, hidden, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        return F.linear(x, self.weight)
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """[..., V/tp (padded)] -> [..., V] on every rank."""
+        return gather_last_dim(local_logits, self.group)[..., : self.vocab_size]
+
+    def token_losses(self, local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
+        """Cross-entropy per token over a vocab split across tp ranks; 0 where target == ignore_index.
+
+        local_logits [N, V_local], targets [N] (global ids). Never materialises full-vocab logits.
+        """
+        logits = local_logits.float()
+        cols = torch.arange(self.num_local, device=logits.device) + self.vocab_start
+        if self.vocab_start + self.num_local > self.vocab_size:  # padded columns take no probability
+            logits = logits.masked_fill(cols >= self.vocab_size, float("-inf"))
+        with torch.no_grad():
+            row_max = logits.max(dim=-1).values
+            if not _trivial(self.group):
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
+        shifted = logits - row_max.unsqueeze(-1)
+        sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), self.group)
+        local_t = targets - self.vocab_start
+        mine = (local_t >= 0) & (local_t < self.num_local)
+        picked = shifted.gather(-1, local_t.clamp(0, self.num_local - 1).unsqueeze(-1)).squeeze(-1)
+        target_logit = reduce_from_tp(picked.masked_fill(~mine, 0.0), self.group)
+        losses = sum_exp.log() - target_logit
+        return losses.masked_fill(targets == ignore_index, 0.0)
