@@ -59,6 +59,26 @@ class ParallelConfig:
                 "use 'interleaved-1f1b' for virtual_stages > 1"
             )
 
+        self._check_microbatches()
+
+    def _check_microbatches(self) -> None:
+        if self.pp == 1 or self.pp_schedule == "afab":
+            return
+        m, need = self.num_microbatches, self.num_stages if self.pp_schedule in ("zbv", "dualpipev") else self.pp
+        if m < need:
+            raise ValueError(
+                f"pp_schedule {self.pp_schedule!r} with pp={self.pp} (virtual_stages={self.virtual_stages}) needs at "
+                f"least {need} micro-batches per step, got num_microbatches={m}; raise num_microbatches to {need} "
+                "or use pp_schedule='afab'"
+            )
+        if self.pp_schedule != "1f1b":
+            rounds = max(1, m // self.pp)
+            if m % rounds:
+                raise ValueError(
+                    f"pp_schedule {self.pp_schedule!r} runs micro-batches in rounds of pp={self.pp}: "
+                    f"num_microbatches={m} must be a multiple of {rounds}; try {rounds * self.pp}"
+                )
+
     @property
     def num_stages(self) -> int:
         """Total pipeline stages (model chunks) over all pipeline ranks."""

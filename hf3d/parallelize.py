@@ -76,7 +76,7 @@ def parallelize(
     if has_last:
         adapter.swap_final_norm(base.norm, ctx)
         shared = base.embed_tokens.weight if (tied and has_first) else None
-        hf_model.lm_head = adapter.make_lm_head(config, ctx, tied_weight=shared, tied_owner=not has_first)
+        hf_model.lm_head = adapter.make_lm_head(config, ctx, tied_weight=shared)
     else:
         base.norm, hf_model.lm_head = None, None
 

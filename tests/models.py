@@ -10,7 +10,25 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 VOCAB = 101  # prime: padded under every tp > 1
 
 
+FAMILIES = {
+    # SmolLM-like: tied, GQA 6/2 (valid tp: 1, 2, 3, 6; tp=6 replicates KV heads)
+    "llama": (LlamaConfig, dict(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True)),
+    # 4/1 heads: tp=2 and 4 replicate the single KV head; untied, with attention and MLP biases
+    "llama-kvrep": (
+        LlamaConfig,
+        dict(
+            num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False, attention_bias=True, mlp_bias=True
+        ),
+    ),
+    "qwen2": (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    # heads * head_dim (4 * 16 = 64) != hidden (48); tied; q_norm / k_norm
+    "qwen3": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+}
+
+
 def tiny_config(family: str, **overrides):
+    """A tiny config of `family`; overrides go to the constructor, so derived fields (layer_types) follow."""
+    cls, family_kw = FAMILIES[family]
     common = dict(
         hidden_size=48,
         intermediate_size=96,
@@ -21,26 +39,7 @@ def tiny_config(family: str, **overrides):
         pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
-    if family == "llama":  # SmolLM-like: GQA 6/2 (tp=4 not valid, tp=3 replicates nothing, tp=6 valid)
-        cfg = LlamaConfig(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True, **common)
-    elif family == "llama-kvrep":  # 4/1 heads: tp=2,4 replicate the single KV head
-        cfg = LlamaConfig(
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            tie_word_embeddings=False,
-            attention_bias=True,
-            mlp_bias=True,
-            **common,
-        )
-    elif family == "qwen2":
-        cfg = Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **common)
-    elif family == "qwen3":  # heads * head_dim (4*16=64) != hidden (48)
-        cfg = Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, **common)
-    else:
-        raise KeyError(family)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
+    return cls(**{**common, **family_kw, **overrides})
 
 
 def make_model_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path:

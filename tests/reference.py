@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-LR, WD, CLIP, BETAS = 1e-2, 0.1, 0.5, (0.9, 0.95)
+LR, WD, CLIP, BETAS = 2e-3, 0.1, 0.5, (0.9, 0.95)
 
 
 def batches(num_steps: int, batch: int, seq: int, vocab: int, seed: int = 0):

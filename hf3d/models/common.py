@@ -230,11 +230,9 @@ class DecoderAdapter:
         set_pieces(emb.weight, _vocab_pieces("model.embed_tokens.weight", config.vocab_size, v0, v1, owner=True))
         return emb
 
-    def make_lm_head(
-        self, config, ctx: TPContext, *, tied_weight: nn.Parameter | None, tied_owner: bool = True
-    ) -> VocabParallelLMHead:
-        """tied_weight: the embedding Parameter when it lives on this rank; tied_owner=False when the
-        embedding lives on another pipeline rank (this copy is then exported and counted there)."""
+    def make_lm_head(self, config, ctx: TPContext, *, tied_weight: nn.Parameter | None) -> VocabParallelLMHead:
+        """tied_weight: the embedding Parameter when it lives on this rank. A tied lm_head whose
+        embedding lives on another pipeline rank is a copy: exported and counted there, not here."""
         v0, v1 = shard_range(padded_vocab(config.vocab_size, ctx.size), ctx.size, ctx.rank)
         head = VocabParallelLMHead(
             v1 - v0,
@@ -249,7 +247,7 @@ class DecoderAdapter:
         if tied_weight is None:
             tied = config.tie_word_embeddings
             name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-            set_pieces(head.weight, _vocab_pieces(name, config.vocab_size, v0, v1, owner=not tied or tied_owner))
+            set_pieces(head.weight, _vocab_pieces(name, config.vocab_size, v0, v1, owner=not tied))
             if tied:
                 head.weight.hf3d_tied_copy = True
         return head

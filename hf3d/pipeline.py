@@ -1,0 +1,93 @@
+"""Pipeline parallelism: hf3d's stages under torch.distributed.pipelining schedules.
+
+hf3d owns the split (hf3d.stage) and what crosses between stages: hidden states
+[micro_batch, seq (/tp under SP), hidden] as the activation, position ids as a keyword argument
+that the schedule splits per micro-batch and hands to every stage (each stage rebuilds rotary
+cos/sin and masks from them, so packed sequences work). The schedules are PyTorch's own.
+
+The loss of each micro-batch is its token-loss sum divided by the token count of the whole
+global batch, and the schedule does not rescale gradients (scale_grads=False): summing over
+micro-batches and dp ranks then gives exactly the global token mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULES = {
+    "afab": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE_STAGE = ("afab", "1f1b")
+
+
+class _Pipeline:
+    """PipelineStages and a schedule for one micro-batch shape (rebuilt if the shape changes)."""
+
+    def __init__(self, pmodel, mb_shape: tuple[int, int]):
+        pcfg = pmodel.pcfg
+        b, s = mb_shape
+        s_local = s // pcfg.tp if pcfg.sequence_parallel else s
+        dtype, device, cfg = pmodel.param_dtype, pmodel.device, pmodel.config
+        # static stage metadata (no shape-inference pass, which would run tp collectives on fake data);
+        # floating activations carry requires_grad so the schedule exchanges their gradients
+        hidden = torch.empty(b, s_local, cfg.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        self.num_tokens = torch.ones(())
+        self.stages = []
+        for st in pmodel.stages:
+            inp = torch.empty(b, s, dtype=torch.long, device="meta") if st.first else hidden
+            vocab_local = st.lm_head.num_local if st.last else 0
+            out = torch.empty(b, s, vocab_local, dtype=dtype, device="meta", requires_grad=True) if st.last else hidden
+            self.stages.append(
+                PipelineStage(
+                    st,
+                    st.stage_index,
+                    pcfg.num_stages,
+                    device,
+                    input_args=(inp,),
+                    output_args=(out,),
+                    group=pmodel.mesh.get_group("pp"),
+                )
+            )
+        last = next((st for st in pmodel.stages if st.last), None)
+        self.lm_head = last.lm_head if last is not None else None
+        cls = SCHEDULES[pcfg.pp_schedule]
+        stage_arg = self.stages[0] if pcfg.pp_schedule in SINGLE_STAGE else self.stages
+        self.schedule = cls(stage_arg, n_microbatches=pcfg.num_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.has_first = any(st.first for st in pmodel.stages)
+        self.has_last = last is not None
+
+    def _loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses = self.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten())
+        return losses.sum() / self.num_tokens
+
+
+def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens) -> torch.Tensor:
+    """One training step's forward + backward through the schedule; returns the summed micro-batch
+    losses, the same on every pipeline rank."""
+    m = pmodel.pcfg.num_microbatches
+    mb_shape = (input_ids.shape[0] // m, input_ids.shape[1])
+    pipe = pmodel._pipeline
+    if pipe is None or pipe.mb_shape != mb_shape:
+        pipe = pmodel._pipeline = _Pipeline(pmodel, mb_shape)
+        pipe.mb_shape = mb_shape
+    pipe.num_tokens = num_tokens
+    losses: list[torch.Tensor] = []
+    args = (input_ids,) if pipe.has_first else ()
+    target = targets if pipe.has_last else None
+    pipe.schedule.step(*args, target=target, losses=losses, position_ids=position_ids)
+    total = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=pmodel.device)
+    dist.broadcast(total, group=pmodel.mesh.get_group("pp"), group_src=pmodel.stage_owners[-1])
+    return total
