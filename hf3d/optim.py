@@ -293,6 +293,94 @@ class ParallelOptimizer:
             for p in b.params:
                 p.grad = None
 
+    # -- state dict: HF names and global offsets, independent of the mesh ---------------------------
+    def _full_flat(self, per_master) -> torch.Tensor:
+        """A flat fp32 buffer over all buckets holding per_master(master) at the master's range,
+        gathered over dp so every rank sees every element."""
+        flat = torch.zeros_like(self.main_grad)
+        for _, master, lo, hi in self._masters:
+            flat[lo:hi] = per_master(master)
+        if self.zero_stage == 1 and self.dp_size > 1:
+            for b in self.buckets:
+                lo, hi = self._my_shard(b)
+                gathered = torch.empty(b.numel, device=self.device)
+                dist.all_gather_single(gathered, flat[lo:hi].clone(), group=self.dp_group)
+                flat[b.offset : b.offset + b.numel] = gathered
+        return flat
+
+    def _flat_range(self, p) -> tuple[int, int]:
+        b = self._bucket_of[id(p)]
+        start = b.offset
+        for q in b.params:
+            if q is p:
+                return start, start + p.numel()
+            start += q.numel()
+        raise AssertionError("parameter not in its bucket")
+
+    def state_dict(self) -> dict:
+        """Collective over dp. {"state": {hf_name: {key: [(dim, hf_start, hf_stop, owner, tensor)]}},
+        "step": n, "param_groups": [...]} for every piece this rank holds; keys are "master" (fp32
+        master weights) and the wrapped optimizer's per-parameter state (exp_avg, ...). `owner`
+        marks the one copy of a piece to keep when merging the dicts of all ranks."""
+        keys = sorted(
+            {k for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+        )
+        flats = {"master": self._full_flat(lambda m: m)}
+        for k in keys:
+            flats[k] = self._full_flat(lambda m, k=k: self.optimizer.state[m][k] if m in self.optimizer.state else 0.0)
+        out: dict[str, dict] = {}
+        for b in self.buckets:
+            for p in b.params:
+                lo, hi = self._flat_range(p)
+                for piece in get_pieces(p):
+                    for key, flat in flats.items():
+                        t = piece.local(flat[lo:hi].view(p.shape)).clone()
+                        entry = (piece.dim, piece.hf_start, piece.hf_stop, piece.owner, t)
+                        out.setdefault(piece.hf_name, {}).setdefault(key, []).append(entry)
+        steps = [st["step"] for st in self.optimizer.state.values() if "step" in st]
+        step = int(steps[0]) if steps else 0
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"state": out, "step": step, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a dict from state_dict() of any mesh (merge several ranks' "state" first)."""
+        full: dict[tuple[str, str], torch.Tensor] = {}
+
+        def hf_tensor(name: str, key: str) -> torch.Tensor:
+            if (name, key) not in full:
+                entries = state_dict["state"].get(name, {}).get(key)
+                if not entries:
+                    raise ValueError(f"optimizer state has no {key!r} for {name!r}")
+                t = torch.zeros(self.pmodel.hf_shapes[name], dtype=torch.float32, device=self.device)
+                for dim, start, stop, _, chunk in entries:
+                    t.narrow(dim, start, stop - start).copy_(chunk)
+                full[name, key] = t
+            return full[name, key]
+
+        keys = {k for per_name in state_dict["state"].values() for k in per_name}
+        for key in sorted(keys):
+            flat = torch.zeros_like(self.main_grad)
+            for b in self.buckets:
+                for p in b.params:
+                    lo, hi = self._flat_range(p)
+                    view = flat[lo:hi].view(p.shape)
+                    for piece in get_pieces(p):
+                        src = hf_tensor(piece.hf_name, key).narrow(
+                            piece.dim, piece.hf_start, piece.hf_stop - piece.hf_start
+                        )
+                        piece.local(view).copy_(src)
+            for _, master, lo, hi in self._masters:
+                if key == "master":
+                    master.copy_(flat[lo:hi])
+                else:
+                    st = self.optimizer.state[master]
+                    st[key] = flat[lo:hi].clone()
+                    st["step"] = torch.tensor(float(state_dict["step"]))
+        for group, saved in zip(self.optimizer.param_groups, state_dict.get("param_groups", [])):
+            group.update({k: v for k, v in saved.items() if k in group})
+        self._write_back()
+
     # -- reporting ---------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank by each part of the training state."""
