@@ -1,0 +1,69 @@
+"""The `hf3d` command (also `python -m hf3d`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _train(args) -> None:
+    from .trainer import TrainConfig, train
+
+    train(TrainConfig.from_yaml(args.config, args.set or []))
+
+
+def _generate(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    torch.manual_seed(args.seed)
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    out = model.generate(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=True,
+        temperature=args.temperature,
+        top_k=50,
+        pad_token_id=tok.eos_token_id,
+    )
+    print(tok.decode(out[0], skip_special_tokens=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train from a YAML config; launch with torchrun or accelerate launch")
+    p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
+    p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
+    p.set_defaults(func=_train)
+    p = sub.add_parser("generate", help="sample text from an HF model directory")
+    p.add_argument("model_dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_generate)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        if _is_main_rank():
+            print(f"hf3d {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
