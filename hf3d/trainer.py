@@ -6,6 +6,7 @@ Each config section is its own small dataclass, validated where it is built.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -148,6 +149,19 @@ def _load_model(cfg: ModelConfig, pcfg: ParallelConfig):
     return parallelize(model, pcfg, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
 
 
+def _report_memory(opt, out: Path, rank0: bool) -> None:
+    """Every rank's training-state bytes, printed and written to <output_dir>/memory.json."""
+    from tqdm.auto import tqdm
+
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, opt.memory_report())
+    if rank0:
+        (out / "memory.json").write_text(json.dumps(reports, indent=1))
+        for r, rep in enumerate(reports):
+            parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rep.items())
+            tqdm.write(f"hf3d: rank {r} training state (MiB): {parts}")
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns the last step's metrics."""
     from tqdm.auto import tqdm
@@ -176,12 +190,8 @@ def train(cfg: TrainConfig) -> dict:
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        mem = opt.memory_report()
-        print(
-            f"hf3d: mesh pp={cfg.parallel.pp} dp={cfg.parallel.dp} tp={cfg.parallel.tp}; "
-            f"{rows.shape[0]} rows of {cfg.data.seq_len} tokens; rank 0 holds "
-            f"{mem['total'] / 2**20:.1f} MiB of training state"
-        )
+        p = cfg.parallel
+        print(f"hf3d: mesh pp={p.pp} dp={p.dp} tp={p.tp}; {rows.shape[0]} rows of {cfg.data.seq_len} tokens")
     metrics = MetricsWriter(out, enabled=rank0)
     tokens_per_step = cfg.run.global_batch * cfg.data.seq_len
     peak = device_peak_flops()
@@ -212,6 +222,8 @@ def train(cfg: TrainConfig) -> dict:
         if peak:
             record["mfu"] = fpt * tokens_per_step / elapsed / (peak * dist.get_world_size())
         metrics.write(record)
+        if step == 0:  # optimizer state exists from the first step on
+            _report_memory(opt, out, rank0)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
         if rank0 and (step + 1) % cfg.run.log_every == 0:
             bar.write(f"step {step + 1}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} lr {lr:.2e}")
