@@ -1,0 +1,59 @@
+"""The `hf3d` command end to end: a short run of the embedded default, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ["run.steps=4", "run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=2", "run.log_every=2"]
+
+
+def _run(args: list[str], tmp_path: Path, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    cmd = (launcher or [sys.executable]) + ["-m", "hf3d", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_train_tp2_writes_metrics_and_a_stock_loadable_model(tmp_path):
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    proc = _run(
+        ["train", "examples/configs/tiny-smollm.yaml", "--set", *SHORT, f"run.output_dir={out}"],
+        tmp_path,
+        launcher=torchrun,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_sec", "step_time_s", "peak_mem_bytes"):
+        assert all(key in r for r in records), key
+    assert records[-1]["tokens"] == 4 * 4 * 32
+    assert records[-1]["loss"] < records[0]["loss"]
+    memory = json.loads((out / "memory.json").read_text())
+    assert len(memory) == 2 and all(m["optimizer_state"] == 2 * m["master_weights"] for m in memory)
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.isfinite(model(ids).logits).all()
+    assert (out / "final" / "tokenizer.json").is_file()
+
+
+def test_bad_config_is_one_clear_error_and_nonzero_exit(tmp_path):
+    proc = _run(
+        ["train", "examples/configs/tiny-smollm.yaml", "--set", "parallel.tp=4", f"run.output_dir={tmp_path / 'x'}"],
+        tmp_path,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.count("hf3d train: error:") == 1
+    assert "Valid tp values: 1, 2" in proc.stderr
+    assert not (tmp_path / "x" / "final").exists()
+
+    proc = _run(["train", "--set", "parallel.nope=1"], tmp_path)
+    assert proc.returncode == 1 and "unknown key(s) nope in section 'parallel'" in proc.stderr
+
+    proc = _run(["train", "missing.yaml"], tmp_path)
+    assert proc.returncode == 1 and "config file 'missing.yaml' does not exist" in proc.stderr
