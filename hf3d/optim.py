@@ -31,6 +31,9 @@ from torch import nn
 from .layout import get_pieces, shard_range
 
 ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside AccumulateGrad
+# torch optimizers whose update of an element depends on the whole tensor (factored moments,
+# closures): they cannot run on the flat fp32 fragments that ZeRO and tensor parallelism produce
+WHOLE_TENSOR_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 
 
 @dataclass
@@ -446,7 +449,10 @@ def build_optimizer(
     exclude_from_weight_decay: bool = False,
     **optimizer_kwargs,
 ) -> ParallelOptimizer:
-    """Wrap any torch optimizer class for a ParallelModel.
+    """Wrap a torch optimizer class for a ParallelModel.
+
+    The optimizer must update every element independently of the others (AdamW, Adam, SGD, ...):
+    it steps flat fp32 fragments of the parameters. torch's whole-tensor optimizers are refused.
 
     zero_stage: 0 (replicated optimizer, all-reduced grads) or 1 (state and fp32 master weights on
     1/dp of the elements); default from the ParallelConfig. bucket_size: elements per gradient
@@ -456,6 +462,12 @@ def build_optimizer(
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+    if optimizer_cls.__module__.startswith("torch.optim") and optimizer_cls.__name__ in WHOLE_TENSOR_OPTIMIZERS:
+        raise ValueError(
+            f"{optimizer_cls.__name__} updates each parameter as a whole tensor, but hf3d steps flat fp32 "
+            "fragments of parameters (ZeRO shards, tensor-parallel slices); use an element-wise optimizer "
+            "such as AdamW, Adam, SGD, Adagrad or RMSprop"
+        )
     zero_stage = pmodel.pcfg.zero_stage if zero_stage is None else zero_stage
     if zero_stage not in (0, 1):
         raise ValueError(f"zero_stage must be 0 or 1, got {zero_stage!r}")
