@@ -4,6 +4,7 @@ then load through the sharded reader, never a full state dict into a swapped mod
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def parallelize(
     pcfg = pcfg or ParallelConfig()
     init_distributed()
     if isinstance(model_or_path, nn.Module):
-        config = model_or_path.config
+        config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
         source, tokenizer_dir = StateDictSource(model_or_path.state_dict()), None
         name_or_path = getattr(config, "_name_or_path", None)
         if name_or_path and Path(name_or_path).is_dir():

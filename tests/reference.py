@@ -22,10 +22,13 @@ def batches(num_steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
     return out
 
 
-def reference_run(model_dir, data, attn: str = "sdpa"):
-    """Losses, grad norms and final state dict of the stock model trained on `data`."""
+def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None):
+    """Losses, grad norms and final state dict of the stock model trained on `data`.
+
+    param_groups(model) -> AdamW parameter groups (default: every parameter, weight decay WD)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
+    groups = param_groups(model) if param_groups else model.parameters()
+    opt = torch.optim.AdamW(groups, lr=LR, weight_decay=WD, betas=BETAS)
     losses, norms = [], []
     for ids, labels in data:
         loss = model(ids, labels=labels).loss

@@ -3,7 +3,7 @@
 Every distributed run below is checked against `reference.reference_run`: stock transformers +
 torch.optim.AdamW + clip_grad_norm_ on one process over the whole global batch (4 rows); runs with
 other optimizer settings (exclude_from_weight_decay) against the same oracle with those
-settings (`_stock_run`). dp rank d trains on rows [d*B/dp, (d+1)*B/dp). Tolerances (fp32, 3 steps):
+settings (`reference_run(param_groups=...)`). dp rank d trains on rows [d*B/dp, (d+1)*B/dp). Tolerances (fp32, 3 steps):
 losses rel <= 1e-5, grad norms returned by opt.step() rel <= 1e-4 (rel <= 1e-5 on step 1 for the
 "counts every element once" checks), exported weights abs <= 1e-4.
 
@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist import spawn  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, hf3d_run, reference_run  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -274,21 +273,6 @@ def _no_decay_groups(model) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _stock_run(model_dir, data, optimizer_cls, param_groups=None, **kw):
-    """reference.reference_run with another optimizer / param groups (same clipping, same loss)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=torch.float32)
-    opt = optimizer_cls(param_groups(model) if param_groups else model.parameters(), **kw)
-    losses, norms = [], []
-    for ids, labels in data:
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 def _ref_key(family: str, okw: dict) -> tuple[str, bool]:
     return family, bool(okw.get("exclude_from_weight_decay", False))
 
@@ -299,9 +283,7 @@ def env(tmp_path_factory):
     dirs = {f: str(make_model_dir(root / f, f)) for f in ("llama", "llama-kvrep")}
     data = _data()
     refs = {(f, False): reference_run(dirs[f], data) for f in dirs}
-    for f in dirs:
-        adamw = dict(lr=LR, weight_decay=WD, betas=BETAS)
-        refs[f, True] = _stock_run(dirs[f], data, torch.optim.AdamW, _no_decay_groups, **adamw)
+    refs.update({(f, True): reference_run(dirs[f], data, param_groups=_no_decay_groups) for f in dirs})
     return dict(
         root=root,
         dirs=dirs,

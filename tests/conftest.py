@@ -1,0 +1,22 @@
+"""Shared pytest fixtures: the tiny saved HF models of every supported family, built once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the test helpers (dist, models, reference)
+
+from models import make_model_dir  # noqa: E402
+
+FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory) -> dict[str, Path]:
+    """{family: HF directory} for the four tiny families of tests/models.py (seed 0)."""
+    root = tmp_path_factory.mktemp("families")
+    return {f: make_model_dir(root / f, f) for f in FAMILIES}

@@ -1,0 +1,234 @@
+"""Misuse gets ONE clear ValueError / TypeError whose message says what is wrong and what to do.
+
+ParallelConfig is checked in this process (it needs no process group). Everything that goes
+through hf3d.parallelize / build_optimizer runs on a spawned world of 2 gloo processes, because
+there the contract is stronger: every rank must raise the same error before any collective, so
+that no rank is left waiting (a final barrier proves it; a watchdog turns a hang into a failure).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dist import spawn  # noqa: E402
+from models import tiny_config  # noqa: E402
+from transformers import AutoModelForCausalLM, MistralConfig  # noqa: E402
+
+import hf3d  # noqa: E402
+from hf3d.config import PP_SCHEDULES  # noqa: E402
+
+WATCHDOG_S = 300
+SUPPORTED = ("llama", "qwen2", "qwen3")
+
+
+# ------------------------------------------------------------------------------------------------
+# ParallelConfig: no process group needed
+# ------------------------------------------------------------------------------------------------
+def test_unknown_pp_schedule_lists_the_known_ones():
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(pp=2, pp_schedule="gpipe-typo")
+    msg = str(e.value)
+    assert "'gpipe-typo'" in msg
+    for name in PP_SCHEDULES:
+        assert name in msg, f"{name!r} missing from: {msg}"
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (dict(zero_stage=2), ["zero_stage", "0 or 1", "2"]),
+        (dict(tp=0), ["tp", "positive", "0"]),
+        (dict(tp=-2), ["tp", "positive", "-2"]),
+        (dict(tp=2.0), ["tp", "positive integer", "2.0"]),
+        (dict(pp=0), ["pp", "positive", "0"]),
+        (dict(dp=0), ["dp", "positive", "None"]),
+        (dict(num_microbatches=0), ["num_microbatches", "positive"]),
+    ],
+    ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else None,
+)
+def test_parallel_config_validation(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(**kwargs)
+    for w in words:
+        assert w in str(e.value), f"{w!r} missing from: {e.value}"
+
+
+def test_parallel_config_world_size_product():
+    """resolve() is what parallelize uses: the message spells out tp * pp * dp."""
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(tp=2, dp=2).resolve(2)
+    assert "2 * 1 * 2 = 4" in str(e.value) and "world size is 2" in str(e.value), str(e.value)
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(tp=2, pp=2, pp_schedule="afab").resolve(6)
+    assert "6" in str(e.value) and "2 * 2 = 4" in str(e.value), str(e.value)
+    assert hf3d.ParallelConfig(tp=2).resolve(6).dp == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors raised through parallelize / build_optimizer, on every rank of a world of 2
+# ------------------------------------------------------------------------------------------------
+def _attempt(res: dict, name: str, fn) -> None:
+    try:
+        fn()
+    except Exception as e:  # record what was raised; the parent asserts on it
+        res[name] = (type(e).__name__, str(e))
+    else:
+        res[name] = ("no error", "")
+
+
+def _error_world(paths: dict, out: str) -> None:
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    P, C, res = hf3d.parallelize, hf3d.ParallelConfig, {}
+    _attempt(res, "tp_not_dividing_heads", lambda: P(paths["llama"], C(tp=4)))
+    _attempt(res, "world_size_product", lambda: P(paths["llama"], C(tp=2, dp=2)))
+    _attempt(res, "world_not_divisible", lambda: P(paths["llama-kvrep"], C(tp=4)))
+    _attempt(res, "unknown_model_type_dir", lambda: P(paths["mistral"], C()))
+    mistral = AutoModelForCausalLM.from_pretrained(paths["mistral"])
+    _attempt(res, "unknown_model_type_instance", lambda: P(mistral, C()))
+    _attempt(res, "missing_shard", lambda: P(paths["missing-shard"], C(tp=2)))
+    _attempt(res, "truncated_half", lambda: P(paths["truncated-half"], C(tp=2)))
+    _attempt(res, "truncated_header", lambda: P(paths["truncated-header"], C(tp=2)))
+    _attempt(res, "no_such_path", lambda: P("./does/not/exist", C()))
+    _attempt(res, "nested_not_an_id", lambda: P("a/b/c", C()))
+    _attempt(res, "a_file", lambda: P(paths["a-file"], C()))
+    _attempt(res, "dir_without_config", lambda: P(paths["no-config"], C()))
+    _attempt(res, "dir_without_safetensors", lambda: P(paths["no-safetensors"], C()))
+    _attempt(res, "hub_id_offline", lambda: P("hf3d-no-such-org/no-such-model", C()))
+
+    pm = P(paths["llama"], C(tp=2, sequence_parallel=True, num_microbatches=3))
+    ids = torch.randint(1, 101, (3, 7))
+    _attempt(res, "sp_seq_not_multiple_forward", lambda: pm(ids))
+    _attempt(res, "sp_seq_not_multiple_train", lambda: pm.train_step(ids, ids))
+    ids = torch.randint(1, 101, (4, 8))
+    _attempt(res, "labels_shape", lambda: pm.train_step(ids, ids[:, :-1]))
+    _attempt(res, "microbatches_not_dividing_rows", lambda: pm.train_step(ids, ids))
+
+    build, adamw = hf3d.build_optimizer, torch.optim.AdamW
+    _attempt(res, "optimizer_string", lambda: build(pm, "adamw", lr=1e-3))
+    _attempt(res, "optimizer_not_an_optimizer", lambda: build(pm, torch.nn.Linear, lr=1e-3))
+    _attempt(res, "optimizer_unknown_kwarg", lambda: build(pm, adamw, lr=1e-3, not_a_kwarg=1))
+    _attempt(res, "optimizer_bad_lr_type", lambda: build(pm, adamw, lr="x"))
+    _attempt(res, "optimizer_zero_stage", lambda: build(pm, adamw, lr=1e-3, zero_stage=2))
+    _attempt(res, "optimizer_bucket_size", lambda: build(pm, adamw, lr=1e-3, bucket_size=0))
+
+    dist.barrier()  # every rank got here: none is stuck in a collective another rank skipped
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(res, everyone, dst=0)
+    if dist.get_rank() == 0:
+        torch.save(everyone, Path(out) / "errors.pt")
+    dist.barrier()
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _make_broken_checkpoints(root: Path, family_dirs: dict) -> dict[str, str]:
+    paths = {"llama": str(family_dirs["llama"]), "llama-kvrep": str(family_dirs["llama-kvrep"])}
+
+    # a family hf3d has no adapter for (llama-like, so nothing else is wrong with it)
+    cfg = MistralConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(root / "mistral")
+    paths["mistral"] = str(root / "mistral")
+
+    # a sharded checkpoint (index + 11 files) with one shard deleted
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(
+        root / "missing-shard", max_shard_size="20KB"
+    )
+    weight_map = json.loads((root / "missing-shard" / "model.safetensors.index.json").read_text())["weight_map"]
+    victim = weight_map["model.layers.0.self_attn.q_proj.weight"]
+    assert len(set(weight_map.values())) > 2, "not sharded"
+    (root / "missing-shard" / victim).unlink()
+    paths["missing-shard"], paths["missing-shard-file"] = str(root / "missing-shard"), victim
+
+    # a single-file checkpoint cut in half (header intact, data short), and one cut inside its header
+    for name, keep in (("truncated-half", 0.5), ("truncated-header", None)):
+        shutil.copytree(family_dirs["llama"], root / name)
+        f = root / name / "model.safetensors"
+        data = f.read_bytes()
+        f.write_bytes(data[: int(len(data) * keep)] if keep else data[:40])
+        paths[name] = str(root / name)
+
+    paths["a-file"] = str(Path(family_dirs["llama"]) / "config.json")
+    (root / "no-config").mkdir()
+    shutil.copy(Path(family_dirs["llama"]) / "model.safetensors", root / "no-config")
+    paths["no-config"] = str(root / "no-config")
+    (root / "no-safetensors").mkdir()
+    shutil.copy(Path(family_dirs["llama"]) / "config.json", root / "no-safetensors")
+    paths["no-safetensors"] = str(root / "no-safetensors")
+    return paths
+
+
+@pytest.fixture(scope="module")
+def errors(family_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken")
+    paths = _make_broken_checkpoints(root, family_dirs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")  # read by the children at import: no network for the Hub id case
+        spawn(_error_world, 2, paths, str(root))
+    results = torch.load(root / "errors.pt", weights_only=False)
+    assert len(results) == 2
+    return results, paths
+
+
+# case: (exception type, substrings the message must contain); "{key}" is filled from the paths
+EXPECTED = {
+    "tp_not_dividing_heads": (
+        "ValueError",
+        ["tp=4", "6 query heads", "2 KV heads", "Valid tp values: 1, 2, 6"],
+    ),
+    "world_size_product": ("ValueError", ["tp * pp * dp = 2 * 1 * 2 = 4", "world size is 2"]),
+    "world_not_divisible": ("ValueError", ["world size 2", "tp * pp = 4 * 1 = 4"]),
+    "unknown_model_type_dir": ("ValueError", ["'mistral'", "not supported", "supported:", *SUPPORTED]),
+    "unknown_model_type_instance": ("ValueError", ["'mistral'", "not supported", "supported:", *SUPPORTED]),
+    "missing_shard": ("ValueError", ["{missing-shard-file}", "missing"]),
+    "truncated_half": ("ValueError", ["{truncated-half}/model.safetensors", "truncated"]),
+    "truncated_header": ("ValueError", ["{truncated-header}/model.safetensors", "truncated"]),
+    "no_such_path": ("ValueError", ["'./does/not/exist'", "neither", "Hub model id"]),
+    "nested_not_an_id": ("ValueError", ["'a/b/c'", "neither", "Hub model id"]),
+    "a_file": ("ValueError", ["{a-file}", "neither"]),
+    "dir_without_config": ("ValueError", ["{no-config}", "config.json"]),
+    "dir_without_safetensors": ("ValueError", ["{no-safetensors}", "model.safetensors", "safetensors"]),
+    "hub_id_offline": ("ValueError", ["'hf3d-no-such-org/no-such-model'", "could not fetch"]),
+    "sp_seq_not_multiple_forward": ("ValueError", ["sequence_parallel", "(7)", "tp=2"]),
+    "sp_seq_not_multiple_train": ("ValueError", ["sequence_parallel", "(7)", "tp=2"]),
+    "labels_shape": ("ValueError", ["labels", "(4, 7)", "(4, 8)"]),
+    "microbatches_not_dividing_rows": ("ValueError", ["num_microbatches=3", "4 rows"]),
+    "optimizer_string": ("TypeError", ["torch.optim.Optimizer", "'adamw'"]),
+    "optimizer_not_an_optimizer": ("TypeError", ["torch.optim.Optimizer", "Linear"]),
+    "optimizer_unknown_kwarg": ("TypeError", ["AdamW", "not_a_kwarg"]),
+    "optimizer_bad_lr_type": ("TypeError", ["AdamW", "'x'"]),
+    "optimizer_zero_stage": ("ValueError", ["zero_stage", "0 or 1", "2"]),
+    "optimizer_bucket_size": ("ValueError", ["bucket_size", "positive", "0"]),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_error_message(errors, case):
+    results, paths = errors
+    want_type, words = EXPECTED[case]
+    words = [w.format_map(paths) if w.startswith("{") else w for w in words]
+    for rank, res in enumerate(results):
+        got_type, msg = res[case]
+        assert got_type == want_type, f"rank {rank}: {case} raised {got_type}: {msg}"
+        for w in words:
+            assert w in msg, f"rank {rank}: {case}: {w!r} missing from the message: {msg}"
+        assert len(msg) < 600, f"rank {rank}: {case}: the message is not short and clear: {msg}"
