@@ -23,8 +23,9 @@ class ParallelConfig:
     """Data-parallel degree; None means world_size // (tp * pp)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: one of PP_SCHEDULES."""
-    num_microbatches: int = 1
-    """Micro-batches per optimizer step (gradient accumulation, and the pipeline's micro-batches)."""
+    num_microbatches: int | None = None
+    """Micro-batches per optimizer step (gradient accumulation, and the pipeline's micro-batches);
+    None: 1 without pipelining, else the fewest the schedule runs (pp, or 2*pp for zbv/dualpipev)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank; interleaved-1f1b needs >= 2, zbv and dualpipev use 2."""
     zero_stage: int = 1
@@ -33,6 +34,9 @@ class ParallelConfig:
     """Shard norms and residuals along the sequence inside tensor-parallel regions."""
 
     def __post_init__(self) -> None:
+        if self.num_microbatches is None:
+            v_shaped = self.pp_schedule in ("zbv", "dualpipev")
+            self.num_microbatches = 1 if self.pp == 1 else self.pp * (2 if v_shaped else 1)
         for name in ("tp", "pp", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

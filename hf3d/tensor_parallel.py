@@ -25,7 +25,7 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((world * x0.shape[0], *x0.shape[1:]))
     dist.all_gather_single(out, x0, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # activations leave stages by p2p, which wants contiguous
 
 
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -35,7 +35,7 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
         raise ValueError(f"dim {dim} of size {x0.shape[0]} cannot be split over {world} tensor-parallel ranks")
     out = x0.new_empty((x0.shape[0] // world, *x0.shape[1:]))
     dist.reduce_scatter_single(out, x0, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
