@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -37,61 +36,113 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     return Path(local)
 
 
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_BLOCK_BYTES = 64 * 2**20  # column slices are read this many bytes of rows at a time
+
+
 class SafetensorsSource:
     """Reads slices of named tensors from an HF dir's safetensors files (single or sharded).
 
-    Only the requested rows/columns are read (`get_slice`), so a rank never holds the full model.
+    Only the requested rows are read (columns: block by block of rows), with plain file reads
+    rather than a memory map, so neither the tensors nor the file pages of other ranks' slices
+    count towards this process's memory.
     """
 
     def __init__(self, model_dir: Path):
         self.model_dir = model_dir
         index = model_dir / SAFE_INDEX
         if index.is_file():
-            weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         elif (model_dir / SAFE_SINGLE).is_file():
-            weight_map = None
+            files = [SAFE_SINGLE]
         else:
             raise ValueError(
                 f"no {SAFE_SINGLE} or {SAFE_INDEX} in {model_dir}; hf3d reads safetensors checkpoints only "
                 "(re-save the model with save_pretrained(..., safe_serialization=True))"
             )
-        files = sorted(set(weight_map.values())) if weight_map else [SAFE_SINGLE]
-        self._handles = {}
+        self.entries: dict[str, tuple[Path, int, str, tuple[int, ...]]] = {}  # name -> file, offset, dtype, shape
         for f in files:
             fpath = model_dir / f
             if not fpath.is_file():
                 raise ValueError(f"{fpath} is listed in {SAFE_INDEX} but missing; re-download the checkpoint")
-            try:
-                self._handles[f] = safe_open(str(fpath), framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise ValueError(f"{fpath} is not a readable safetensors file ({e}); is it truncated?") from e
-            _check_complete(fpath)
-        if weight_map is None:
-            weight_map = {k: SAFE_SINGLE for k in self._handles[SAFE_SINGLE].keys()}
-        self.weight_map = dict(weight_map)
+            for name, (offset, dtype, shape) in _read_header(fpath).items():
+                self.entries[name] = (fpath, offset, dtype, shape)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return name in self.entries
 
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        if name not in self.weight_map:
+        if name not in self.entries:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
-        sl = self._handles[self.weight_map[name]].get_slice(name)
-        index = tuple([slice(None)] * dim + [slice(start, stop)])
-        return sl[index]
+        fpath, offset, dtype_name, shape = self.entries[name]
+        dtype = _ST_DTYPES[dtype_name]
+        item = torch.empty((), dtype=dtype).element_size()
+        row_elems = 1
+        for n in shape[1:]:
+            row_elems *= n
+        row_bytes = row_elems * item
+        with open(fpath, "rb", buffering=0) as f:
+            if dim == 0:
+                out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
+                _read_into(f, offset + start * row_bytes, out)
+                return out
+            out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1 :]), dtype=dtype)
+            rows_per_block = max(1, _BLOCK_BYTES // max(row_bytes, 1))
+            block = torch.empty((min(rows_per_block, shape[0]), *shape[1:]), dtype=dtype)
+            for r0 in range(0, shape[0], rows_per_block):
+                r1 = min(shape[0], r0 + rows_per_block)
+                _read_into(f, offset + r0 * row_bytes, block[: r1 - r0])
+                out[r0:r1].copy_(block[: r1 - r0].narrow(dim, start, stop - start))
+            return out
 
 
-def _check_complete(fpath: Path) -> None:
-    """safetensors opens a file whose data was cut short; compare the header's extent with the size."""
+def _read_into(f, offset: int, out: torch.Tensor) -> None:
+    """Fill a contiguous tensor with the file's bytes at offset (reads may come back short)."""
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ValueError(f"{f.name} ended early; is it truncated?")
+        done += n
+
+
+def _read_header(fpath: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:
+    """{name: (absolute byte offset, dtype, shape)}; refuses files cut short or not safetensors."""
+    size = fpath.stat().st_size
     with open(fpath, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if fpath.stat().st_size < 8 + header_len + end:
+        try:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("header length beyond the end of the file")
+            header = json.loads(f.read(header_len))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{fpath} is not a readable safetensors file ({e}); is it truncated?") from e
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if size < 8 + header_len + end:
         raise ValueError(
-            f"{fpath} is truncated ({fpath.stat().st_size} bytes, header promises {8 + header_len + end}); "
+            f"{fpath} is truncated ({size} bytes, its header promises {8 + header_len + end}); "
             "re-download or re-save the checkpoint"
         )
+    unknown = {v["dtype"] for v in header.values()} - set(_ST_DTYPES)
+    if unknown:
+        raise ValueError(f"{fpath} holds tensors of dtype {', '.join(sorted(unknown))}, which hf3d cannot read")
+    return {k: (8 + header_len + v["data_offsets"][0], v["dtype"], tuple(v["shape"])) for k, v in header.items()}
 
 
 class StateDictSource:

@@ -109,6 +109,12 @@ class ParallelOptimizer:
                 self._count_mask[start : start + p.numel()] = mask.flatten()
                 start += p.numel()
 
+        # the ranges this rank adds to the grad norm, and whether some of their elements are not its own
+        if self.zero_stage == 1:
+            spans = [self._my_shard(b) for b in self.buckets]
+        else:  # zero 0: every dp rank holds the same full gradients; dp rank 0 counts them
+            spans = [(0, offset)] if self.dp_rank == 0 else []
+        self._norm_spans = [(lo, hi, not bool(self._count_mask[lo:hi].all())) for lo, hi in spans]
         # -- fp32 master fragments and the wrapped optimizer --
         self._build_master(exclude_from_weight_decay)
         try:
@@ -241,15 +247,10 @@ class ParallelOptimizer:
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over tp x pp x dp, every element counted once."""
-        if self.zero_stage == 1:
-            sq = torch.zeros((), device=self.device)
-            for b in self.buckets:
-                lo, hi = self._my_shard(b)
-                g = self.main_grad[lo:hi]
-                sq += (g * g * self._count_mask[lo:hi]).sum()
-        else:
-            g = self.main_grad
-            sq = (g * g * self._count_mask).sum() if self.dp_rank == 0 else torch.zeros((), device=self.device)
+        sq = torch.zeros((), device=self.device)
+        for lo, hi, masked in self._norm_spans:
+            g = self.main_grad[lo:hi]
+            sq += (g * self._count_mask[lo:hi]).dot(g) if masked else g.dot(g)
         dist.all_reduce(sq)
         return sq.sqrt()
 
