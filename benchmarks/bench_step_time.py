@@ -1,0 +1,316 @@
+"""Step time: hf3d at tp=pp=dp=1 vs stock transformers + torch.optim.AdamW + clip_grad_norm_.
+
+Both sides live in ONE process, start from the same HF checkpoint, see the same batch and use the
+same optimizer settings. Steps are interleaved (ABBA order) after a warm-up; the table reports the
+median (and quartiles) of the per-step wall time and process CPU time, split into
+forward+backward and the optimizer part (clip + step + zero_grad). A torch.profiler table of one
+step of each side shows where the time goes.
+
+    python benchmarks/bench_step_time.py            # full run (~2-4 min on 2 cores)
+    python benchmarks/bench_step_time.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+from pathlib import Path
+
+import _common as C
+import torch
+
+LR, WD, BETAS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1.0
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny smoke run (few steps); results go to results/quick/")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--inter", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--no-profile", action="store_true")
+    return ap.parse_args()
+
+
+class Stock:
+    name = "stock"
+
+    def __init__(self, model_dir):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        self.model.train()
+        self.params = list(self.model.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=LR, weight_decay=WD, betas=BETAS)
+
+    def fwd_bwd(self, ids, labels):
+        loss = self.model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        return loss.detach()
+
+    def opt_step(self):
+        norm = torch.nn.utils.clip_grad_norm_(self.params, CLIP)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
+
+
+class HF3D:
+    name = "hf3d"
+
+    def __init__(self, model_dir):
+        import hf3d
+
+        self.model = hf3d.parallelize(
+            model_dir, hf3d.ParallelConfig(tp=1, pp=1, dp=1), dtype=torch.float32, attn_implementation="sdpa"
+        )
+        self.opt = hf3d.build_optimizer(
+            self.model, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP
+        )
+
+    def fwd_bwd(self, ids, labels):
+        return self.model.train_step(ids, labels)
+
+    def opt_step(self):
+        norm = self.opt.step()
+        self.opt.zero_grad()
+        return norm
+
+
+def timed_step(side, ids, labels) -> dict:
+    gc.collect()
+    w0, c0 = time.perf_counter(), time.process_time()
+    loss = side.fwd_bwd(ids, labels)
+    w1, c1 = time.perf_counter(), time.process_time()
+    norm = side.opt_step()
+    w2, c2 = time.perf_counter(), time.process_time()
+    return {
+        "wall": w2 - w0,
+        "cpu": c2 - c0,
+        "fwd_bwd_wall": w1 - w0,
+        "opt_wall": w2 - w1,
+        "fwd_bwd_cpu": c1 - c0,
+        "opt_cpu": c2 - c1,
+        "loss": float(loss),
+        "grad_norm": float(norm),
+    }
+
+
+def profile_step(side, ids, labels, rows: int = 12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        side.fwd_bwd(ids, labels)
+        side.opt_step()
+    out = []
+    for ev in sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]:
+        out.append({"op": ev.key, "self_cpu_ms": ev.self_cpu_time_total / 1e3, "calls": ev.count})
+    total = sum(ev.self_cpu_time_total for ev in prof.key_averages()) / 1e3
+    out.append({"op": "TOTAL self CPU", "self_cpu_ms": total, "calls": None})
+    return out
+
+
+def loss_components(hf3d_side, n_tokens: int, vocab: int, repeats: int) -> dict:
+    """The loss alone, forward + backward on the same [N, V] fp32 logits: hf3d's vocab-parallel
+    token_losses (tp=1) vs the F.cross_entropy that stock transformers calls."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(n_tokens, vocab, generator=g)
+    targets = torch.randint(0, vocab, (n_tokens,), generator=g)
+    head = hf3d_side.model.lm_head
+
+    def hf3d_loss():
+        x = base.clone().requires_grad_(True)
+        (head.token_losses(x, targets).sum() / n_tokens).backward()
+
+    def stock_loss():
+        x = base.clone().requires_grad_(True)
+        (F.cross_entropy(x, targets, reduction="sum") / n_tokens).backward()
+
+    times = {"hf3d token_losses": [], "F.cross_entropy": []}
+    fns = {"hf3d token_losses": hf3d_loss, "F.cross_entropy": stock_loss}
+    for r in range(repeats + 1):
+        for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+            gc.collect()
+            t0 = time.perf_counter()
+            fns[name]()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {k: C.median(v) for k, v in times.items()}
+
+
+def main():
+    args = parse_args()
+    if args.quick:
+        args.warmup, args.repeats = 1, 3
+        args.layers, args.seq, args.batch = 2, 128, 4
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = C.env_info()
+    cfg = C.llama_config(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.inter,
+        vocab_size=args.vocab,
+        tie_word_embeddings=False,
+    )
+    shapes = (
+        f"{C.shape_str(cfg)}; batch={args.batch} x seq={args.seq}; fp32; sdpa; AdamW(lr={LR}, wd={WD}), clip {CLIP}"
+    )
+    print("shapes:", shapes, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        n_params = C.save_model_dir(cfg, Path(tmp), dtype=torch.float32)
+        sides = {"stock": Stock(tmp), "hf3d": HF3D(tmp)}
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    labels = ids.clone()
+
+    samples: dict[str, list[dict]] = {"stock": [], "hf3d": []}
+    first = {}
+    order = ["hf3d", "stock"]
+    for r in range(args.warmup + args.repeats):
+        for name in order if r % 2 == 0 else order[::-1]:  # ABBA: neither side always goes first
+            s = timed_step(sides[name], ids, labels)
+            first.setdefault(name, s)
+            if r >= args.warmup:
+                samples[name].append(s)
+        if r >= args.warmup:
+            print(
+                f"round {r - args.warmup + 1}/{args.repeats}: hf3d {samples['hf3d'][-1]['wall']:.3f}s  "
+                f"stock {samples['stock'][-1]['wall']:.3f}s",
+                flush=True,
+            )
+
+    def stat(name, key, fn=C.median):
+        return fn([s[key] for s in samples[name]])
+
+    keys = ["wall", "fwd_bwd_wall", "opt_wall", "cpu", "fwd_bwd_cpu", "opt_cpu"]
+    result = {
+        k: {
+            side: {
+                "median": stat(side, k),
+                "p25": stat(side, k, lambda xs: C.quantile(xs, 0.25)),
+                "p75": stat(side, k, lambda xs: C.quantile(xs, 0.75)),
+                "min": stat(side, k, min),
+            }
+            for side in ("hf3d", "stock")
+        }
+        for k in keys
+    }
+    for k in keys:
+        result[k]["ratio_hf3d_over_stock"] = result[k]["hf3d"]["median"] / result[k]["stock"]["median"]
+        result[k]["ratio_of_minima"] = result[k]["hf3d"]["min"] / result[k]["stock"]["min"]
+    tokens = args.batch * args.seq
+    ratio = result["wall"]["ratio_hf3d_over_stock"]
+
+    labels_row = {
+        "wall": "step, wall (s)",
+        "fwd_bwd_wall": "  forward+backward, wall (s)",
+        "opt_wall": "  clip+optimizer+zero_grad, wall (s)",
+        "cpu": "step, process CPU (s)",
+        "fwd_bwd_cpu": "  forward+backward, CPU (s)",
+        "opt_cpu": "  clip+optimizer+zero_grad, CPU (s)",
+    }
+    rows = []
+    for k in keys:
+        h, s = result[k]["hf3d"], result[k]["stock"]
+        rows.append(
+            [
+                labels_row[k],
+                f"{h['median']:.4f} [{h['p25']:.4f}, {h['p75']:.4f}]",
+                f"{s['median']:.4f} [{s['p25']:.4f}, {s['p75']:.4f}]",
+                f"{result[k]['ratio_hf3d_over_stock']:.3f}x",
+                f"{h['min']:.4f} / {s['min']:.4f} = {result[k]['ratio_of_minima']:.3f}x",
+            ]
+        )
+    rows.append(
+        [
+            "tokens/s (from median wall)",
+            f"{tokens / result['wall']['hf3d']['median']:,.0f}",
+            f"{tokens / result['wall']['stock']['median']:,.0f}",
+            f"{result['wall']['stock']['median'] / result['wall']['hf3d']['median']:.3f}x",
+            "",
+        ]
+    )
+    table = C.md_table(
+        ["metric (median [p25, p75])", "hf3d", "stock", "hf3d / stock (medians)", "min hf3d / min stock"], rows
+    )
+    sanity = (
+        f"Same start: first-step loss hf3d {first['hf3d']['loss']:.6f} vs stock {first['stock']['loss']:.6f} "
+        f"(|Δ| {abs(first['hf3d']['loss'] - first['stock']['loss']):.2e}); grad norm hf3d "
+        f"{first['hf3d']['grad_norm']:.6f} vs stock {first['stock']['grad_norm']:.6f}."
+    )
+    verdict = (
+        f"**hf3d / stock step time (median wall) = {ratio:.3f}x** (target ≤ 1.0x: "
+        f"{'met' if ratio <= 1.0 else 'NOT met'}); by process CPU time "
+        f"{result['cpu']['ratio_hf3d_over_stock']:.3f}x; ratio of the fastest steps "
+        f"{result['wall']['ratio_of_minima']:.3f}x (least disturbed by other load). Load average during the run: "
+        f"{env['load_avg_1m_at_start']} at start on {env['cpu_count']} cores — above ~1 the spread is other "
+        "processes' noise; the interleaving keeps the comparison fair but not precise."
+    )
+    body = [
+        f"Shapes: {shapes}; {n_params:,} parameters; {args.warmup} warm-up rounds, {args.repeats} timed rounds "
+        "(each round one step of each side, order alternating).",
+        table,
+        verdict,
+        sanity,
+    ]
+    data = {"env": env, "shapes": shapes, "n_params": n_params, "args": vars(args), "result": result}
+    data["samples"] = samples
+    if not args.no_profile:
+        comp = loss_components(sides["hf3d"], tokens, args.vocab, max(3, args.repeats // 2))
+        data["loss_components"] = comp
+        body.append(
+            f"The loss alone (forward + backward on the same [{tokens}, {args.vocab}] fp32 logits, median): "
+            f"hf3d `token_losses` {comp['hf3d token_losses'] * 1e3:.1f} ms vs `F.cross_entropy` "
+            f"{comp['F.cross_entropy'] * 1e3:.1f} ms "
+            f"({comp['hf3d token_losses'] / comp['F.cross_entropy']:.2f}x)."
+        )
+        profiles = {name: profile_step(sides[name], ids, labels) for name in ("hf3d", "stock")}
+        data["profile"] = profiles
+        prow = []
+        for i in range(max(len(profiles["hf3d"]), len(profiles["stock"]))):
+            row = []
+            for name in ("hf3d", "stock"):
+                e = profiles[name][i] if i < len(profiles[name]) else None
+                row += (
+                    [f"`{e['op'][:48]}`", f"{e['self_cpu_ms']:.1f}", "" if e["calls"] is None else str(e["calls"])]
+                    if e
+                    else ["", "", ""]
+                )
+            prow.append(row)
+        body.append(
+            "torch.profiler, one step of each side (after the timed rounds), top ops by self CPU time:\n\n"
+            + C.md_table(
+                ["hf3d op", "ms", "calls", "stock op", "ms", "calls"],
+                prow,
+            )
+        )
+    body_md = "\n\n".join(body)
+    print("\n" + body_md)
+    path = C.write_results(
+        "step_time" + (f"_threads{args.threads}" if args.threads else ""),
+        "Step time: hf3d (tp=pp=dp=1) vs stock transformers",
+        body_md,
+        data,
+        quick=args.quick,
+    )
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()
