@@ -93,7 +93,7 @@ class ParallelOptimizer:
             if current:
                 offset = self._add_bucket(current, offset, deferred)
         self.main_grad = torch.zeros(offset, dtype=torch.float32, device=self.device)
-        self._count_mask = torch.zeros(offset, dtype=torch.bool, device=self.device)
+        owned: list[tuple[int, int]] = []  # flat ranges whose gradient this rank counts in the norm
         self._partial_tp: list[nn.Parameter] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._uses = _uses_per_step(pmodel)
@@ -102,19 +102,17 @@ class ParallelOptimizer:
             for p in b.params:
                 p.main_grad = self.main_grad[start : start + p.numel()].view(p.shape)
                 self._bucket_of[id(p)] = b
-                mask = torch.zeros(p.shape, dtype=torch.bool, device=self.device)
-                for piece in get_pieces(p):
-                    if piece.owner:
-                        piece.local(mask).fill_(True)
-                self._count_mask[start : start + p.numel()] = mask.flatten()
+                owned += [(start + a, start + z) for a, z in _owned_runs(p)]
                 start += p.numel()
 
-        # the ranges this rank adds to the grad norm, and whether some of their elements are not its own
+        # what this rank adds to the grad norm: its owned elements inside the gradients it reduces
         if self.zero_stage == 1:
             spans = [self._my_shard(b) for b in self.buckets]
         else:  # zero 0: every dp rank holds the same full gradients; dp rank 0 counts them
             spans = [(0, offset)] if self.dp_rank == 0 else []
-        self._norm_spans = [(lo, hi, not bool(self._count_mask[lo:hi].all())) for lo, hi in spans]
+        self._norm_ranges = _merge(
+            [(max(a, lo), min(z, hi)) for lo, hi in spans for a, z in owned if a < hi and lo < z]
+        )
         # -- fp32 master fragments and the wrapped optimizer --
         self._build_master(exclude_from_weight_decay)
         try:
@@ -248,9 +246,9 @@ class ParallelOptimizer:
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm over tp x pp x dp, every element counted once."""
         sq = torch.zeros((), device=self.device)
-        for lo, hi, masked in self._norm_spans:
+        for lo, hi in self._norm_ranges:
             g = self.main_grad[lo:hi]
-            sq += (g * self._count_mask[lo:hi]).dot(g) if masked else g.dot(g)
+            sq += g.dot(g)
         dist.all_reduce(sq)
         return sq.sqrt()
 
@@ -407,6 +405,27 @@ class ParallelOptimizer:
     @property
     def param_groups(self):
         return self.optimizer.param_groups
+
+
+def _owned_runs(p: torch.Tensor) -> list[tuple[int, int]]:
+    """Flat [start, stop) runs of p's elements covered by pieces this rank owns (not replicas kept by
+    another rank, not vocab padding)."""
+    mask = torch.zeros(p.shape, dtype=torch.int8)
+    for piece in get_pieces(p):
+        if piece.owner:
+            piece.local(mask).fill_(1)
+    edges = torch.diff(torch.cat([mask.new_zeros(1), mask.flatten(), mask.new_zeros(1)])).nonzero().flatten().tolist()
+    return list(zip(edges[0::2], edges[1::2]))
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, z in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], z))
+        else:
+            out.append((a, z))
+    return out
 
 
 def _uses_per_step(pmodel) -> dict[int, int]:
