@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,3 +33,19 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
 def spawn(fn, world_size: int, *args) -> None:
     """Run fn(*args) on world_size processes; an exception on any rank fails the caller."""
     mp.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def start_watchdog(seconds: float) -> None:
+    """A rank stuck in a collective dumps its stack and exits instead of hanging the test run."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def report(res, path: str | Path) -> None:
+    """Gather every rank's measurements into `path` on rank 0 (a list indexed by rank); the barrier
+    shows that no rank was left behind in a collective. Ends the watchdog."""
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(res, everyone, dst=0)
+    if dist.get_rank() == 0:
+        torch.save(everyone, Path(path))
+    dist.barrier()
+    faulthandler.cancel_dump_traceback_later()

@@ -8,7 +8,6 @@ that no rank is left waiting (a final barrier proves it; a watchdog turns a hang
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import shutil
 import sys
@@ -16,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist import spawn  # noqa: E402
+from dist import report, spawn, start_watchdog  # noqa: E402
 from models import tiny_config  # noqa: E402
 from transformers import AutoModelForCausalLM, MistralConfig  # noqa: E402
 
@@ -88,7 +86,7 @@ def _attempt(res: dict, name: str, fn) -> None:
 
 
 def _error_world(paths: dict, out: str) -> None:
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    start_watchdog(WATCHDOG_S)
     P, C, res = hf3d.parallelize, hf3d.ParallelConfig, {}
     _attempt(res, "tp_not_dividing_heads", lambda: P(paths["llama"], C(tp=4)))
     _attempt(res, "world_size_product", lambda: P(paths["llama"], C(tp=2, dp=2)))
@@ -122,13 +120,7 @@ def _error_world(paths: dict, out: str) -> None:
     _attempt(res, "optimizer_zero_stage", lambda: build(pm, adamw, lr=1e-3, zero_stage=2))
     _attempt(res, "optimizer_bucket_size", lambda: build(pm, adamw, lr=1e-3, bucket_size=0))
 
-    dist.barrier()  # every rank got here: none is stuck in a collective another rank skipped
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(res, everyone, dst=0)
-    if dist.get_rank() == 0:
-        torch.save(everyone, Path(out) / "errors.pt")
-    dist.barrier()
-    faulthandler.cancel_dump_traceback_later()
+    report(res, Path(out) / "errors.pt")  # its barrier: no rank is stuck in a collective another skipped
 
 
 def _make_broken_checkpoints(root: Path, family_dirs: dict) -> dict[str, str]:

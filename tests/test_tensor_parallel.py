@@ -23,7 +23,6 @@ tests assert in the parent, where the stock references are computed once.
 
 from __future__ import annotations
 
-import faulthandler
 import itertools
 import random
 import sys
@@ -31,12 +30,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dist import spawn  # noqa: E402
+from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir, tiny_config  # noqa: E402
 from reference import batches, hf3d_run, reference_run  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -89,20 +87,6 @@ def _train_data():
 # ------------------------------------------------------------------------------------------------
 # Code run on every rank of a spawned world (module level: spawn pickles it by name)
 # ------------------------------------------------------------------------------------------------
-def _start_watchdog() -> None:
-    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
-
-
-def _report(res: dict, out: str) -> None:
-    """Gather every rank's measurements into out/results.pt (a list indexed by rank)."""
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(res, everyone, dst=0)
-    if dist.get_rank() == 0:
-        torch.save(everyone, Path(out) / "results.pt")
-    dist.barrier()
-    faulthandler.cancel_dump_traceback_later()
-
-
 def _logits(pm, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return pm(ids).detach().clone()
@@ -130,7 +114,7 @@ def _train(res: dict, name: str, path: str, tp: int, data, out: str) -> None:
 
 
 def _world4(dirs: dict, ids, data, out: str) -> None:
-    _start_watchdog()
+    start_watchdog(WATCHDOG_S)
     res: dict = {}
     for name, tp in LOGIT_CASES:
         if _world(tp) == 4:
@@ -138,11 +122,11 @@ def _world4(dirs: dict, ids, data, out: str) -> None:
     for name, tp, world in TRAIN_CASES:
         if world == 4:
             _train(res, name, dirs[name], tp, data, out)
-    _report(res, out)
+    report(res, Path(out) / "results.pt")
 
 
 def _world3(dirs: dict, ids, data, out: str) -> None:
-    _start_watchdog()
+    start_watchdog(WATCHDOG_S)
     res: dict = {}
     for name, tp in LOGIT_CASES:
         if _world(tp) == 3:
@@ -150,7 +134,7 @@ def _world3(dirs: dict, ids, data, out: str) -> None:
     for name, tp, world in TRAIN_CASES:
         if world == 3:
             _train(res, name, dirs[name], tp, data, out)
-    _report(res, out)
+    report(res, Path(out) / "results.pt")
 
 
 def _eager_flex(query, key, value, training=False, **kwargs):
@@ -160,7 +144,7 @@ def _eager_flex(query, key, value, training=False, **kwargs):
 
 
 def _world2(dirs: dict, ids, data, out: str) -> None:
-    _start_watchdog()
+    start_watchdog(WATCHDOG_S)
     res: dict = {}
     for name, tp, world in TRAIN_CASES:
         if world == 2:
@@ -190,7 +174,7 @@ def _world2(dirs: dict, ids, data, out: str) -> None:
         res["flex/qwen3/tp2"] = _logits(pm, ids)
     except Exception as e:  # every rank raises the same way: no collective is left waiting
         res["flex/error"] = f"{type(e).__name__}: {e}"
-    _report(res, out)
+    report(res, Path(out) / "results.pt")
 
 
 # ------------------------------------------------------------------------------------------------
