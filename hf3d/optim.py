@@ -142,6 +142,9 @@ class ParallelOptimizer:
         return b.offset + lo, b.offset + hi
 
     def _build_master(self, exclude_from_weight_decay: bool) -> None:
+        """fp32 master fragments for the elements this rank steps. With fp32 parameters the master is
+        the parameter's own storage (a view): no second copy, no write-back."""
+        self._aliased = self.param_dtype == torch.float32
         decay, no_decay = [], []
         self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
         for b in self.buckets:
@@ -157,7 +160,8 @@ class ParallelOptimizer:
                     p.data = view.view(p.shape)
                 a, z = max(start, lo), min(end, hi)
                 if a < z:
-                    master = p.detach().flatten()[a - start : z - start].float().clone()
+                    flat = p.detach().view(-1)[a - start : z - start]
+                    master = flat if self._aliased else flat.float().clone()
                     self._masters.append((p, master, a, z))
                     name = self.names[id(p)]
                     excluded = exclude_from_weight_decay and (
@@ -274,15 +278,17 @@ class ParallelOptimizer:
         return norm
 
     def _write_back(self) -> None:
+        if not self._aliased:
+            for p, master, a, z in self._masters:
+                if self.zero_stage == 0:
+                    p.data.copy_(master.view(p.shape))
+                else:
+                    b = self._bucket_of[id(p)]
+                    b.param_data[a - b.offset : z - b.offset].copy_(master)
         if self.zero_stage == 0:
-            for p, master, _, _ in self._masters:
-                p.data.copy_(master.view(p.shape))
             return
         for b in self.buckets:
             lo, hi = self._my_shard(b)
-            for _, master, a, z in self._masters:
-                if lo <= a < hi:
-                    b.param_data[a - b.offset : z - b.offset].copy_(master)
             if self.dp_size > 1:
                 shard = b.param_data[lo - b.offset : hi - b.offset].clone()
                 dist.all_gather_single(b.param_data, shard, group=self.dp_group)
@@ -387,7 +393,7 @@ class ParallelOptimizer:
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank by each part of the training state."""
         params = sum(p.numel() * p.element_size() for b in self.buckets for p in b.params)
-        master = sum(m.numel() * m.element_size() for _, m, _, _ in self._masters)
+        master = 0 if self._aliased else sum(m.numel() * m.element_size() for _, m, _, _ in self._masters)
         state = sum(
             t.numel() * t.element_size()
             for s in self.optimizer.state.values()
