@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -113,26 +114,15 @@ def _train(res: dict, name: str, path: str, tp: int, data, out: str) -> None:
         res[f"train/{name}/tp{tp}/sp{int(sp)}"] = {"losses": losses, "norms": norms}
 
 
-def _world4(dirs: dict, ids, data, out: str) -> None:
+def _sweep(dirs: dict, ids, data, out: str) -> None:
+    """Every logits and training case whose world size is this spawn's."""
     start_watchdog(WATCHDOG_S)
-    res: dict = {}
+    world, res = dist.get_world_size(), {}
     for name, tp in LOGIT_CASES:
-        if _world(tp) == 4:
+        if _world(tp) == world:
             _logit_sweep(name, dirs[name], [tp], ids, res, out)
-    for name, tp, world in TRAIN_CASES:
-        if world == 4:
-            _train(res, name, dirs[name], tp, data, out)
-    report(res, Path(out) / "results.pt")
-
-
-def _world3(dirs: dict, ids, data, out: str) -> None:
-    start_watchdog(WATCHDOG_S)
-    res: dict = {}
-    for name, tp in LOGIT_CASES:
-        if _world(tp) == 3:
-            _logit_sweep(name, dirs[name], [tp], ids, res, out)
-    for name, tp, world in TRAIN_CASES:
-        if world == 3:
+    for name, tp, case_world in TRAIN_CASES:
+        if case_world == world:
             _train(res, name, dirs[name], tp, data, out)
     report(res, Path(out) / "results.pt")
 
@@ -221,12 +211,12 @@ def world2(model_dirs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world3(model_dirs, tmp_path_factory):
-    return _run_world(3, _world3, model_dirs, tmp_path_factory)
+    return _run_world(3, _sweep, model_dirs, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def world4(model_dirs, tmp_path_factory):
-    return _run_world(4, _world4, model_dirs, tmp_path_factory)
+    return _run_world(4, _sweep, model_dirs, tmp_path_factory)
 
 
 def _assert_logits(results, key: str, ref: torch.Tensor) -> None:
