@@ -81,9 +81,6 @@ class SafetensorsSource:
             for name, (offset, dtype, shape) in _read_header(fpath).items():
                 self.entries[name] = (fpath, offset, dtype, shape)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name not in self.entries:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
@@ -150,9 +147,6 @@ class StateDictSource:
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor]):
         self.state_dict = state_dict
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.state_dict
 
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name not in self.state_dict:

@@ -96,12 +96,14 @@ class ParallelOptimizer:
         owned: list[tuple[int, int]] = []  # flat ranges whose gradient this rank counts in the norm
         self._partial_tp: list[nn.Parameter] = []
         self._bucket_of: dict[int, _Bucket] = {}
+        self._flat_range: dict[int, tuple[int, int]] = {}  # id(param) -> its [start, stop) in main_grad
         self._uses = _uses_per_step(pmodel)
         for b in self.buckets:
             start = b.offset
             for p in b.params:
                 p.main_grad = self.main_grad[start : start + p.numel()].view(p.shape)
                 self._bucket_of[id(p)] = b
+                self._flat_range[id(p)] = (start, start + p.numel())
                 owned += [(start + a, start + z) for a, z in _owned_runs(p)]
                 start += p.numel()
 
@@ -181,10 +183,8 @@ class ParallelOptimizer:
                 "opt.zero_grad() after each train_step"
             )
         self._step_started = True
-        self._counts: dict[int, int] = {}
         for b in self.buckets:
             b.pending = sum(self._uses.get(id(p), 1) * num_microbatches for p in b.params)
-        self._m = num_microbatches
 
     def _on_grad(self, p: torch.Tensor) -> None:
         p.main_grad.add_(p.grad)
@@ -316,15 +316,6 @@ class ParallelOptimizer:
                 flat[b.offset : b.offset + b.numel] = gathered
         return flat
 
-    def _flat_range(self, p) -> tuple[int, int]:
-        b = self._bucket_of[id(p)]
-        start = b.offset
-        for q in b.params:
-            if q is p:
-                return start, start + p.numel()
-            start += q.numel()
-        raise AssertionError("parameter not in its bucket")
-
     def state_dict(self) -> dict:
         """Collective over dp. {"state": {hf_name: {key: [(dim, hf_start, hf_stop, owner, tensor)]}},
         "step": n, "param_groups": [...]} for every piece this rank holds; keys are "master" (fp32
@@ -339,7 +330,7 @@ class ParallelOptimizer:
         out: dict[str, dict] = {}
         for b in self.buckets:
             for p in b.params:
-                lo, hi = self._flat_range(p)
+                lo, hi = self._flat_range[id(p)]
                 for piece in get_pieces(p):
                     for key, flat in flats.items():
                         t = piece.local(flat[lo:hi].view(p.shape)).clone()
@@ -371,7 +362,7 @@ class ParallelOptimizer:
             flat = torch.zeros_like(self.main_grad)
             for b in self.buckets:
                 for p in b.params:
-                    lo, hi = self._flat_range(p)
+                    lo, hi = self._flat_range[id(p)]
                     view = flat[lo:hi].view(p.shape)
                     for piece in get_pieces(p):
                         src = hf_tensor(piece.hf_name, key).narrow(

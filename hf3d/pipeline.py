@@ -38,6 +38,7 @@ class _Pipeline:
 
     def __init__(self, pmodel, mb_shape: tuple[int, int]):
         pcfg = pmodel.pcfg
+        self.mb_shape = mb_shape
         b, s = mb_shape
         s_local = s // pcfg.tp if pcfg.sequence_parallel else s
         dtype, device, cfg = pmodel.param_dtype, pmodel.device, pmodel.config
@@ -82,7 +83,6 @@ def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens) -> torch.
     pipe = pmodel._pipeline
     if pipe is None or pipe.mb_shape != mb_shape:
         pipe = pmodel._pipeline = _Pipeline(pmodel, mb_shape)
-        pipe.mb_shape = mb_shape
     pipe.num_tokens = num_tokens
     losses: list[torch.Tensor] = []
     args = (input_ids,) if pipe.has_first else ()
