@@ -26,8 +26,9 @@ class ParallelConfig:
     num_microbatches: int | None = None
     """Micro-batches per optimizer step (gradient accumulation, and the pipeline's micro-batches);
     None: 1 without pipelining, else the fewest the schedule runs (pp, or 2*pp for zbv/dualpipev)."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank; interleaved-1f1b needs >= 2, zbv and dualpipev use 2."""
+    virtual_stages: int | None = None
+    """Model chunks per pipeline rank; None: 2 for interleaved-1f1b, zbv and dualpipev, else 1.
+    interleaved-1f1b takes any value >= 2 (at pp > 1), zbv and dualpipev exactly 2, afab and 1f1b 1."""
     zero_stage: int = 1
     """0: optimizer replicated over dp, gradients all-reduced; 1: optimizer state sharded over dp."""
     sequence_parallel: bool = False
@@ -37,6 +38,8 @@ class ParallelConfig:
         if self.num_microbatches is None:
             v_shaped = self.pp_schedule in ("zbv", "dualpipev")
             self.num_microbatches = 1 if self.pp == 1 else self.pp * (2 if v_shaped else 1)
+        if self.virtual_stages is None:
+            self.virtual_stages = 2 if self.pp_schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
         for name in ("tp", "pp", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -47,11 +50,11 @@ class ParallelConfig:
             raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; known schedules: {', '.join(PP_SCHEDULES)}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
-        if self.pp_schedule in ("zbv", "dualpipev"):
-            if self.virtual_stages == 1:
-                self.virtual_stages = 2
-            if self.virtual_stages != 2:
-                raise ValueError(f"pp_schedule {self.pp_schedule!r} runs exactly 2 virtual stages per rank")
+        if self.pp_schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
+            raise ValueError(
+                f"pp_schedule {self.pp_schedule!r} runs exactly 2 virtual stages per rank, got "
+                f"virtual_stages={self.virtual_stages}; leave virtual_stages unset (None) or set it to 2"
+            )
         if self.pp_schedule == "interleaved-1f1b" and self.pp > 1 and self.virtual_stages < 2:
             raise ValueError(
                 "pp_schedule 'interleaved-1f1b' needs virtual_stages >= 2 "
