@@ -1,5 +1,6 @@
 """hf3d: tensor, pipeline and data (ZeRO-1) parallel training of stock transformers models."""
 
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ParallelConfig
 from .model import ParallelModel
 from .optim import ParallelOptimizer, build_optimizer
@@ -7,4 +8,12 @@ from .parallelize import parallelize
 
 __version__ = "0.1.0"
 
-__all__ = ["ParallelConfig", "ParallelModel", "ParallelOptimizer", "build_optimizer", "parallelize"]
+__all__ = [
+    "ParallelConfig",
+    "ParallelModel",
+    "ParallelOptimizer",
+    "build_optimizer",
+    "load_checkpoint",
+    "parallelize",
+    "save_checkpoint",
+]

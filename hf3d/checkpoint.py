@@ -20,10 +20,22 @@ renamed to `<path>`. A folder without the marker is never loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import random
+import re
 import shutil
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from .layout import get_pieces
 
 MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
@@ -84,3 +96,390 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
     else:
         tmp.rename(final)
+
+
+# -- boxes: the rectangles of global HF tensors that one rank writes or reads -------------------------
+def _flat_boxes(shape: tuple[int, ...], a: int, z: int) -> list[tuple[list[int], list[int], int]]:
+    """Split the row-major element range [a, z) of a 1-D or 2-D tensor into rectangles, each one a
+    contiguous run of elements: (offsets, sizes, first flat index)."""
+    if len(shape) == 1:
+        return [([a], [z - a], a)] if z > a else []
+    assert len(shape) == 2, f"hf3d checkpoints hold 1-D and 2-D tensors, got shape {shape}"
+    cols = shape[1]
+    (r0, c0), (r1, c1) = divmod(a, cols), divmod(z, cols)
+    if r0 == r1:
+        return [([r0, c0], [1, c1 - c0], a)] if c1 > c0 else []
+    out = []
+    if c0:
+        out.append(([r0, c0], [1, cols - c0], a))
+        r0 += 1
+    if r1 > r0:
+        out.append(([r0, 0], [r1 - r0, cols], r0 * cols))
+    if c1:
+        out.append(([r1, 0], [1, c1], r1 * cols))
+    return out
+
+
+def hf_boxes(param, flat, flat_start: int, a: int, z: int, *, owned_only: bool):
+    """The HF boxes of runtime parameter `param` over its element range [a, z).
+
+    `flat` is a 1-D tensor holding param's row-major elements from `flat_start` on (the parameter
+    itself, a ZeRO master fragment, or optimizer state shaped like it). Yields
+    (hf_name, hf_offsets, sizes, view of flat): runtime rows or columns map to HF ones through the
+    layout pieces; vocab padding (covered by no piece) is skipped, and so are replicas this rank does
+    not own when `owned_only`."""
+    shape = tuple(param.shape)
+    for offsets, sizes, start in _flat_boxes(shape, a, z):
+        n = 1
+        for s in sizes:
+            n *= s
+        box = flat[start - flat_start : start - flat_start + n].view(sizes)
+        for piece in get_pieces(param):
+            if owned_only and not piece.owner:
+                continue
+            d = piece.dim
+            lo, hi = max(offsets[d], piece.local_start), min(offsets[d] + sizes[d], piece.local_stop)
+            if lo >= hi:
+                continue
+            hf_off, hf_size = list(offsets), list(sizes)
+            hf_off[d], hf_size[d] = lo - piece.local_start + piece.hf_start, hi - lo
+            yield piece.hf_name, hf_off, hf_size, box.narrow(d, lo - offsets[d], hi - lo)
+
+
+class _Boxes:
+    """One DCP entry as this rank sees it: a global size and the local boxes it writes or fills.
+    Implements the hooks DCP's planners call for sharded values (write items, chunk list, shard
+    lookup), so DCP's own resharding reads whatever boxes another mesh wrote."""
+
+    def __init__(self, size: list[int], dtype: torch.dtype):
+        self._size, self.dtype = torch.Size(size), dtype
+        self.boxes: dict[torch.Size, torch.Tensor] = {}
+
+    def add(self, offsets: list[int], view: torch.Tensor) -> None:
+        key = torch.Size(offsets)
+        assert key not in self.boxes, f"two boxes at {offsets}"
+        self.boxes[key] = view
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        props = TensorProperties(dtype=self.dtype)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, off),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(ChunkStorageMetadata(off, t.shape), props, self._size),
+            )
+            for off, t in self.boxes.items()
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(off, t.shape) for off, t in self.boxes.items()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self.boxes[torch.Size(index.offset)]
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, _Boxes):  # a contiguous copy: torch.save of a view would write its whole storage
+            return obj.__get_tensor_shard__(index).to(obj.dtype, copy=True).contiguous()
+        return super().lookup_object(index)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self):
+        super().__init__(flatten_state_dict=False)
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        ours = dict(state_dict)  # the default set-up drops values that are not tensors
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self.state_dict = ours
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict[index.fqn]
+        if isinstance(obj, _Boxes):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
+
+
+def _entry(entries: dict[str, _Boxes], key: str, hf_shapes, hf_name: str, dtype: torch.dtype) -> _Boxes:
+    if key not in entries:
+        entries[key] = _Boxes(list(hf_shapes[hf_name]), dtype)
+    return entries[key]
+
+
+# -- save / load ----------------------------------------------------------------------------------
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# config fields that decide the shape of the weights: a checkpoint must agree on all of them
+SHAPE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+def _on_rank0(fn) -> None:
+    """Run fn on rank 0 only; an OSError/ValueError there is raised on every rank (no rank is left
+    waiting in the next collective)."""
+    msg = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except (OSError, ValueError) as e:
+            msg[0] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+    dist.broadcast_object_list(msg, src=0)
+    if msg[0] is not None:
+        raise ValueError(msg[0])
+
+
+def _write_ranges(pmodel, opt):
+    """(param, a, b): the element range of each parameter this rank writes. With an optimizer, dp
+    rank d writes the d-th 1/dp of every gradient bucket (the ZeRO shard), so all ranks write in
+    parallel; without one, dp rank 0 writes its parameters whole."""
+    if opt is None:
+        return [(p, 0, p.numel()) for _, p in pmodel.unique_parameters()] if pmodel.dp_rank == 0 else []
+    out = []
+    for b in opt.buckets:
+        lo, hi = opt._my_shard(b)
+        for p in b.params:
+            s, e = opt._flat_range[id(p)]
+            if max(s, lo) < min(e, hi):
+                out.append((p, max(s, lo) - s, min(e, hi) - s))
+    return out
+
+
+def _optim_keys(opt) -> list[str]:
+    """Names of the wrapped optimizer's per-element state (exp_avg, ...), the same on every rank."""
+    mine = {k for st in opt.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(mine))
+    return sorted(set().union(*everyone))
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, extra: dict | None = None) -> Path:
+    """Collective: write a training checkpoint of `pmodel` (and `opt`) at `path`, atomically.
+
+    Every rank writes only what it owns (its tp slices, its pipeline stages, its ZeRO shard), under
+    HF names and global offsets, so any mesh can load it. `extra` is a dict of the caller's state
+    (an LR scheduler or anything with `state_dict()`, data position, counters), saved from rank 0.
+    Returns the checkpoint folder."""
+    from .hf import copy_model_files
+
+    final = Path(path)
+    tmp = staging_dir(final)
+    rank = dist.get_rank()
+
+    def stage() -> None:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+
+    _on_rank0(stage)
+    hf_shapes, entries = pmodel.hf_shapes, {}
+    for p, a, b in _write_ranges(pmodel, opt):
+        for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, a, b, owned_only=True):
+            _entry(entries, model_key(name), hf_shapes, name, p.dtype).add(off, view)
+    optim_meta = None
+    if opt is not None:
+        keys = _optim_keys(opt)
+        for p, master, ga, gz in opt._masters:
+            s = opt._flat_range[id(p)][0]
+            lo, hi = opt._my_shard(opt._bucket_of[id(p)])
+            a, z = max(ga, lo), min(gz, hi)  # ZeRO-0 holds every element: write this rank's 1/dp
+            if a >= z:
+                continue
+            st = opt.optimizer.state.get(master, {})
+            sources = {k: st[k] for k in keys}
+            if not opt._aliased:
+                sources[MASTER_KEY] = master
+            for k, flat in sources.items():
+                for name, off, _, view in hf_boxes(p, flat, ga - s, a - s, z - s, owned_only=True):
+                    _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
+        steps = [int(st["step"]) for st in opt.optimizer.state.values() if "step" in st]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+        optim_meta = {"keys": keys, "step": steps[0] if steps else 0, "param_groups": groups}
+    dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())
+    torch.save(_rng_state(), tmp / f"rng_{rank}.pt")
+    dist.barrier()
+
+    def finish() -> None:
+        if extra is not None:
+            saved = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in extra.items()}
+            torch.save(saved, tmp / "extra.pt")
+        pmodel.config.save_pretrained(tmp)
+        if pmodel.tokenizer_dir is not None:
+            copy_model_files(pmodel.tokenizer_dir, tmp)
+        write_marker(
+            tmp,
+            {
+                "kind": "training" if opt is not None else "weights",
+                "step": int(step),
+                "dtype": DTYPE_NAMES[pmodel.param_dtype],
+                "model_type": pmodel.config.model_type,
+                "parallel": dataclasses.asdict(pmodel.pcfg),
+                "world_size": dist.get_world_size(),
+                "optim": optim_meta,
+            },
+        )
+        publish(tmp, final)
+
+    _on_rank0(finish)
+    return final
+
+
+def check_compatible(path: Path, config) -> None:
+    """Refuse a checkpoint of another architecture or shape, naming every mismatch in one line."""
+    saved = json.loads((path / "config.json").read_text())
+    ours = config.to_dict()
+    diffs = [
+        f"{k}={saved.get(k)!r} (model has {ours.get(k)!r})"
+        for k in SHAPE_FIELDS
+        if k in saved or k in ours
+        if saved.get(k) != ours.get(k) and not (k == "head_dim" and None in (saved.get(k), ours.get(k)))
+    ]
+    if diffs:
+        raise ValueError(f"checkpoint {path} does not fit this model: it has {', '.join(diffs)}")
+
+
+def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | None = None) -> int:
+    """Collective: restore `pmodel` (and `opt`) from a checkpoint written at any mesh; returns its step.
+
+    A weights-only checkpoint (`hf3d convert from-hf`) restores the weights, leaves the optimizer
+    fresh and returns 0. `extra`, when given, receives what save_checkpoint's `extra` held: objects
+    with `load_state_dict` (an LR scheduler) are restored in place, other values are set in the dict.
+    RNG states are restored when the checkpoint was written by as many processes."""
+    path = Path(path)
+    meta = read_marker(path)
+    check_compatible(path, pmodel.config)
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
+    training = meta["kind"] == "training" and opt is not None
+    # fp32 parameters are their own master weights: take them from the fp32 masters when there are some
+    params_from = optim_key(MASTER_KEY, "") if has_master and pmodel.param_dtype == torch.float32 else MODEL_PREFIX
+    hf_shapes = pmodel.hf_shapes
+    entries: dict[str, _Boxes] = {}
+    masters: dict[str, _Boxes] = {}  # a second pass when masters read the same keys as the parameters
+    for _, p in pmodel.unique_parameters():
+        for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, 0, p.numel(), owned_only=False):
+            _entry(entries, params_from + name, hf_shapes, name, p.dtype).add(off, view)
+    if opt is not None:
+        keys = meta["optim"]["keys"] if training else []
+        for p, master, ga, gz in opt._masters:
+            s = opt._flat_range[id(p)][0]
+            st = opt.optimizer.state[master] if training else {}
+            for k in keys:
+                st[k] = torch.zeros_like(master)
+            targets = {k: st[k] for k in keys}
+            if not opt._aliased:
+                targets[MASTER_KEY] = master
+            for k, flat in targets.items():
+                prefix = optim_key(k, "") if k != MASTER_KEY or has_master else MODEL_PREFIX
+                into = masters if prefix == params_from else entries
+                for name, off, _, view in hf_boxes(p, flat, ga - s, ga - s, gz - s, owned_only=False):
+                    _entry(into, prefix + name, hf_shapes, name, torch.float32).add(off, view)
+            if training:
+                st["step"] = torch.tensor(float(meta["optim"]["step"]))
+    with torch.no_grad():
+        for part in (entries, masters):
+            if part:
+                dcp.load(part, checkpoint_id=path, planner=_LoadPlanner())
+    if training:
+        for group, saved in zip(opt.optimizer.param_groups, meta["optim"]["param_groups"]):
+            group.update(
+                {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group}
+            )
+    rng = path / f"rng_{dist.get_rank()}.pt"
+    if meta.get("world_size") == dist.get_world_size() and rng.is_file():
+        _set_rng_state(torch.load(rng, weights_only=True))
+    if extra is not None and (path / "extra.pt").is_file():
+        for k, v in torch.load(path / "extra.pt", weights_only=True).items():
+            if hasattr(extra.get(k), "load_state_dict"):
+                extra[k].load_state_dict(v)
+            else:
+                extra[k] = v
+    dist.barrier()
+    return int(meta["step"]) if meta["kind"] == "training" else 0
+
+
+# -- a run's checkpoints folder -------------------------------------------------------------------
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Complete `step_<N>` checkpoints under root, oldest first."""
+    found = []
+    for d in root.iterdir() if root.is_dir() else []:
+        m = STEP_DIR.match(d.name)
+        if m and is_complete(d):
+            found.append((int(m.group(1)), d))
+    return sorted(found)
+
+
+def find_resume(root: Path) -> Path | None:
+    """The newest complete checkpoint under a run's checkpoints folder; None when the folder holds
+    none at all. Folders that exist but are all incomplete are an error, never a silent restart."""
+    complete = step_dirs(root)
+    if complete:
+        return complete[-1][1]
+    partial = sorted(d.name for d in root.iterdir() if d.name.startswith("step_")) if root.is_dir() else []
+    if partial:
+        raise ValueError(
+            f"{root} holds checkpoint folders but none is complete ({', '.join(partial)}); "
+            "resume from a checkpoint path explicitly, or set checkpoint.resume=none to start over"
+        )
+    return None
+
+
+def resolve_resume(spec: str, root: Path) -> Path | None:
+    """checkpoint.resume: "auto" (newest complete under root, or None), "none", or a path to a
+    `step_<N>` folder or to a checkpoints folder."""
+    if spec == "none":
+        return None
+    if spec == "auto":
+        return find_resume(root)
+    path = Path(spec)
+    if is_complete(path):
+        return path
+    if path.is_dir() and not STEP_DIR.match(path.name):
+        found = find_resume(path)
+        if found is not None:
+            return found
+    raise ValueError(f"checkpoint.resume={spec!r} is neither a complete checkpoint nor a folder of them")
+
+
+def finish_save(root: Path, keep_last: int) -> None:
+    """After a checkpoint under root is published: point `latest` at it and drop the oldest complete
+    ones beyond keep_last (0 keeps all). Rank 0 only."""
+    complete = step_dirs(root)
+    part = root / "latest.part"
+    part.write_text(complete[-1][1].name + "\n")
+    os.replace(part, root / "latest")
+    if keep_last > 0:
+        for _, d in complete[:-keep_last]:
+            shutil.rmtree(d)
