@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from .config import ParallelConfig
 from .hf import SafetensorsSource, StateDictSource, resolve_model_dir
+from .init import InitSource, has_weights
 from .layout import get_pieces
 from .mesh import build_mesh, device_type, init_distributed
 from .model import ParallelModel
@@ -25,12 +26,16 @@ def parallelize(
     model_or_path: PreTrainedModel | str | os.PathLike,
     pcfg: ParallelConfig | None = None,
     *,
+    seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "tp") mesh.
 
-    model_or_path: a stock model instance, an HF directory, or a Hub id.
+    model_or_path: a stock model instance, an HF directory, or a Hub id. A local directory with a
+    config.json and no weights is initialised from scratch, sharded (hf3d/init.py): the weights of
+    `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config, dtype=torch.float32)`, at any mesh.
+    seed: the seed of that initialisation (ignored when weights are loaded).
     dtype: parameter and activation dtype (fp32 master weights live in the optimizer).
     attn_implementation: any key of HF's attention registry ("sdpa", "eager", "flex_attention",
     "flash_attention_2" when installed).
@@ -47,7 +52,9 @@ def parallelize(
         model_dir = resolve_model_dir(model_or_path)
         config = AutoConfig.from_pretrained(model_dir)
         get_adapter(config.model_type)  # refuse unknown families before opening weights
-        source, tokenizer_dir = SafetensorsSource(model_dir), model_dir
+        from_scratch = Path(model_or_path).is_dir() and not has_weights(model_dir)  # local dirs only
+        source = None if from_scratch else SafetensorsSource(model_dir)
+        tokenizer_dir = model_dir
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
     mesh = build_mesh(pcfg)
@@ -84,6 +91,9 @@ def parallelize(
     _materialize(hf_model, device)
     with torch.device(device):
         base.rotary_emb = type(base.rotary_emb)(config=config)  # buffers are computed, not loaded
+    if source is None:  # fp32 draws, cast per tensor by _load_pieces
+        pieces = [piece for p in hf_model.parameters() for piece in get_pieces(p)]
+        source = InitSource(config, seed=seed, pieces=pieces)
     _load_pieces(hf_model, source, dtype)
     del source
 
