@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .layout import get_pieces
+from .mesh import on_rank0
 
 MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
@@ -230,20 +231,6 @@ SHAPE_FIELDS = (
 )
 
 
-def _on_rank0(fn) -> None:
-    """Run fn on rank 0 only; an OSError/ValueError there is raised on every rank (no rank is left
-    waiting in the next collective)."""
-    msg = [None]
-    if dist.get_rank() == 0:
-        try:
-            fn()
-        except (OSError, ValueError) as e:
-            msg[0] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
-    dist.broadcast_object_list(msg, src=0)
-    if msg[0] is not None:
-        raise ValueError(msg[0])
-
-
 def _write_ranges(pmodel, opt):
     """(param, a, b): the element range of each parameter this rank writes. With an optimizer, dp
     rank d writes the d-th 1/dp of every gradient bucket (the ZeRO shard), so all ranks write in
@@ -300,7 +287,7 @@ def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, ext
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
 
-    _on_rank0(stage)
+    on_rank0(stage)
     hf_shapes, entries = pmodel.hf_shapes, {}
     for p, a, b in _write_ranges(pmodel, opt):
         for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, a, b, owned_only=True):
@@ -349,7 +336,7 @@ def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, ext
         )
         publish(tmp, final)
 
-    _on_rank0(finish)
+    on_rank0(finish)
     return final
 
 
@@ -403,7 +390,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
                 into = masters if prefix == params_from else entries
                 for name, off, _, view in hf_boxes(p, flat, ga - s, ga - s, gz - s, owned_only=False):
                     _entry(into, prefix + name, hf_shapes, name, torch.float32).add(off, view)
-            if training:
+            if keys:
                 st["step"] = torch.tensor(float(meta["optim"]["step"]))
     with torch.no_grad():
         for part in (entries, masters):

@@ -46,3 +46,17 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
     world_size = dist.get_world_size()
     pcfg.resolve(world_size)
     return init_device_mesh(device_type(), (pcfg.pp, pcfg.dp, pcfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def on_rank0(fn) -> None:
+    """Run fn on global rank 0 only; an OSError or ValueError there is raised as a ValueError on every
+    rank, so no rank is left waiting in the next collective."""
+    msg = [None]
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except (OSError, ValueError) as e:
+            msg[0] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+    dist.broadcast_object_list(msg, src=0)
+    if msg[0] is not None:
+        raise ValueError(msg[0])

@@ -38,14 +38,29 @@ def flops_per_token(config, seq_len: int) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to <output_dir>/metrics.jsonl (main process only)."""
+    """Appends one JSON object per step to <output_dir>/metrics.jsonl (main process only), flushed
+    (the file closed) after every step.
 
-    def __init__(self, output_dir: Path, enabled: bool):
+    A fresh run empties the file. A run resumed at step N keeps the records of steps 1..N and drops
+    later ones (steps the interrupted run did after its last checkpoint, which are trained again)."""
+
+    def __init__(self, output_dir: Path, enabled: bool, resume_step: int | None = None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("")
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resume_step is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] <= resume_step:
+                        kept.append(line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    break  # a line cut short by the interruption ends what is kept
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
 
     def write(self, record: dict) -> None:
         if self.enabled:

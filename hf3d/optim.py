@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import hf_boxes
 from .layout import get_pieces, shard_range
 
 ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside AccumulateGrad
@@ -302,40 +303,32 @@ class ParallelOptimizer:
                 p.grad = None
 
     # -- state dict: HF names and global offsets, independent of the mesh ---------------------------
-    def _full_flat(self, per_master) -> torch.Tensor:
-        """A flat fp32 buffer over all buckets holding per_master(master) at the master's range,
-        gathered over dp so every rank sees every element."""
-        flat = torch.zeros_like(self.main_grad)
-        for _, master, lo, hi in self._masters:
-            flat[lo:hi] = per_master(master)
-        if self.zero_stage == 1 and self.dp_size > 1:
-            for b in self.buckets:
-                lo, hi = self._my_shard(b)
-                gathered = torch.empty(b.numel, device=self.device)
-                dist.all_gather_single(gathered, flat[lo:hi].clone(), group=self.dp_group)
-                flat[b.offset : b.offset + b.numel] = gathered
-        return flat
+    def _state_boxes(self, keys, *, create: bool):
+        """(key, hf_name, hf_offsets, sizes, view) over this rank's master fragments: "master" and the
+        wrapped optimizer's per-element state; `create` makes zero state where there is none yet."""
+        for p, master, a, z in self._masters:
+            s = self._flat_range[id(p)][0]
+            st = self.optimizer.state[master] if create else self.optimizer.state.get(master, {})
+            sources = {"master": master}
+            for k in keys:
+                if create and k not in st:
+                    st[k] = torch.zeros_like(master)
+                sources[k] = st[k]
+            for key, flat in sources.items():
+                for name, off, size, view in hf_boxes(p, flat, a - s, a - s, z - s, owned_only=False):
+                    yield key, name, off, size, view
 
     def state_dict(self) -> dict:
-        """Collective over dp. {"state": {hf_name: {key: [(dim, hf_start, hf_stop, owner, tensor)]}},
-        "step": n, "param_groups": [...]} for every piece this rank holds; keys are "master" (fp32
-        master weights) and the wrapped optimizer's per-parameter state (exp_avg, ...). `owner`
-        marks the one copy of a piece to keep when merging the dicts of all ranks."""
+        """{"state": {hf_name: {key: [(hf_offsets, tensor), ...]}}, "step": n, "param_groups": [...]}: the
+        boxes of global HF tensors this rank steps (its ZeRO shard), "master" (fp32 master weights) and
+        the wrapped optimizer's per-element state (exp_avg, ...). No collective and no full tensors: the
+        dicts of all ranks together cover every element, and `load_state_dict` reads any mesh's boxes."""
         keys = sorted(
             {k for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
         )
-        flats = {"master": self._full_flat(lambda m: m)}
-        for k in keys:
-            flats[k] = self._full_flat(lambda m, k=k: self.optimizer.state[m][k] if m in self.optimizer.state else 0.0)
         out: dict[str, dict] = {}
-        for b in self.buckets:
-            for p in b.params:
-                lo, hi = self._flat_range[id(p)]
-                for piece in get_pieces(p):
-                    for key, flat in flats.items():
-                        t = piece.local(flat[lo:hi].view(p.shape)).clone()
-                        entry = (piece.dim, piece.hf_start, piece.hf_stop, piece.owner, t)
-                        out.setdefault(piece.hf_name, {}).setdefault(key, []).append(entry)
+        for key, name, off, _, view in self._state_boxes(keys, create=False):
+            out.setdefault(name, {}).setdefault(key, []).append((off, view.clone()))
         steps = [st["step"] for st in self.optimizer.state.values() if "step" in st]
         step = int(steps[0]) if steps else 0
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
@@ -343,39 +336,24 @@ class ParallelOptimizer:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a dict from state_dict() of any mesh (merge several ranks' "state" first)."""
-        full: dict[tuple[str, str], torch.Tensor] = {}
-
-        def hf_tensor(name: str, key: str) -> torch.Tensor:
-            if (name, key) not in full:
-                entries = state_dict["state"].get(name, {}).get(key)
-                if not entries:
-                    raise ValueError(f"optimizer state has no {key!r} for {name!r}")
-                t = torch.zeros(self.pmodel.hf_shapes[name], dtype=torch.float32, device=self.device)
-                for dim, start, stop, _, chunk in entries:
-                    t.narrow(dim, start, stop - start).copy_(chunk)
-                full[name, key] = t
-            return full[name, key]
-
-        keys = {k for per_name in state_dict["state"].values() for k in per_name}
-        for key in sorted(keys):
-            flat = torch.zeros_like(self.main_grad)
-            for b in self.buckets:
-                for p in b.params:
-                    lo, hi = self._flat_range[id(p)]
-                    view = flat[lo:hi].view(p.shape)
-                    for piece in get_pieces(p):
-                        src = hf_tensor(piece.hf_name, key).narrow(
-                            piece.dim, piece.hf_start, piece.hf_stop - piece.hf_start
-                        )
-                        piece.local(view).copy_(src)
-            for _, master, lo, hi in self._masters:
-                if key == "master":
-                    master.copy_(flat[lo:hi])
-                else:
-                    st = self.optimizer.state[master]
-                    st[key] = flat[lo:hi].clone()
-                    st["step"] = torch.tensor(float(state_dict["step"]))
+        """Load state_dict() output of any mesh (the "state" of several ranks merged: lists joined)."""
+        keys = sorted({k for per_name in state_dict["state"].values() for k in per_name} - {"master"})
+        for key, name, off, size, view in self._state_boxes(keys, create=True):
+            covered = 0
+            for soff, chunk in state_dict["state"].get(name, {}).get(key, []):
+                lo = [max(o, so) for o, so in zip(off, soff)]
+                hi = [min(o + n, so + c) for o, n, so, c in zip(off, size, soff, chunk.shape)]
+                if any(a >= b for a, b in zip(lo, hi)):
+                    continue
+                dst, src = view, chunk
+                for d, (a, b) in enumerate(zip(lo, hi)):
+                    dst, src = dst.narrow(d, a - off[d], b - a), src.narrow(d, a - soff[d], b - a)
+                dst.copy_(src)
+                covered += dst.numel()
+            if covered < view.numel():
+                raise ValueError(f"optimizer state has no {key!r} for part of {name!r} at offsets {off}")
+        for master in self.optimizer.state if keys else ():  # no state yet: the optimizer starts fresh
+            self.optimizer.state[master]["step"] = torch.tensor(float(state_dict["step"]))
         for group, saved in zip(self.optimizer.param_groups, state_dict.get("param_groups", [])):
             group.update({k: v for k, v in saved.items() if k in group})
         self._write_back()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from .checkpoint import finish_save, is_complete, load_checkpoint, resolve_resume, save_checkpoint
 from .config import ParallelConfig
 from .data import BatchIterator, DataConfig, packed_rows
 from .metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes
@@ -28,7 +29,8 @@ class ModelConfig:
     """Which stock HF model to train."""
 
     path: str = "examples/models/tiny-smollm"
-    """HF directory or Hub id. A directory with config.json but no weights starts from scratch."""
+    """HF directory, Hub id, or hf3d checkpoint (its weights only; `hf3d convert from-hf` makes one).
+    A directory with config.json but no weights starts from scratch."""
     dtype: str = "float32"
     """Parameter/activation dtype: float32 or bfloat16 (fp32 master weights either way)."""
     attn_implementation: str = "sdpa"
@@ -83,12 +85,51 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Training checkpoints under <output_dir>/checkpoints/step_<N>/ (any mesh can resume them)."""
+
+    every: int = 100
+    """Steps between checkpoints; 0 turns checkpointing off. The last step is always saved (when on)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after each save. 0 keeps all."""
+    resume: str = "auto"
+    """auto: the newest complete checkpoint of this output_dir, or a fresh start when there is none;
+    none: always start fresh; or a path to a step_<N> folder or to a checkpoints folder."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 0:
+            raise ValueError(f"checkpoint.every must be a number of steps >= 0, got {self.every!r}")
+        if not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ValueError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last!r}")
+        self.resume = str(self.resume)
+
+
+@dataclass
+class ExportConfig:
+    """What happens to the final HF directory (<output_dir>/final, written when run.save_final)."""
+
+    push_to_hub: str | None = None
+    """A Hub repo id (NAMESPACE/NAME) to upload the final directory to, with a model card; the token
+    comes from HF_TOKEN or `hf auth login`."""
+    private: bool = False
+    """Create the Hub repo private."""
+    license: str = "apache-2.0"
+    """License named in the model card."""
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def __post_init__(self) -> None:
+        if self.export.push_to_hub and not self.run.save_final:
+            raise ValueError("export.push_to_hub needs run.save_final=true (the final directory is what is pushed)")
 
     @classmethod
     def from_yaml(cls, path: str | None, overrides: list[str] = ()) -> TrainConfig:
@@ -133,20 +174,19 @@ def lr_at(step: int, cfg: OptimConfig, total: int) -> float:
 
 
 def _load_model(cfg: ModelConfig, pcfg: ParallelConfig):
-    """The parallel model; a weightless HF directory is initialised from its config (same seed on
-    every rank, so every rank draws the same full weights and keeps its own slices)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """The parallel model. A weightless HF directory is initialised from its config by `parallelize`
+    itself: every rank draws the stock init in stock order and keeps only its own slices, so the
+    model equals `torch.manual_seed(init_seed); from_config(config, dtype=torch.float32)` (then cast
+    to model.dtype) at any mesh."""
     from . import parallelize
 
-    path = Path(cfg.path)
-    has_weights = any(path.glob("*.safetensors")) if path.is_dir() else True
-    if has_weights:
-        return parallelize(cfg.path, pcfg, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
-    torch.manual_seed(cfg.init_seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
-    model.config._name_or_path = str(path)  # so the export carries the tokenizer files
-    return parallelize(model, pcfg, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation)
+    return parallelize(
+        cfg.path,
+        pcfg,
+        seed=cfg.init_seed,
+        dtype=DTYPES[cfg.dtype],
+        attn_implementation=cfg.attn_implementation,
+    )
 
 
 def _report_memory(opt, out: Path, rank0: bool) -> None:
@@ -170,6 +210,8 @@ def train(cfg: TrainConfig) -> dict:
     from . import build_optimizer
 
     pmodel = _load_model(cfg.model, cfg.parallel)
+    if is_complete(cfg.model.path):  # start from a checkpoint's weights: step 0, fresh optimizer
+        load_checkpoint(cfg.model.path, pmodel)
     rank0 = dist.get_rank() == 0
     tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or cfg.model.path)
     rows = packed_rows(cfg.data, tokenizer)
@@ -187,27 +229,38 @@ def train(cfg: TrainConfig) -> dict:
         exclude_from_weight_decay=o.exclude_from_weight_decay,
     )
     out = Path(cfg.run.output_dir)
+    ckpt_root = out / "checkpoints"
+    resume_from = resolve_resume(cfg.checkpoint.resume, ckpt_root)
+    start = 0
+    if resume_from is not None:
+        state = {}
+        start = load_checkpoint(resume_from, pmodel, opt, extra=state)
+        if "data_position" in state:
+            batches.position, batches.epoch = state["data_position"], state["data_epoch"]
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         p = cfg.parallel
         print(f"hf3d: mesh pp={p.pp} dp={p.dp} tp={p.tp}; {rows.shape[0]} rows of {cfg.data.seq_len} tokens")
-    metrics = MetricsWriter(out, enabled=rank0)
+        if resume_from is not None:
+            print(f"hf3d: resumed from {resume_from} at step {start}")
+    metrics = MetricsWriter(out, enabled=rank0, resume_step=start if resume_from is not None else None)
     tokens_per_step = cfg.run.global_batch * cfg.data.seq_len
     peak = device_peak_flops()
     fpt = flops_per_token(pmodel.config, cfg.data.seq_len)
     record: dict = {}
-    bar = tqdm(range(cfg.run.steps), disable=not rank0, desc="train", dynamic_ncols=True)
+    every = cfg.checkpoint.every
+    bar = tqdm(range(start, cfg.run.steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         lr = lr_at(step, o, cfg.run.steps)
         for group in opt.param_groups:
             group["lr"] = lr
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         ids = next(batches)
         loss = pmodel.train_step(ids, ids)
         grad_norm = opt.step()
         opt.zero_grad()
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - t0
         record = {
             "step": step + 1,
             "loss": loss.item(),
@@ -221,14 +274,65 @@ def train(cfg: TrainConfig) -> dict:
         }
         if peak:
             record["mfu"] = fpt * tokens_per_step / elapsed / (peak * dist.get_world_size())
+        if every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps):
+            t0 = time.perf_counter()
+            extra = {"data_position": batches.position, "data_epoch": batches.epoch, "tokens": record["tokens"]}
+            saved = save_checkpoint(ckpt_root / f"step_{step + 1}", pmodel, opt, step=step + 1, extra=extra)
+            if rank0:
+                finish_save(ckpt_root, cfg.checkpoint.keep_last)
+            record["checkpoint_s"] = time.perf_counter() - t0
+            if rank0:
+                bar.write(f"hf3d: saved {saved} in {record['checkpoint_s']:.2f} s")
         metrics.write(record)
-        if step == 0:  # optimizer state exists from the first step on
+        if step == start:  # optimizer state exists from the first step on
             _report_memory(opt, out, rank0)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
         if rank0 and (step + 1) % cfg.run.log_every == 0:
             bar.write(f"step {step + 1}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} lr {lr:.2e}")
     if cfg.run.save_final:
-        pmodel.save_pretrained(out / "final")
+        final = out / "final"
+        pmodel.save_pretrained(final)
         if rank0:
-            print(f"hf3d: wrote {out / 'final'} (load it with AutoModelForCausalLM.from_pretrained)")
+            _write_summary(cfg, final, metrics.path, record)
+            print(f"hf3d: wrote {final} (load it with AutoModelForCausalLM.from_pretrained)")
+        if cfg.export.push_to_hub:
+            _push_final(cfg, final)
     return record
+
+
+def _write_summary(cfg: TrainConfig, final: Path, metrics_path: Path, last: dict) -> None:
+    """The run's record next to the exported weights (hf3d_training.json): the model card is made from it."""
+    from .hub import SUMMARY_FILE
+
+    curve = [[r["step"], r["loss"]] for r in map(json.loads, metrics_path.read_text().splitlines())]
+    model_path = cfg.model.path
+    from_hub = not Path(model_path).exists() and model_path.count("/") == 1
+    summary = {
+        "base_model": model_path if from_hub else None,
+        "datasets": [cfg.data.path],
+        "license": cfg.export.license,
+        "hyperparameters": {
+            **{k: v for k, v in dataclasses.asdict(cfg.optim).items() if k != "bucket_size"},
+            "steps": cfg.run.steps,
+            "global_batch": cfg.run.global_batch,
+            "seq_len": cfg.data.seq_len,
+            "dtype": cfg.model.dtype,
+        },
+        "parallel": {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "dp", "pp_schedule", "num_microbatches")},
+        "tokens_seen": curve[-1][0] * cfg.run.global_batch * cfg.data.seq_len if curve else 0,
+        "final_loss": curve[-1][1] if curve else last.get("loss"),
+        "loss_curve": curve,
+    }
+    (final / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+
+
+def _push_final(cfg: TrainConfig, final: Path) -> None:
+    """Rank 0 uploads; a failure is raised on every rank (no rank is left waiting)."""
+    from .hub import push_to_hub
+    from .mesh import on_rank0
+
+    def push() -> None:
+        url = push_to_hub(final, cfg.export.push_to_hub, private=cfg.export.private)
+        print(f"hf3d: pushed {final} to {url}")
+
+    on_rank0(push)
