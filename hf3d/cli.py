@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from .convert import add_convert_commands
+
 
 def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
@@ -36,6 +38,21 @@ def _generate(args) -> None:
     print(tok.decode(out[0], skip_special_tokens=True))
 
 
+def _push(args) -> None:
+    from .hub import push_to_hub
+
+    url = push_to_hub(
+        args.model_dir,
+        args.repo_id,
+        private=args.private,
+        revision=args.revision,
+        commit_message=args.commit_message,
+        retries=args.retries,
+        retry_wait_s=args.retry_wait,
+    )
+    print(f"pushed {args.model_dir} to {args.repo_id}: {url}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,10 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_generate)
+    p = sub.add_parser("convert", help="hf3d checkpoint <-> HF directory, on one CPU process (no torchrun)")
+    add_convert_commands(p)
+    p = sub.add_parser("push", help="upload an HF model directory to the Hub, with a model card")
+    p.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
+    p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")
+    p.add_argument("--private", action="store_true", help="make a new repo private (an existing one keeps its setting)")
+    p.add_argument("--revision", help="branch to commit to (created if missing; default: main)")
+    p.add_argument("--commit-message")
+    p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 5xx answers")
+    p.add_argument("--retry-wait", type=float, default=1.0, help="seconds before the first retry, doubling after")
+    p.set_defaults(func=_push)
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:
         if _is_main_rank():
             print(f"hf3d {args.command}: error: {e}", file=sys.stderr)
         return 1

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
-from collections.abc import Mapping
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,6 +85,18 @@ class SafetensorsSource:
             for name, (offset, dtype, shape) in _read_header(fpath).items():
                 self.entries[name] = (fpath, offset, dtype, shape)
 
+    def spec(self, name: str) -> TensorSpec:
+        _, _, dtype_name, shape = self.entries[name]
+        return TensorSpec(name, shape, _ST_DTYPES[dtype_name])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` (any shape, scalars included)."""
+        fpath, offset, dtype_name, shape = self.entries[name]
+        out = torch.empty(shape, dtype=_ST_DTYPES[dtype_name])
+        with open(fpath, "rb", buffering=0) as f:
+            _read_into(f, offset, out.view(-1))
+        return out
+
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name not in self.entries:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
@@ -154,62 +170,156 @@ class StateDictSource:
         return self.state_dict[name].detach().narrow(dim, start, stop - start)
 
 
+# -- writing HF directories ---------------------------------------------------------------------------
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # "5GB", as huggingface_hub counts it
+GENERATION_CONFIG = "generation_config.json"
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+# files of an HF model dir that travel with the weights (tokenizer, chat template, generation defaults)
+_MODEL_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens", "chat_template")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[tuple[str, list[TensorSpec]]]:
+    """[(file name, tensors in file order)]: the split transformers makes, and the layout safetensors makes.
+
+    Tensors are taken in the given order and a new shard starts when the next tensor would pass
+    max_shard_bytes, as huggingface_hub's splitter does for a state dict in that order (transformers 5
+    saves a model built with from_config in state-dict order); a tensor larger than the limit gets a
+    shard of its own, placed in order (huggingface_hub leaves the current shard open instead). Inside
+    a file, tensors are laid out as `safetensors.torch.save_file` lays them out: larger elements first,
+    then by name, so a one-dtype file is byte-identical to save_file's.
+    """
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for s in specs:
+        if groups[-1] and size + s.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(s)
+        size += s.nbytes
+    ordered = [sorted(g, key=lambda s: (-s.dtype.itemsize, s.name)) for g in groups]
+    if len(ordered) == 1:
+        return [(SAFE_SINGLE, ordered[0])]
+    n = len(ordered)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", g) for i, g in enumerate(ordered)]
+
+
+def write_order(specs: list[TensorSpec], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """The order in which write_hf_dir asks for tensors (collective producers walk the same list)."""
+    return [s.name for _, group in plan_shards(specs, max_shard_bytes) for s in group]
+
+
+def _safetensors_header(group: list[TensorSpec]) -> bytes:
+    """The 8-byte length + JSON header of a safetensors file holding `group` in this order."""
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for s in group:
+        if s.dtype not in _ST_NAMES:
+            raise ValueError(f"cannot write {s.name!r} of dtype {s.dtype} to safetensors")
+        header[s.name] = {
+            "dtype": _ST_NAMES[s.dtype],
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
+        offset += s.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes, keeping the data aligned
+    return len(text).to_bytes(8, "little") + text
+
+
+def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
+    """Copy generation_config.json, the tokenizer files and the chat template from an HF model dir
+    (or a checkpoint) into dst_dir, those that exist; returns the names copied."""
+    copied = []
+    for f in sorted(Path(src_dir).iterdir()):
+        if f.is_file() and (f.name == GENERATION_CONFIG or f.name.startswith(_MODEL_FILE_PREFIXES)):
+            shutil.copyfile(f, Path(dst_dir) / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def _causal_lm_class(config):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def _save_config(config, out: Path, *, have_generation_config: bool) -> None:
+    """config.json (with `architectures`, as transformers' save_pretrained sets it) and, when the source
+    had none, the generation_config.json that transformers' save_pretrained would write."""
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(config)
+    cls = _causal_lm_class(config)
+    if cls is not None and not config.architectures:
+        config.architectures = [cls.__name__]
+    config.save_pretrained(out)
+    if not have_generation_config and cls is not None and cls.can_generate():
+        try:
+            gen = GenerationConfig.from_model_config(config)
+        except NotImplementedError:
+            gen = GenerationConfig()
+        gen.save_pretrained(out)
+
+
 def write_hf_dir(
-    out_dir: Path,
-    tensors: dict[str, torch.Tensor],
+    out_dir: str | os.PathLike,
+    specs: list[TensorSpec],
+    produce: Callable[[str], torch.Tensor],
     config,
     *,
-    tokenizer_dir: Path | None,
-    max_shard_bytes: int = 5 * 2**30,
+    src_dir: str | os.PathLike | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> None:
-    """Write safetensors (sharded with an index past max_shard_bytes) + config.json (+ tokenizer files).
+    """Write an HF directory, holding at most one tensor at a time.
 
-    Files are written into a temporary sibling directory that replaces out_dir at the end, so an
-    interrupted export never leaves a directory that looks finished.
+    specs: every tensor to write, in state-dict order (the order the shards are cut in).
+    produce(name): the full tensor `name`, of its spec's shape and dtype; called once per tensor, in
+    `write_order(specs, max_shard_bytes)`, and the tensor is written before the next call (so the
+    producer may reuse its memory). Each file's header is known from the specs, so it is written
+    first and the tensors' bytes are streamed after it. Sharded with an index (as transformers names
+    them) past max_shard_bytes; config.json; generation_config.json and tokenizer files copied from
+    src_dir when it has them. Files go into a temporary sibling directory that replaces out_dir at the
+    end, so an interrupted export never leaves a directory that looks finished.
     """
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp-hf3d")
     if tmp.exists():
-        _rmtree(tmp)
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(tmp / SAFE_SINGLE), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (tmp / SAFE_INDEX).write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
-    config.save_pretrained(tmp)
-    if tokenizer_dir is not None:
-        for f in Path(tokenizer_dir).iterdir():
-            if (
-                f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges"))
-                or f.name == "chat_template.jinja"
-            ):
-                (tmp / f.name).write_bytes(f.read_bytes())
+    plan = plan_shards(list(specs), max_shard_bytes)
+    for fname, group in plan:
+        with open(tmp / fname, "wb") as f:
+            f.write(_safetensors_header(group))
+            for s in group:
+                t = produce(s.name)
+                assert tuple(t.shape) == s.shape and t.dtype == s.dtype, (s, tuple(t.shape), t.dtype)
+                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                del t
+    if len(plan) > 1:
+        index = {
+            "metadata": {
+                "total_parameters": sum(math.prod(s.shape) for s in specs),
+                "total_size": sum(s.nbytes for s in specs),
+            },
+            "weight_map": {s.name: fname for fname, group in plan for s in group},
+        }
+        (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    copied = copy_model_files(src_dir, tmp) if src_dir is not None else []
+    _save_config(config, tmp, have_generation_config=GENERATION_CONFIG in copied)
     if out_dir.exists():
-        _rmtree(out_dir)
+        shutil.rmtree(out_dir)
     tmp.rename(out_dir)
-
-
-def _rmtree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path)

@@ -5,18 +5,22 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import ParallelConfig
-from .hf import write_hf_dir
+from .hf import DEFAULT_MAX_SHARD_BYTES, TensorSpec, write_hf_dir, write_order
 from .layout import get_pieces
 from .stage import StageModule
 
 IGNORE_INDEX = -100
+# HF call arguments that change nothing here (no KV cache while training; outputs are always a dataclass)
+IGNORED_KWARGS = {"use_cache", "return_dict", "num_items_in_batch", "output_attentions", "output_hidden_states"}
 
 
 class ParallelModel(nn.Module):
@@ -89,13 +93,94 @@ class ParallelModel(nn.Module):
             raise ValueError(f"position_ids {tuple(position_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
         return position_ids.to(input_ids.device)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """HF-style call on this dp replica's rows.
+
+        In train mode with labels the whole training step runs here (train_step: forward and backward
+        over every micro-batch, gradients left for `opt.step()`), and `.loss` is the global-batch loss
+        as a leaf tensor that requires grad, so `loss.backward()` / `accelerator.backward(loss)` are
+        harmless; `.logits` is None. Otherwise `.logits` holds the full-vocab logits on every rank,
+        and `.loss` (with labels) the mean loss over these rows' non-ignored tokens, as stock computes it.
+        """
+        if input_ids is None:
+            raise ValueError("hf3d models take input_ids (inputs_embeds is not supported)")
+        unknown = set(kwargs) - IGNORED_KWARGS
+        if unknown:
+            raise ValueError(f"hf3d models do not take {', '.join(sorted(unknown))}")
+        if attention_mask is not None and not bool((attention_mask == 1).all()):
+            raise ValueError(
+                "attention_mask with padding is not supported yet: pack rows to full length (hf3d train does) and "
+                "pass attention_mask=None or all ones; use position_ids that restart per document for packed data"
+            )
+        if labels is not None and self.training:
+            loss = self.train_step(input_ids, labels, position_ids=position_ids)
+            return CausalLMOutputWithPast(loss=loss.detach().requires_grad_())
+        logits = self.logits(input_ids, position_ids)
+        loss = None
+        if labels is not None:
+            shifted = labels.to(logits.device)[:, 1:].flatten()
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), shifted, ignore_index=IGNORE_INDEX)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Full-vocab logits [b, s, vocab] on every rank (for evaluation and tests)."""
         input_ids = input_ids.to(self.device)
         position_ids = self._positions(input_ids, position_ids)
+        # No dp collective here: the ranks of one replica hold the same rows, so they all raise, and
+        # a forward never waits on another replica (one replica may evaluate alone).
+        if self._out_of_vocab(input_ids).item():
+            self._raise_out_of_vocab(input_ids, None, dp_group=None)
         if self.pcfg.pp == 1:
             return self.lm_head.full_logits(self.stages[0](input_ids, position_ids))
         return self._relay_forward(input_ids, position_ids)
+
+    def _out_of_vocab(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """1.0 when an id is outside [0, vocab_size) or a label is neither -100 nor inside it, else 0.0.
+        One min/max reduction per tensor and no host sync; where the bad value sits is found only on failure."""
+        v = self.config.vocab_size
+        flag = torch.zeros((), device=input_ids.device)
+        tensors = [input_ids] if labels is None else [input_ids, labels.masked_fill(labels == IGNORE_INDEX, 0)]
+        for t in tensors:
+            if t.numel():
+                lo, hi = torch.aminmax(t)
+                flag = torch.maximum(flag, ((lo < 0) | (hi >= v)).float())
+        return flag
+
+    def _raise_out_of_vocab(self, input_ids: torch.Tensor, labels: torch.Tensor | None, *, dp_group) -> NoReturn:
+        """Raise one ValueError naming the first bad value. With dp_group this is collective over dp: every
+        dp rank reports the same value, also the ranks whose own rows are all valid."""
+        v = self.config.vocab_size
+        found = torch.full((5,), -1, dtype=torch.int64, device=input_ids.device)  # [dp rank, tensor, row, col, value]
+        checks = [(input_ids < 0) | (input_ids >= v)]
+        if labels is not None:
+            checks.append(((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= v))
+        for which, (tensor, bad) in enumerate(zip((input_ids, labels), checks)):
+            hits = bad.nonzero()
+            if len(hits):
+                row, col = hits[0].tolist()
+                found = torch.tensor([self.dp_rank, which, row, col, int(tensor[row, col])], device=found.device)
+                break
+        if dp_group is not None:
+            everyone = [torch.empty_like(found) for _ in range(self.dp_size)]
+            dist.all_gather(everyone, found, group=dp_group)
+            found = next(f for f in everyone if f[0] >= 0)
+        dp_rank, which, row, col, value = found.tolist()
+        where = f" on dp rank {dp_rank}" if dp_group is not None else ""
+        if which == 0:
+            what, rule = f"input_ids[{row}, {col}] = {value}{where}", f"token ids must be in [0, {v})"
+        else:
+            what, rule = f"labels[{row}, {col}] = {value}{where}", f"labels must be -100 (ignored) or in [0, {v})"
+        raise ValueError(
+            f"{what} is outside the model's vocabulary (vocab_size={v}): {rule}; "
+            "check that the tokenizer and the model match"
+        )
 
     def _relay_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Run the stages one after another (one micro-batch), passing activations over pp."""
@@ -143,9 +228,16 @@ class ParallelModel(nn.Module):
             )
         targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), IGNORE_INDEX)], dim=1)
         num_tokens = (targets != IGNORE_INDEX).sum().to(torch.float32)
+        out_of_vocab = self._out_of_vocab(input_ids, labels)
         dp_group = self.mesh.get_group("dp")
         if self.dp_size > 1:
-            dist.all_reduce(num_tokens, group=dp_group)
+            # the bad-id flag rides on the token count's all-reduce, so a bad id in one replica's rows
+            # stops every replica (the ranks of one replica hold the same rows)
+            counts = torch.stack([num_tokens, out_of_vocab])
+            dist.all_reduce(counts, group=dp_group)
+            num_tokens, out_of_vocab = counts.unbind()
+        if out_of_vocab.item():
+            self._raise_out_of_vocab(input_ids, labels, dp_group=dp_group if self.dp_size > 1 else None)
         num_tokens = num_tokens.clamp_min(1.0)
         if self.grad_sync is not None:
             self.grad_sync.start_step(m)
@@ -176,30 +268,71 @@ class ParallelModel(nn.Module):
                     out.append((p.hf_name, p.dim, p.hf_start, p.hf_stop, p.local(param).detach().cpu().clone()))
         return out
 
-    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
-        """Collective: write an HF directory (safetensors + config.json + tokenizer files if known)
-        that stock `AutoModelForCausalLM.from_pretrained` loads. Rank 0 writes."""
-        mine = self.hf_state_pieces() if self.dp_rank == 0 else []
-        world = dist.get_world_size()
-        gathered = [None] * world if dist.get_rank() == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
-        if dist.get_rank() == 0:
-            tensors = assemble_hf_tensors([p for part in gathered for p in part], self.hf_shapes, self.config)
+    @torch.no_grad()
+    def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
+        files if known) that stock `AutoModelForCausalLM.from_pretrained` loads.
+
+        Streams tensor by tensor: every rank walks the HF names in the writer's order; for each one, the
+        ranks owning pieces of it (dp rank 0's replica) send them to rank 0, which assembles that one
+        tensor, writes it and drops it. No rank ever holds more than one full tensor."""
+        rank = dist.get_rank()
+        mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
+        if self.dp_rank == 0:
+            for _, param in self.unique_parameters():
+                for p in get_pieces(param):
+                    if p.owner:
+                        mine.setdefault(p.hf_name, {})[(p.dim, p.hf_start, p.hf_stop)] = p.local(param).detach()
+        table = [None] * dist.get_world_size()
+        dist.all_gather_object(table, {name: list(ranges) for name, ranges in mine.items()})
+        tied = self.config.tie_word_embeddings
+        dtype = self.param_dtype
+        specs = [TensorSpec(n, s, dtype) for n, s in self.hf_shapes.items() if not (tied and n == "lm_head.weight")]
+        sources = export_sources(table, specs)
+
+        if rank != 0:
+            for name in write_order(specs, max_shard_bytes):
+                for src, *key in sources[name]:
+                    if src == rank:
+                        dist.send(mine[name][tuple(key)].contiguous(), dst=0)
+        else:
+            shapes = {s.name: s.shape for s in specs}
+
+            def produce(name: str) -> torch.Tensor:
+                full = torch.empty(shapes[name], dtype=dtype)
+                for src, dim, start, stop in sources[name]:
+                    region = full.narrow(dim, start, stop - start)
+                    if src == 0:
+                        region.copy_(mine[name][(dim, start, stop)])
+                    else:
+                        buf = torch.empty(region.shape, dtype=dtype, device=self.device)
+                        dist.recv(buf, src=src)
+                        region.copy_(buf)
+                return full
+
             config = copy.deepcopy(self.config)
-            config.dtype = self.param_dtype
-            write_hf_dir(Path(out_dir), tensors, config, tokenizer_dir=self.tokenizer_dir)
+            config.dtype = dtype
+            write_hf_dir(out_dir, specs, produce, config, src_dir=self.tokenizer_dir, max_shard_bytes=max_shard_bytes)
         dist.barrier()
 
 
-def assemble_hf_tensors(pieces, hf_shapes: dict[str, tuple[int, ...]], config) -> dict[str, torch.Tensor]:
-    """Full HF tensors from owned pieces; checks every element is covered exactly once."""
-    names = [n for n in hf_shapes if not (config.tie_word_embeddings and n == "lm_head.weight")]
-    dtype = pieces[0][4].dtype
-    tensors = {n: torch.empty(hf_shapes[n], dtype=dtype) for n in names}
-    filled = dict.fromkeys(names, 0)
-    for name, dim, start, stop, t in pieces:
-        tensors[name].narrow(dim, start, stop - start).copy_(t)
-        filled[name] += t.numel()
-    missing = [n for n in names if filled[n] != tensors[n].numel()]
-    assert not missing, f"export covered these tensors wrongly: {missing[:5]}"
-    return tensors
+def export_sources(table: list[dict], specs: list[TensorSpec]) -> dict[str, list[tuple[int, int, int, int]]]:
+    """{hf_name: [(rank, dim, start, stop), ...]}: which rank sends which range of each exported tensor,
+    from every rank's {hf_name: [(dim, start, stop)]} of owned pieces. Checks that every element is
+    covered exactly once: the pieces of a tensor tile it along one dim, without gap or overlap."""
+    shapes = {s.name: s.shape for s in specs}
+    sources: dict[str, list[tuple[int, int, int, int]]] = {n: [] for n in shapes}
+    for rank, owned in enumerate(table):
+        for name, ranges in owned.items():
+            assert name in shapes, f"export: a rank owns a piece of {name!r}, which is not exported"
+            sources[name] += [(rank, *r) for r in ranges]
+    wrong = []
+    for name, ranges in sources.items():
+        ranges.sort(key=lambda r: r[2])
+        dims = {r[1] for r in ranges}  # empty when no rank owns the tensor
+        edges = [e for r in ranges for e in r[2:]]
+        tiles = len(dims) == 1 and edges[0] == 0 and edges[-1] == shapes[name][ranges[0][1]]  # one dim, 0..size
+        if not (tiles and all(edges[i] == edges[i + 1] for i in range(1, len(edges) - 1, 2))):
+            wrong.append(name)
+    assert not wrong, f"export covered these tensors wrongly: {wrong[:5]}"
+    return sources

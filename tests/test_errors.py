@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
-from models import tiny_config  # noqa: E402
+from models import VOCAB, tiny_config  # noqa: E402
 from transformers import AutoModelForCausalLM, MistralConfig  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d.config import PP_SCHEDULES  # noqa: E402
+from hf3d.config import ENV_VARS, PP_SCHEDULES  # noqa: E402
 
 WATCHDOG_S = 300
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -62,6 +62,38 @@ def test_parallel_config_validation(kwargs, words):
         assert w in str(e.value), f"{w!r} missing from: {e.value}"
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv", "dualpipev"])
+@pytest.mark.parametrize("pp", [2, 3])
+def test_multi_chunk_schedules_default_to_two_virtual_stages(schedule, pp):
+    pcfg = hf3d.ParallelConfig(pp=pp, pp_schedule=schedule)
+    assert pcfg.virtual_stages == 2
+    assert pcfg.num_stages == 2 * pp
+
+
+def test_virtual_stages_explicit_values():
+    for schedule in ("afab", "1f1b"):
+        pcfg = hf3d.ParallelConfig(pp=2, pp_schedule=schedule)
+        assert (pcfg.virtual_stages, pcfg.num_stages) == (1, 2)
+    pcfg = hf3d.ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3)
+    assert (pcfg.virtual_stages, pcfg.num_stages) == (3, 6)
+    assert hf3d.ParallelConfig(pp=1, pp_schedule="interleaved-1f1b", virtual_stages=1).num_stages == 1
+    # given as 1 is not the same as not given: interleaving one chunk per rank is refused
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=1)
+    assert "'interleaved-1f1b' needs virtual_stages >= 2" in str(e.value) and "'1f1b'" in str(e.value), str(e.value)
+    for schedule in ("zbv", "dualpipev"):
+        with pytest.raises(ValueError) as e:
+            hf3d.ParallelConfig(pp=2, pp_schedule=schedule, virtual_stages=1)
+        assert f"{schedule!r} runs exactly 2 virtual stages" in str(e.value), str(e.value)
+        assert "virtual_stages=1" in str(e.value), str(e.value)
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(pp=2, pp_schedule="1f1b", virtual_stages=2)
+    assert "one stage per rank" in str(e.value), str(e.value)
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=0)
+    assert "virtual_stages must be a positive integer" in str(e.value), str(e.value)
+
+
 def test_parallel_config_world_size_product():
     """resolve() is what parallelize uses: the message spells out tp * pp * dp."""
     with pytest.raises(ValueError) as e:
@@ -71,6 +103,62 @@ def test_parallel_config_world_size_product():
         hf3d.ParallelConfig(tp=2, pp=2, pp_schedule="afab").resolve(6)
     assert "6" in str(e.value) and "2 * 2 = 4" in str(e.value), str(e.value)
     assert hf3d.ParallelConfig(tp=2).resolve(6).dp == 3
+
+
+@pytest.fixture
+def hf3d_env(monkeypatch):
+    """No HF3D_* variable from the calling shell; returns a setter."""
+    for var in ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    return lambda **env: [monkeypatch.setenv(k, v) for k, v in env.items()]
+
+
+def test_from_env_reads_every_variable(hf3d_env):
+    assert hf3d.ParallelConfig.from_env() == hf3d.ParallelConfig()  # nothing set: the defaults
+    hf3d_env(HF3D_TP="2", HF3D_PP=" 2 ", HF3D_DP="3", HF3D_PP_SCHEDULE="zbv", HF3D_NUM_MICROBATCHES="8")
+    pcfg = hf3d.ParallelConfig.from_env()
+    assert (pcfg.tp, pcfg.pp, pcfg.dp, pcfg.pp_schedule, pcfg.num_microbatches) == (2, 2, 3, "zbv", 8)
+    assert pcfg.virtual_stages == 2  # derived as in the constructor
+    hf3d_env(HF3D_DP="", HF3D_NUM_MICROBATCHES="")  # set but empty: unset
+    pcfg = hf3d.ParallelConfig.from_env()
+    assert (pcfg.dp, pcfg.num_microbatches) == (None, 4)  # zbv at pp=2: 2 * pp micro-batches
+
+
+def test_from_env_overrides_win(hf3d_env):
+    hf3d_env(HF3D_TP="4", HF3D_PP="2", HF3D_PP_SCHEDULE="gpipe-typo")
+    pcfg = hf3d.ParallelConfig.from_env(tp=1, pp_schedule="afab", zero_stage=0)
+    assert (pcfg.tp, pcfg.pp, pcfg.pp_schedule, pcfg.zero_stage) == (1, 2, "afab", 0)
+    with pytest.raises(TypeError, match="not_a_field"):
+        hf3d.ParallelConfig.from_env(not_a_field=1)
+
+
+@pytest.mark.parametrize(
+    "var,raw,words",
+    [
+        ("HF3D_TP", "two", ["HF3D_TP", "positive integer", "'two'"]),
+        ("HF3D_PP", "0", ["HF3D_PP", "positive integer", "'0'"]),
+        ("HF3D_DP", "-1", ["HF3D_DP", "positive integer", "'-1'"]),
+        ("HF3D_NUM_MICROBATCHES", "2.5", ["HF3D_NUM_MICROBATCHES", "positive integer", "'2.5'"]),
+        ("HF3D_PP_SCHEDULE", "gpipe", ["HF3D_PP_SCHEDULE", "'gpipe'", *PP_SCHEDULES]),
+    ],
+)
+def test_from_env_bad_value_names_the_variable(hf3d_env, var, raw, words):
+    hf3d_env(**{var: raw})
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig.from_env()
+    for w in words:
+        assert w in str(e.value), f"{w!r} missing from: {e.value}"
+
+
+def test_from_env_inconsistent_values_name_the_variables(hf3d_env):
+    """Each value is valid alone; together they break a ParallelConfig rule, and the message says
+    which variables were read as well as the rule."""
+    hf3d_env(HF3D_PP="2", HF3D_PP_SCHEDULE="dualpipev", HF3D_NUM_MICROBATCHES="2")
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig.from_env()
+    msg = str(e.value)
+    assert "at least 4 micro-batches" in msg, msg
+    assert "HF3D_PP=2, HF3D_PP_SCHEDULE=dualpipev, HF3D_NUM_MICROBATCHES=2" in msg, msg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -111,6 +199,10 @@ def _error_world(paths: dict, out: str) -> None:
     ids = torch.randint(1, 101, (4, 8))
     _attempt(res, "labels_shape", lambda: pm.train_step(ids, ids[:, :-1]))
     _attempt(res, "microbatches_not_dividing_rows", lambda: pm.train_step(ids, ids))
+    # tp=2 pads the vocabulary of 101 to 102, so id 101 would hit a zero padding row, not an IndexError
+    ids = torch.randint(1, VOCAB, (3, 8))
+    _attempt(res, "id_equal_vocab_tp2", lambda: pm.train_step(_put(ids, (2, 7), VOCAB), ids))
+    _attempt(res, "id_equal_vocab_tp2_forward", lambda: pm(_put(ids, (1, 3), VOCAB)))
 
     build, adamw = hf3d.build_optimizer, torch.optim.AdamW
     _attempt(res, "optimizer_string", lambda: build(pm, "adamw", lr=1e-3))
@@ -120,7 +212,33 @@ def _error_world(paths: dict, out: str) -> None:
     _attempt(res, "optimizer_zero_stage", lambda: build(pm, adamw, lr=1e-3, zero_stage=2))
     _attempt(res, "optimizer_bucket_size", lambda: build(pm, adamw, lr=1e-3, bucket_size=0))
 
+    _token_id_cases(res, P(paths["llama"], C()))  # tp=1, dp=2
+
     report(res, Path(out) / "errors.pt")  # its barrier: no rank is stuck in a collective another skipped
+
+
+def _put(t: torch.Tensor, pos: tuple[int, int], value: int) -> torch.Tensor:
+    t = t.clone()
+    t[pos] = value
+    return t
+
+
+def _token_id_cases(res: dict, pm) -> None:
+    """Ids and labels outside the vocabulary at tp=1, dp=2: each rank passes its own dp rows."""
+    assert pm.dp_size == 2
+    ids = torch.randint(1, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))  # the same on both ranks
+    _attempt(res, "id_equal_vocab_tp1", lambda: pm.train_step(_put(ids, (1, 4), VOCAB), ids))
+    _attempt(res, "id_negative", lambda: pm.train_step(_put(ids, (0, 2), -1), ids))
+    _attempt(res, "label_too_big", lambda: pm.train_step(ids, _put(ids, (2, 3), VOCAB + 5)))
+    _attempt(res, "label_negative_not_ignore", lambda: pm.train_step(ids, _put(ids, (3, 0), -2)))
+    _attempt(res, "id_equal_vocab_tp1_forward", lambda: pm(_put(ids, (0, 0), VOCAB)))
+    # only dp rank 1 holds a bad id: dp rank 0 must raise too instead of waiting in the step's all-reduce
+    mine = _put(ids, (1, 6), VOCAB) if pm.dp_rank == 1 else ids
+    _attempt(res, "bad_id_on_one_dp_rank", lambda: pm.train_step(mine, ids))
+    # -100 labels and ids up to vocab_size - 1 are valid: the check must not fire on them
+    edge = _put(_put(ids, (0, 1), VOCAB - 1), (0, 2), 0)
+    _attempt(res, "valid_edges_pass", lambda: pm.train_step(edge, _put(edge, (1, 1), -100)))
+    _attempt(res, "valid_edges_pass_forward", lambda: pm(edge))
 
 
 def _make_broken_checkpoints(root: Path, family_dirs: dict) -> dict[str, str]:
@@ -165,6 +283,7 @@ def _make_broken_checkpoints(root: Path, family_dirs: dict) -> dict[str, str]:
     paths["no-config"] = str(root / "no-config")
     (root / "no-safetensors").mkdir()
     shutil.copy(Path(family_dirs["llama"]) / "config.json", root / "no-safetensors")
+    (root / "no-safetensors" / "pytorch_model.bin").write_bytes(b"")  # weights, but not safetensors
     paths["no-safetensors"] = str(root / "no-safetensors")
     return paths
 
@@ -204,6 +323,16 @@ EXPECTED = {
     "sp_seq_not_multiple_train": ("ValueError", ["sequence_parallel", "(7)", "tp=2"]),
     "labels_shape": ("ValueError", ["labels", "(4, 7)", "(4, 8)"]),
     "microbatches_not_dividing_rows": ("ValueError", ["num_microbatches=3", "4 rows"]),
+    "id_equal_vocab_tp2": ("ValueError", ["input_ids[2, 7] = 101", "vocab_size=101", "[0, 101)", "tokenizer"]),
+    "id_equal_vocab_tp2_forward": ("ValueError", ["input_ids[1, 3] = 101", "vocab_size=101", "[0, 101)"]),
+    "id_equal_vocab_tp1": ("ValueError", ["input_ids[1, 4] = 101 on dp rank 0", "vocab_size=101", "[0, 101)"]),
+    "id_negative": ("ValueError", ["input_ids[0, 2] = -1 on dp rank 0", "vocab_size=101"]),
+    "label_too_big": ("ValueError", ["labels[2, 3] = 106 on dp rank 0", "-100", "[0, 101)"]),
+    "label_negative_not_ignore": ("ValueError", ["labels[3, 0] = -2 on dp rank 0", "-100", "[0, 101)"]),
+    "id_equal_vocab_tp1_forward": ("ValueError", ["input_ids[0, 0] = 101", "vocab_size=101"]),
+    "bad_id_on_one_dp_rank": ("ValueError", ["input_ids[1, 6] = 101 on dp rank 1", "vocab_size=101"]),
+    "valid_edges_pass": ("no error", []),
+    "valid_edges_pass_forward": ("no error", []),
     "optimizer_string": ("TypeError", ["torch.optim.Optimizer", "'adamw'"]),
     "optimizer_not_an_optimizer": ("TypeError", ["torch.optim.Optimizer", "Linear"]),
     "optimizer_unknown_kwarg": ("TypeError", ["AdamW", "not_a_kwarg"]),

@@ -1,0 +1,304 @@
+"""`hf3d convert`: HF directory <-> hf3d checkpoint, on one CPU process, one tensor at a time.
+
+A checkpoint stores every weight under `model/<hf name>` in its global HF shape (hf3d/checkpoint.py),
+so conversion needs no mesh and no process group: DCP loads and saves with `no_dist=True`.
+
+- to-hf: `dcp.load` fills full tensors (DCP assembles each from whatever boxes the ranks wrote) in a
+  buffer the size of the largest tensor, a few at a time in write order (`_BatchReader`); the HF
+  writer (hf3d/hf.py `write_hf_dir`) streams them out one by one. Peak: about two largest tensors
+  (the buffer, and the copy DCP's reader makes of each stored tensor before copying it in).
+- from-hf: DCP's writer asks its planner for each tensor's data just before writing it; the planner
+  here reads that one tensor from the safetensors then (`_ReadOnDemand`), so the state dict handed
+  to DCP holds only meta tensors. DCP's FileSystemWriter (torch 2.13) keeps a reference to every
+  tensor written into one file until that file is closed, so each tensor gets a file of its own.
+
+Tensors are written in the model's state-dict order, so a sharded output is cut where transformers
+would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shutil
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+
+from . import checkpoint
+from .hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    SAFE_INDEX,
+    SAFE_SINGLE,
+    SafetensorsSource,
+    TensorSpec,
+    copy_model_files,
+    resolve_model_dir,
+    write_hf_dir,
+    write_order,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes from "5GB", "500MB", "2GiB" or a plain number (GB = 10^9 bytes, as transformers counts)."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
+        if m is None or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"size {size!r} is not understood; write it like 5GB, 500MB, 2GiB or a number of bytes")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"size {size!r} must be positive")
+    return value
+
+
+@contextlib.contextmanager
+def _single_process():
+    """DCP warns on every single-process call that it assumes one process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _state_dict_order(config) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the stock model of `config`, in state-dict order (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _check_out_dir(out: Path, src: Path, keeps: str) -> None:
+    """Refuse to replace the source, or a non-empty folder that is not what this command writes."""
+    if out.resolve() == src.resolve():
+        raise ValueError(f"the output {out} is the input; choose another output path")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / keeps).is_file())):
+        raise ValueError(f"{out} exists and is not a folder this command wrote (no {keeps}); choose a new output path")
+
+
+# -- checkpoint -> HF -----------------------------------------------------------------------------
+class _Reader(FileSystemReader):
+    """Reads the checkpoint's metadata once: DCP would re-read and unpickle it on every per-tensor load."""
+
+    def read_metadata(self, *args, **kwargs):
+        if not hasattr(self, "_metadata"):
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def _nbytes(info) -> int:
+    return math.prod(info.size) * info.properties.dtype.itemsize
+
+
+class _BatchReader:
+    """Hands the writer one tensor at a time, in write order, from one reused buffer the size of the
+    largest tensor. One `dcp.load` fills as many of the next tensors as fit in the buffer: DCP spends
+    about a millisecond planning each call, which tensor-by-tensor reads paid 272 times for a
+    SmolLM2-135M shape. The writer is done with a tensor before it asks for the next one."""
+
+    def __init__(self, reader, infos: dict, keys: dict[str, str], order: list[str]):
+        self.reader, self.infos, self.keys = reader, infos, keys
+        span = {n: -(-_nbytes(infos[n]) // 64) * 64 for n in order}  # 64-byte aligned slots
+        self.buffer = torch.empty(max(span.values(), default=0), dtype=torch.uint8)
+        self.batches: list[list[str]] = []
+        used = self.buffer.numel()
+        for n in order:
+            if used + span[n] > self.buffer.numel():
+                self.batches.append([])
+                used = 0
+            self.batches[-1].append(n)
+            used += span[n]
+        self.batches.reverse()  # popped from the end
+        self.ready: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if not self.ready:
+            offset, want = 0, {}
+            for n in self.batches.pop():
+                info = self.infos[n]
+                view = self.buffer[offset : offset + _nbytes(info)].view(info.properties.dtype).view(tuple(info.size))
+                want[self.keys[n]] = self.ready[n] = view
+                offset += -(-_nbytes(info) // 64) * 64
+            dcp.load(want, storage_reader=self.reader, no_dist=True)
+        return self.ready.pop(name)
+
+
+def checkpoint_to_hf(
+    ckpt: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write the weights of an hf3d checkpoint (any mesh) as an HF directory; returns out_dir.
+
+    dtype: "float32", "bfloat16" or "float16" (default: the training dtype in the checkpoint's marker).
+    When it differs from the stored parameters' dtype and the checkpoint has fp32 master weights, the
+    weights are taken from the masters (e.g. `--dtype float32` of a bf16 run gives its fp32 masters).
+    """
+    from transformers import AutoConfig
+
+    ckpt, out_dir = Path(ckpt), Path(out_dir)
+    meta = checkpoint.read_marker(ckpt)
+    name = dtype or meta.get("dtype")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}; pass --dtype")
+    out_dtype = DTYPES[name]
+    max_shard_bytes = parse_size(max_shard_size)
+    if not (ckpt / "config.json").is_file():
+        raise ValueError(f"checkpoint {ckpt} has no config.json; it cannot be converted to an HF model")
+    _check_out_dir(out_dir, ckpt, "config.json")
+    config = AutoConfig.from_pretrained(ckpt)
+    reader = _Reader(ckpt)
+    stored = reader.read_metadata().state_dict_metadata
+    prefix = checkpoint.MODEL_PREFIX
+    names = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
+    expected = _state_dict_order(config)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+        names = [n for n in names if n != "lm_head.weight"]  # HF does not store a tied head either
+    missing = [n for n in expected if n not in names]
+    if missing:
+        raise ValueError(
+            f"checkpoint {ckpt} lacks {len(missing)} weight(s) of its config's model, e.g. {missing[0]!r}; "
+            "was it written by another model?"
+        )
+    position = {n: i for i, n in enumerate(expected)}
+    names.sort(key=lambda n: position.get(n, len(position)))  # unknown extras keep their order, at the end
+    specs, keys = [], {}
+    for n in names:
+        key, size = checkpoint.model_key(n), tuple(stored[checkpoint.model_key(n)].size)
+        if n in expected and size != expected[n]:
+            raise ValueError(f"checkpoint {ckpt}: {n!r} has shape {size}, its config says {expected[n]}")
+        master = checkpoint.optim_key(checkpoint.MASTER_KEY, n)
+        if stored[key].properties.dtype != out_dtype and master in stored:
+            key = master
+        keys[n] = key
+        specs.append(TensorSpec(n, size, out_dtype))
+
+    produce = _BatchReader(reader, {n: stored[keys[n]] for n in keys}, keys, write_order(specs, max_shard_bytes))
+    config.dtype = out_dtype
+    with _single_process():
+        write_hf_dir(
+            out_dir, specs, lambda n: produce(n).to(out_dtype), config, src_dir=ckpt, max_shard_bytes=max_shard_bytes
+        )
+    return out_dir
+
+
+# -- HF -> checkpoint -----------------------------------------------------------------------------
+class _ReadOnDemand(DefaultSavePlanner):
+    """The state dict holds meta tensors; each one's data is read from the safetensors when DCP writes it."""
+
+    def __init__(self, source: SafetensorsSource):
+        super().__init__()
+        self.source = source
+
+    def lookup_object(self, index):
+        return self.source.tensor(index.fqn[len(checkpoint.MODEL_PREFIX) :])
+
+
+def _check_safetensors(model_dir: Path) -> None:
+    if (model_dir / SAFE_INDEX).is_file() or (model_dir / SAFE_SINGLE).is_file():
+        return
+    bins = sorted(f.name for f in model_dir.glob("pytorch_model*.bin*"))
+    if bins:
+        raise ValueError(
+            f"{model_dir} holds PyTorch .bin weights ({bins[0]}) but no safetensors; hf3d reads safetensors only: "
+            "re-save it with AutoModelForCausalLM.from_pretrained(dir).save_pretrained(new_dir), which writes "
+            "safetensors"
+        )
+    raise ValueError(f"{model_dir} has no {SAFE_SINGLE} or {SAFE_INDEX}; point at an HF model directory with weights")
+
+
+def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Path:
+    """Write an HF model (directory or Hub id) as a weights-only hf3d checkpoint; returns its path.
+
+    Every tensor of the safetensors becomes `model/<name>` in its own dtype (a tied lm_head.weight is
+    dropped, as HF drops it); config.json, generation_config.json and tokenizer files are copied. The
+    marker says kind "weights", step 0 and the dtype of most of the weights. Atomic: a staging folder
+    gets the marker last and is then renamed.
+    """
+    from transformers import AutoConfig
+
+    from .models import get_adapter
+
+    final = Path(out_ckpt)
+    model_dir = resolve_model_dir(src)
+    _check_safetensors(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    get_adapter(config.model_type)  # a checkpoint hf3d could not train is refused now, not at `hf3d train`
+    _check_out_dir(final, model_dir, checkpoint.MARKER)
+    source = SafetensorsSource(model_dir)
+    specs = [source.spec(n) for n in source.entries]
+    if config.tie_word_embeddings:
+        specs = [s for s in specs if s.name != "lm_head.weight"]
+    if not specs:
+        raise ValueError(f"{model_dir} holds no tensors")
+    weight = Counter()
+    for s in specs:
+        weight[s.dtype] += math.prod(s.shape)
+    main_dtype = weight.most_common(1)[0][0]
+    state = {checkpoint.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
+
+    tmp = checkpoint.staging_dir(final)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with _single_process():
+        # one file per tensor: DCP's writer keeps every tensor of a file referenced until the file is closed
+        writer = FileSystemWriter(tmp, single_file_per_rank=False)
+        dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
+    shutil.copyfile(model_dir / "config.json", tmp / "config.json")
+    copy_model_files(model_dir, tmp)
+    meta = {
+        "kind": "weights",
+        "step": 0,
+        "dtype": str(main_dtype).removeprefix("torch."),
+        "model_type": config.model_type,
+        "parallel": None,
+    }
+    checkpoint.write_marker(tmp, meta)
+    checkpoint.publish(tmp, final)
+    return final
+
+
+# -- command line (`hf3d convert ...` and the scripts in conversion/) ---------------------------------
+def add_to_hf_arguments(p) -> None:
+    p.add_argument("ckpt", help="hf3d checkpoint folder (any mesh; training or weights-only)")
+    p.add_argument("out", help="HF directory to write (replaced if it is one already)")
+    p.add_argument("--dtype", choices=list(DTYPES), help="weights dtype (default: the checkpoint's training dtype)")
+    p.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size: 5GB, 500MB, bytes")
+    p.set_defaults(func=_to_hf_main)
+
+
+def _to_hf_main(a) -> None:
+    print(f"wrote {checkpoint_to_hf(a.ckpt, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size)}")
+
+
+def _from_hf_main(a) -> None:
+    print(f"wrote {hf_to_checkpoint(a.src, a.out)}")
+
+
+def add_from_hf_arguments(p) -> None:
+    p.add_argument("src", help="HF model directory or Hub id (safetensors weights)")
+    p.add_argument("out", help="checkpoint folder to write (replaced if it is an hf3d checkpoint already)")
+    p.set_defaults(func=_from_hf_main)
+
+
+def add_convert_commands(p) -> None:
+    """`convert to-hf` and `convert from-hf` under the parser `p`."""
+    sub = p.add_subparsers(dest="direction", required=True)
+    add_to_hf_arguments(sub.add_parser("to-hf", help="hf3d checkpoint -> HF directory, on one CPU process"))
+    add_from_hf_arguments(sub.add_parser("from-hf", help="HF model -> weights-only hf3d checkpoint"))

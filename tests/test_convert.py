@@ -1,0 +1,327 @@
+"""`hf3d convert` and the streaming HF writer: exact round trips.
+
+HF dir -> `convert from-hf` -> `convert to-hf` must give back the source bit for bit: the same
+tensor names, dtypes, shapes and bytes (torch.equal), the same config (config.to_dict() without
+`transformers_version` and `_name_or_path`, which say who wrote it and where it was read from),
+and, as the writer lays files out the way transformers + safetensors do, the very same file bytes.
+The same holds for a ParallelModel's streaming `save_pretrained` at tp=2 (vocab 101 padded, so the
+crop is exercised) and pp=2 (pieces sent from another rank). Error paths: one clear line, exit 1.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dist import report, spawn, start_watchdog  # noqa: E402
+from models import VOCAB, make_model_dir  # noqa: E402
+from reference import batches, hf3d_run  # noqa: E402
+
+import hf3d  # noqa: E402
+from hf3d import checkpoint  # noqa: E402
+from hf3d.cli import main as cli_main  # noqa: E402
+from hf3d.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa: E402
+from hf3d.hf import TensorSpec, write_hf_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3")
+VOLATILE = {"transformers_version", "_name_or_path"}  # the writing library's version; where it was read from
+SHARD = 20_000  # bytes: several shards for the tiny models, no tensor above it
+
+
+def _tensors(d: Path) -> dict[str, torch.Tensor]:
+    files = sorted(d.glob("*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def _assert_same_model(src: Path, out: Path) -> None:
+    a, b = _tensors(src), _tensors(out)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+    ca, cb = (AutoConfig.from_pretrained(d).to_dict() for d in (src, out))
+    for c in (ca, cb):
+        for k in VOLATILE:
+            c.pop(k)
+    assert ca == cb
+    weight_files = sorted(f.name for f in src.iterdir() if f.name.startswith("model"))
+    assert weight_files == sorted(f.name for f in out.iterdir() if f.name.startswith("model"))
+    for name in [*weight_files, "config.json", "generation_config.json"]:
+        assert (src / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def _dcp_keys(ckpt: Path) -> dict:
+    return dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata
+
+
+# -- HF -> checkpoint -> HF -------------------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_is_bit_identical(family_dirs, tmp_path, family):
+    src = family_dirs[family]
+    ckpt = hf_to_checkpoint(src, tmp_path / "ckpt")
+    meta = checkpoint.read_marker(ckpt)
+    assert {k: meta[k] for k in ("kind", "step", "dtype", "parallel")} == dict(
+        kind="weights", step=0, dtype="float32", parallel=None
+    )
+    assert meta["model_type"] == AutoConfig.from_pretrained(src).model_type
+    stored = _dcp_keys(ckpt)
+    tied = AutoConfig.from_pretrained(src).tie_word_embeddings
+    assert sorted(stored) == sorted(checkpoint.model_key(n) for n in _tensors(src))
+    assert (checkpoint.model_key("lm_head.weight") in stored) == (not tied)
+    out = checkpoint_to_hf(ckpt, tmp_path / "hf")
+    _assert_same_model(src, out)
+
+
+def test_tied_head_in_safetensors_is_dropped(tmp_path):
+    src = make_model_dir(tmp_path / "src", "llama")
+    t = load_file(src / "model.safetensors")
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+    from safetensors.torch import save_file
+
+    save_file(t, src / "model.safetensors", metadata={"format": "pt"})
+    ckpt = hf_to_checkpoint(src, tmp_path / "ckpt")
+    assert checkpoint.model_key("lm_head.weight") not in _dcp_keys(ckpt)
+    out = checkpoint_to_hf(ckpt, tmp_path / "hf")
+    assert "lm_head.weight" not in _tensors(out)
+    stock = AutoModelForCausalLM.from_pretrained(out)
+    assert torch.equal(stock.lm_head.weight, t["model.embed_tokens.weight"])
+
+
+def test_bf16_source_stays_bf16(tmp_path):
+    fp32 = make_model_dir(tmp_path / "fp32", "qwen2")
+    src = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(fp32, dtype=torch.bfloat16).save_pretrained(src)
+    ckpt = hf_to_checkpoint(src, tmp_path / "ckpt")
+    assert checkpoint.read_marker(ckpt)["dtype"] == "bfloat16"
+    assert {m.properties.dtype for m in _dcp_keys(ckpt).values()} == {torch.bfloat16}
+    out = checkpoint_to_hf(ckpt, tmp_path / "hf")
+    _assert_same_model(src, out)
+    assert AutoConfig.from_pretrained(out).dtype == torch.bfloat16
+    # an fp32 export of bf16 weights (no masters in a weights checkpoint) is the exact upcast
+    up = checkpoint_to_hf(ckpt, tmp_path / "hf32", dtype="float32")
+    a, b = _tensors(src), _tensors(up)
+    assert all(b[k].dtype == torch.float32 and torch.equal(b[k], a[k].float()) for k in a)
+    assert json.loads((up / "config.json").read_text())["dtype"] == "float32"
+
+
+def _save_sharded(src: Path, out: Path, *, loaded: bool) -> Path:
+    """The weights of src saved by transformers in shards of SHARD bytes. transformers 5 cuts shards in
+    module (state-dict) order for a model built with from_config, as hf3d does, but in natural name
+    order for a model that from_pretrained loaded."""
+    if loaded:
+        model = AutoModelForCausalLM.from_pretrained(src)
+    else:
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+        model.load_state_dict(load_file(src / "model.safetensors"), strict=False)
+        model.tie_weights()
+    model.save_pretrained(out, max_shard_size=SHARD)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 2
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama-kvrep", "qwen3"])
+def test_sharded_source_gives_the_same_shards(family_dirs, tmp_path, family):
+    src = _save_sharded(family_dirs[family], tmp_path / "src", loaded=False)
+    ckpt = hf_to_checkpoint(src, tmp_path / "ckpt")
+    out = checkpoint_to_hf(ckpt, tmp_path / "hf", max_shard_size=str(SHARD))
+    _assert_same_model(src, out)
+    assert (src / "model.safetensors.index.json").read_bytes() == (out / "model.safetensors.index.json").read_bytes()
+    # unsharded output of the same checkpoint: one file with every tensor
+    single = checkpoint_to_hf(ckpt, tmp_path / "hf1")
+    assert sorted(f.name for f in single.glob("*.safetensors")) == ["model.safetensors"]
+    assert all(torch.equal(_tensors(single)[k], v) for k, v in _tensors(src).items())
+
+
+def test_sharded_source_in_name_order(family_dirs, tmp_path):
+    """A source sharded in another order: the same tensors, re-cut in module order."""
+    src = _save_sharded(family_dirs["llama-kvrep"], tmp_path / "src", loaded=True)
+    out = checkpoint_to_hf(hf_to_checkpoint(src, tmp_path / "ckpt"), tmp_path / "hf", max_shard_size="20KB")
+    a, b = _tensors(src), _tensors(out)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(a) and index["metadata"]["total_size"] == 4 * sum(
+        v.numel() for v in a.values()
+    )
+    assert all(f.stat().st_size <= SHARD + 1000 for f in out.glob("model-*.safetensors"))  # + header
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_masters_are_read_for_float32(tmp_path):
+    """A bf16 training checkpoint: --dtype float32 exports the fp32 masters, the default the bf16 params."""
+    src = make_model_dir(tmp_path / "src", "llama")
+    full = _tensors(src)
+    masters = {k: v + 1e-4 * torch.randn_like(v) for k, v in full.items()}  # not representable in bf16
+    state = {checkpoint.model_key(k): v.to(torch.bfloat16) for k, v in masters.items()}
+    state.update({checkpoint.optim_key(checkpoint.MASTER_KEY, k): v for k, v in masters.items()})
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state, checkpoint_id=ckpt, no_dist=True)
+    (ckpt / "config.json").write_bytes((src / "config.json").read_bytes())
+    checkpoint.write_marker(ckpt, dict(kind="training", step=7, dtype="bfloat16", model_type="llama", parallel={}))
+    fp32 = _tensors(checkpoint_to_hf(ckpt, tmp_path / "fp32", dtype="float32"))
+    bf16 = _tensors(checkpoint_to_hf(ckpt, tmp_path / "bf16"))
+    for k, v in masters.items():
+        assert torch.equal(fp32[k], v), k
+        assert bf16[k].dtype == torch.bfloat16 and torch.equal(bf16[k], v.to(torch.bfloat16)), k
+
+
+# -- the writer itself ------------------------------------------------------------------------------
+def test_writer_matches_save_file_and_loads(tmp_path):
+    """Mixed dtypes and odd shapes: the streamed file equals safetensors' own save_file byte for byte."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    tensors = {
+        "b.weight": torch.randn(3, 5).to(torch.bfloat16),
+        "a.weight": torch.randn(7),
+        "c.scale": torch.tensor(2.5, dtype=torch.float16),
+        "d.weight": torch.randn(2, 3, 4, dtype=torch.float64),
+    }
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    config = AutoConfig.from_pretrained(make_model_dir(tmp_path / "m", "llama"))
+    asked = []
+    write_hf_dir(tmp_path / "out", specs, lambda n: asked.append(n) or tensors[n].clone(), config)
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+    assert sorted(asked) == sorted(tensors) and len(asked) == len(tensors)
+    assert not (tmp_path / "out.tmp-hf3d").exists()
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 5 * 10**8 and parse_size("123") == 123
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size(7) == 7
+    for bad in ("5 parsecs", "-1", "0", "GB"):
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+
+
+# -- command line -----------------------------------------------------------------------------------
+def test_cli_to_hf_refuses_a_non_checkpoint(family_dirs, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf3d", "convert", "to-hf", str(family_dirs["llama"]), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert proc.returncode == 1
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "is not a complete hf3d checkpoint" in lines[0], proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _cli_error(argv: list[str], capsys) -> str:
+    assert cli_main(argv) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_cli_from_hf_errors(family_dirs, tmp_path, capsys):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((family_dirs["llama"] / "config.json").read_bytes())
+    assert "has no model.safetensors" in _cli_error(["convert", "from-hf", str(bare), str(tmp_path / "c1")], capsys)
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "config.json").write_bytes(bare.joinpath("config.json").read_bytes())
+    torch.save(load_file(family_dirs["llama"] / "model.safetensors"), binary / "pytorch_model.bin")
+    msg = _cli_error(["convert", "from-hf", str(binary), str(tmp_path / "c2")], capsys)
+    assert "pytorch_model.bin" in msg and "safetensors" in msg and "save_pretrained" in msg
+    # an incomplete checkpoint (no marker) and an output that would clobber an unrelated folder
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    (ckpt / checkpoint.MARKER).unlink()
+    assert "not a complete hf3d checkpoint" in _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "o")], capsys)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    msg = _cli_error(["convert", "from-hf", str(family_dirs["llama"]), str(other)], capsys)
+    assert "choose a new output path" in msg and (other / "notes.txt").is_file()
+    assert not list(tmp_path.glob("c[12]*"))
+
+
+def test_conversion_scripts(family_dirs, tmp_path, monkeypatch):
+    def script(name: str, *args) -> int:
+        monkeypatch.setattr(sys, "argv", [name, *map(str, args)])
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(str(REPO / "conversion" / name), run_name="__main__")
+        return e.value.code
+
+    src = tmp_path / "src"  # with tokenizer files, which must travel through the checkpoint
+    shutil.copytree(family_dirs["qwen3"], src)
+    for f in (REPO / "examples" / "tokenizer").iterdir():
+        shutil.copyfile(f, src / f.name)
+    assert script("convert_hf_to_hf3d.py", src, tmp_path / "ckpt") == 0
+    assert script("convert_hf3d_to_hf.py", tmp_path / "ckpt", tmp_path / "hf", "--max-shard-size", "5GB") == 0
+    _assert_same_model(src, tmp_path / "hf")
+    for f in (REPO / "examples" / "tokenizer").iterdir():
+        assert (tmp_path / "hf" / f.name).read_bytes() == f.read_bytes(), f.name
+    assert script("convert_hf3d_to_hf.py", src, tmp_path / "x") == 1
+
+
+# -- ParallelModel.save_pretrained streams, across ranks ---------------------------------------------
+def _export_worker(dirs: dict, out: str) -> None:
+    start_watchdog(120)
+    res = {}
+    cases = [("tp2-llama", "llama", dict(tp=2)), ("tp2-kvrep", "llama-kvrep", dict(tp=2))]
+    cases += [("pp2-llama", "llama", dict(pp=2)), ("tp2-qwen3-sharded", "qwen3", dict(tp=2))]
+    for name, family, pkw in cases:
+        pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**pkw))
+        pm.save_pretrained(Path(out) / name, max_shard_bytes=SHARD if "sharded" in name else 5 * 10**9)
+    try:  # the lead's load_checkpoint reading a from-hf checkpoint into other weights
+        pm = hf3d.parallelize(dirs["other-llama"], hf3d.ParallelConfig(tp=2))
+        res["load_step"] = hf3d.load_checkpoint(dirs["llama-ckpt"], pm)
+        pm.save_pretrained(Path(out) / "loaded-llama")
+    except Exception as e:  # noqa: BLE001 - asserted on in the parent
+        res["load_error"] = f"{type(e).__name__}: {e}"
+    try:  # a bf16 dp=2 ZeRO-1 training checkpoint (each rank writes part of each bucket) and an export
+        pm = hf3d.parallelize(dirs["llama-kvrep"], hf3d.ParallelConfig(), dtype=torch.bfloat16)
+        rows = slice(2 * pm.dp_rank, 2 * pm.dp_rank + 2)
+        _, _, opt = hf3d_run(pm, batches(1, 4, 8, VOCAB), rows, bucket_size=3000)
+        hf3d.save_checkpoint(Path(out) / "train-ckpt", pm, opt, step=1)
+        pm.save_pretrained(Path(out) / "train-export")
+    except Exception as e:  # noqa: BLE001 - asserted on in the parent
+        res["train_error"] = f"{type(e).__name__}: {e}"
+    res["rank"] = dist.get_rank()
+    report(res, Path(out) / "results.pt")
+
+
+def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
+    sharded = _save_sharded(family_dirs["qwen3"], tmp_path / "qwen3-sharded", loaded=False)
+    dirs = {k: str(v) for k, v in family_dirs.items()}
+    dirs["other-llama"] = str(make_model_dir(tmp_path / "other", "llama", seed=1))
+    dirs["llama-ckpt"] = str(hf_to_checkpoint(family_dirs["llama"], tmp_path / "llama-ckpt"))
+    spawn(_export_worker, 2, dirs, str(tmp_path))
+    for name, src in [
+        ("tp2-llama", family_dirs["llama"]),
+        ("tp2-kvrep", family_dirs["llama-kvrep"]),
+        ("pp2-llama", family_dirs["llama"]),
+        ("tp2-qwen3-sharded", sharded),
+    ]:
+        _assert_same_model(src, tmp_path / name)
+    res = torch.load(tmp_path / "results.pt", weights_only=True)
+    assert "load_error" not in res[0], res[0]["load_error"]
+    assert res[0]["load_step"] == 0
+    _assert_same_model(family_dirs["llama"], tmp_path / "loaded-llama")
+
+    # to-hf of a 2-rank ZeRO-1 bf16 training checkpoint == the same model's save_pretrained, bit for bit
+    assert "train_error" not in res[0], res[0]["train_error"]
+    export = tmp_path / "train-export"
+    _assert_same_model(export, checkpoint_to_hf(tmp_path / "train-ckpt", tmp_path / "train-hf"))
+    fp32 = _tensors(checkpoint_to_hf(tmp_path / "train-ckpt", tmp_path / "train-hf32", dtype="float32"))
+    ref = _tensors(export)
+    assert all(fp32[k].dtype == torch.float32 and torch.equal(fp32[k].to(torch.bfloat16), ref[k]) for k in ref)
+    assert not all(torch.equal(fp32[k], ref[k].float()) for k in ref)  # the fp32 masters, not an upcast

@@ -1,0 +1,253 @@
+"""`hf3d push` end to end against an in-memory Hub-compatible server (tests/hub_server.py).
+
+The round trip runs the real command in a subprocess (HF_ENDPOINT is read when huggingface_hub
+is imported), downloads the repo back with stock snapshot_download and compares every tensor.
+The other cases call the same command in this process (a subprocess costs seconds of imports),
+with huggingface_hub's endpoint, Xet switch and token file patched to what HF_ENDPOINT,
+HF_HUB_DISABLE_XET=1 and an empty HF_HOME would have set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import huggingface_hub.constants as hub_constants
+import pytest
+import torch
+import yaml
+from huggingface_hub import snapshot_download
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hub_server import FakeHub  # noqa: E402
+from models import make_model_dir  # noqa: E402
+
+from hf3d import cli  # noqa: E402
+from hf3d.hub import write_model_card  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "hf_test9f3Kq2ZtW7mXcR4vBn8LpYs"
+SUMMARY = {
+    "base_model": "HuggingFaceTB/SmolLM2-135M",
+    "datasets": ["HuggingFaceFW/fineweb-edu", "data/shakespeare.txt"],
+    "license": "mit",
+    "hyperparameters": {"lr": 3e-4, "global_batch": 8, "seq_len": 64, "steps": 40},
+    "parallel": {"tp": 2, "pp": 2, "dp": 1, "schedule": "1f1b"},
+    "tokens_seen": 20480,
+    "final_loss": 3.21875,
+    "loss_curve": [[step, 6.0 - 0.07 * step] for step in range(1, 41)],
+}
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    path = make_model_dir(tmp_path / "tiny-llama", "llama")
+    (path / "hf3d_training.json").write_text(json.dumps(SUMMARY))
+    return path
+
+
+@pytest.fixture
+def hub_env(monkeypatch, tmp_path):
+    """In-process equivalent of HF_ENDPOINT=<url> HF_HUB_DISABLE_XET=1 HF_TOKEN=TOKEN; returns set_endpoint."""
+    monkeypatch.setattr(hub_constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(hub_constants, "HF_TOKEN_PATH", str(tmp_path / "no-token-file"))
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    return lambda url: monkeypatch.setattr(hub_constants, "ENDPOINT", url)
+
+
+def _push(model_dir: Path, *args: str) -> int:
+    return cli.main(["push", str(model_dir), "user/tiny", "--retries", "2", "--retry-wait", "0.01", *args])
+
+
+def _run_cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    cmd = [sys.executable, "-m", "hf3d", "push", *args]
+    return subprocess.run(cmd, cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=120)
+
+
+def _error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("hf3d push: error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def _assert_no_token(*texts: str, dirs: tuple[Path, ...] = ()) -> None:
+    for text in texts:
+        assert TOKEN not in text
+    for d in dirs:
+        for f in d.rglob("*"):
+            assert not f.is_file() or TOKEN.encode() not in f.read_bytes(), f
+
+
+def test_push_round_trip_with_card(model_dir, tmp_path):
+    with FakeHub(TOKEN) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf")}
+        proc = _run_cli([str(model_dir), "user/tiny", "--private", "--commit-message", "first push"], env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"{hub.url}/user/tiny/commit/" in proc.stdout
+        assert hub.repos["user/tiny"]["private"] is True
+        assert hub.files("user/tiny")["model.safetensors"].lfs  # weights went through LFS
+        assert hub.calls("POST", "/api/validate-yaml") == 1  # the card's metadata was accepted
+        out = Path(snapshot_download("user/tiny", endpoint=hub.url, token=TOKEN, local_dir=tmp_path / "download"))
+
+    expected = {".gitattributes", "README.md", "config.json", "generation_config.json", "model.safetensors"}
+    assert {f.name for f in out.iterdir() if f.is_file()} == expected | {"hf3d_training.json"}
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    pulled = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert original.keys() == pulled.keys()
+    for name, tensor in original.items():
+        assert torch.equal(tensor, pulled[name]), name
+
+    card = (out / "README.md").read_text()
+    assert card == (model_dir / "README.md").read_text()  # written into the model dir, then uploaded
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["library_name"] == "transformers"
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M"
+    assert meta["datasets"] == ["HuggingFaceFW/fineweb-edu"]  # the local file stays out of the metadata
+    assert meta["license"] == "mit"
+    assert "hf3d" in meta["tags"]
+    assert "`shakespeare.txt`" in body and "data/" not in body  # a local path: its name only
+    assert "| lr | 0.0003 |" in body and "| seq_len | 64 |" in body
+    assert "tp=2 × pp=2 × dp=1 (4 processes)" in body and "| 2 | 2 | 1 | 1f1b |" in body
+    assert "Tokens seen: 20,480" in body and "Final training loss: 3.2188" in body
+    assert "| 1 | 5.9300 |" in body and "| 40 | 3.2000 |" in body  # first and last point of the curve
+    assert 'from_pretrained("user/tiny")' in body
+    assert json.loads((out / "hf3d_training.json").read_text()) == SUMMARY
+    _assert_no_token(proc.stdout, proc.stderr, card, dirs=(out, model_dir))
+
+
+def test_push_without_token_says_how_to_log_in(model_dir, hub_env, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN")  # and no token file: hub_env points HF_TOKEN_PATH at a missing file
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hf3d push: error: no Hugging Face token found")
+    assert "export HF_TOKEN=" in err and "hf auth login" in err
+    assert hub.requests == []  # no repo created, nothing asked
+    assert not (model_dir / "README.md").exists()
+
+
+def test_server_down_is_one_clear_error(model_dir, hub_env, capsys, caplog):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hub_env(f"http://127.0.0.1:{port}")
+    assert _push(model_dir) == 1
+    err = capsys.readouterr().err
+    line = _error_line(err)
+    assert "could not reach the Hub while creating the repo user/tiny" in line
+    assert f"at http://127.0.0.1:{port} (after 3 attempts" in line and "check the network" in line
+    retries = [r.getMessage() for r in caplog.records if r.name == "hf3d.hub"]
+    assert [m.split("; ")[-1] for m in retries] == ["retry 1 of 2 in 0.01 s", "retry 2 of 2 in 0.02 s"]
+    _assert_no_token(err, caplog.text)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["new-repo", "existing-repo"])
+def test_no_write_access_is_refused_without_a_commit(model_dir, hub_env, capsys, existing):
+    with FakeHub(TOKEN, read_only=("user/tiny",)) as hub:
+        if existing:  # someone else's repo: creating answers 403, then the upload itself answers 403
+            hub.repos["user/tiny"] = {"private": False, "branches": {}, "commits": {}}
+            hub._new_commit("user/tiny", "main", {})
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+        assert hub.calls("POST", r"/api/models/user/tiny/commit/.*") == 0
+        if existing:
+            assert hub.files("user/tiny") == {}
+        else:
+            assert "user/tiny" not in hub.repos
+    line = _error_line(capsys.readouterr().err)
+    assert "no write access (403)" in line and "user/tiny" in line and "write permission for 'user'" in line
+    assert ("uploading to" if existing else "creating the repo") in line
+
+
+def test_wrong_token_is_refused(model_dir, hub_env, capsys):
+    with FakeHub("hf_another_token") as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+    line = _error_line(capsys.readouterr().err)
+    assert "refused the token (401)" in line and "hf auth login" in line
+    _assert_no_token(line)
+
+
+def test_transient_503_is_retried(model_dir, hub_env, capsys):
+    with FakeHub(TOKEN, fail_first=2) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 0, capsys.readouterr().err
+        assert [status for _, _, status in hub.requests[:3]] == [503, 503, 200]
+        assert hub.files("user/tiny")["model.safetensors"].data == (model_dir / "model.safetensors").read_bytes()
+    assert "pushed" in capsys.readouterr().out
+
+
+def test_files_the_hub_leaves_out_fail_the_push(model_dir, hub_env, capsys):
+    with FakeHub(TOKEN, ignored=(".safetensors",)) as hub:  # as a .gitignore in the repo would
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+    line = _error_line(capsys.readouterr().err)
+    assert "incomplete" in line and "model.safetensors" in line
+
+
+def test_push_to_a_branch(model_dir, hub_env, capsys):
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir, "--revision", "step-40") == 0, capsys.readouterr().err
+        assert "config.json" in hub.files("user/tiny", "step-40")
+        assert set(hub.files("user/tiny", "main")) == {".gitattributes"}
+
+
+def test_a_card_with_broken_metadata_is_refused(model_dir, hub_env, capsys):
+    (model_dir / "README.md").write_text("---\ntags: [hf3d\n---\n# my model\n")  # the user's own card is kept
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+        assert hub.calls("POST", r"/api/models/user/tiny/commit/.*") == 0
+    line = _error_line(capsys.readouterr().err)
+    assert "the Hub refused README.md while uploading to user/tiny" in line and "Invalid metadata" in line
+
+
+@pytest.mark.parametrize("missing", ["config.json", "model.safetensors"])
+def test_not_a_model_dir(model_dir, hub_env, capsys, missing):
+    (model_dir / missing).unlink()
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+        assert hub.requests == []
+    line = _error_line(capsys.readouterr().err)
+    assert "is not an HF model directory" in line and missing.replace("model", "*") in line
+
+
+def test_token_in_a_file_is_never_uploaded(model_dir, hub_env, capsys):
+    (model_dir / "notes.txt").write_text(f"token={TOKEN}\n")
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+        assert hub.requests == []
+    line = _error_line(capsys.readouterr().err)
+    assert "notes.txt contains your Hub token" in line
+    _assert_no_token(line)
+
+
+def test_minimal_card_and_summary_checks(tmp_path):
+    card = write_model_card(make_model_dir(tmp_path / "m", "qwen3"), {}).read_text()
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta == {
+        "library_name": "transformers",
+        "license": "apache-2.0",
+        "pipeline_tag": "text-generation",
+        "tags": ["hf3d", "text-generation"],
+    }
+    assert "Qwen3ForCausalLM (2 layers, hidden size 48)" in body and "No training summary" in body
+    with pytest.raises(ValueError, match=r"\[step, loss\] pairs"):
+        write_model_card(tmp_path / "m", {"loss_curve": [1.0, 2.0]})
+    with pytest.raises(TypeError, match="'tokens_seen'"):
+        write_model_card(tmp_path / "m", {"tokens_seen": "many"})
