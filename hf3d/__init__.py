@@ -1,5 +1,6 @@
 """hf3d: tensor, pipeline and data (ZeRO-1) parallel training of stock transformers models."""
 
+from .accel import prepare
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ParallelConfig
 from .model import ParallelModel
@@ -15,5 +16,6 @@ __all__ = [
     "build_optimizer",
     "load_checkpoint",
     "parallelize",
+    "prepare",
     "save_checkpoint",
 ]

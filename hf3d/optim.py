@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -49,8 +50,11 @@ class _Bucket:
     fragments: list = field(default_factory=list)  # (param, flat_start, flat_stop) inside my shard
 
 
-class ParallelOptimizer:
-    """Wraps a torch optimizer class with ZeRO-0/1 over dp and global-norm clipping over the mesh."""
+class ParallelOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer class with ZeRO-0/1 over dp and global-norm clipping over the mesh.
+
+    It is a torch.optim.Optimizer whose `param_groups` and `state` are the wrapped optimizer's own
+    (over this rank's fp32 master fragments), so LR schedulers and accelerate drive the real step."""
 
     def __init__(
         self,
@@ -62,7 +66,7 @@ class ParallelOptimizer:
         bucket_size: int,
         overlap_grad_reduce: bool,
         dp_collective: str,
-        exclude_from_weight_decay: bool,
+        exclude_from_weight_decay: bool | Callable[[str, torch.Tensor], bool],
         optimizer_kwargs: dict,
     ):
         self.pmodel, self.zero_stage, self.max_grad_norm = pmodel, zero_stage, max_grad_norm
@@ -125,6 +129,10 @@ class ParallelOptimizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if self.overlap else []
         self._step_started = False
         self.last_step_skipped = False
+        self.last_grad_norm: torch.Tensor | None = None
+        # torch.optim.Optimizer's bookkeeping (hooks, step patching), over the very same group dicts
+        torch.optim.Optimizer.__init__(self, self.optimizer.param_groups, self.optimizer.defaults)
+        self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         pmodel.grad_sync = self
 
     # ---------------------------------------------------------------------------------------------
@@ -144,7 +152,7 @@ class ParallelOptimizer:
         lo, hi = shard_range(b.numel, self.dp_size, self.dp_rank)
         return b.offset + lo, b.offset + hi
 
-    def _build_master(self, exclude_from_weight_decay: bool) -> None:
+    def _build_master(self, exclude_from_weight_decay) -> None:
         """fp32 master fragments for the elements this rank steps. With fp32 parameters the master is
         the parameter's own storage (a view): no second copy, no write-back."""
         self._aliased = self.param_dtype == torch.float32
@@ -167,13 +175,16 @@ class ParallelOptimizer:
                     master = flat if self._aliased else flat.float().clone()
                     self._masters.append((p, master, a, z))
                     name = self.names[id(p)]
-                    excluded = exclude_from_weight_decay and (
-                        p.dim() < 2 or "embed_tokens" in name or "lm_head" in name
-                    )
+                    if callable(exclude_from_weight_decay):
+                        excluded = exclude_from_weight_decay(name, p)
+                    else:
+                        excluded = exclude_from_weight_decay and (
+                            p.dim() < 2 or "embed_tokens" in name or "lm_head" in name
+                        )
                     (no_decay if excluded else decay).append(master)
                 start = end
         self._param_groups = [{"params": decay}]
-        if no_decay:
+        if no_decay or callable(exclude_from_weight_decay):  # a rule: the same groups on every rank
             self._param_groups.append({"params": no_decay, "weight_decay": 0.0})
 
     # -- gradient path -----------------------------------------------------------------------------
@@ -258,11 +269,15 @@ class ParallelOptimizer:
         return sq.sqrt()
 
     @torch.no_grad()
-    def step(self) -> torch.Tensor:
+    def step(self, closure=None) -> torch.Tensor:
         """Reduce gradients, clip to max_grad_norm, step the shard, sync params. Returns the
-        pre-clip global grad norm; a non-finite norm skips the update (last_step_skipped)."""
+        pre-clip global grad norm (also kept as last_grad_norm); a non-finite norm skips the update
+        (step_was_skipped). `closure` is not supported: hf3d computes the loss in train_step."""
+        if closure is not None:
+            raise ValueError("ParallelOptimizer.step takes no closure: run pmodel.train_step or pmodel(**batch) first")
         self.finish_grad_sync()
         norm = self.grad_norm()
+        self.last_grad_norm = norm
         self.last_step_skipped = not math.isfinite(norm.item())
         if self.last_step_skipped:
             warnings.warn(f"grad norm is {norm.item()}: optimizer step skipped", stacklevel=2)
@@ -378,8 +393,9 @@ class ParallelOptimizer:
         }
 
     @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def step_was_skipped(self) -> bool:
+        """The last step() found a non-finite grad norm and left the weights unchanged."""
+        return self.last_step_skipped
 
 
 def _owned_runs(p: torch.Tensor) -> list[tuple[int, int]]:
@@ -441,7 +457,7 @@ def build_optimizer(
     bucket_size: int = 2**22,
     overlap_grad_reduce: bool = True,
     dp_collective: str = "auto",
-    exclude_from_weight_decay: bool = False,
+    exclude_from_weight_decay: bool | Callable[[str, torch.Tensor], bool] = False,
     **optimizer_kwargs,
 ) -> ParallelOptimizer:
     """Wrap a torch optimizer class for a ParallelModel.
@@ -452,8 +468,9 @@ def build_optimizer(
     zero_stage: 0 (replicated optimizer, all-reduced grads) or 1 (state and fp32 master weights on
     1/dp of the elements); default from the ParallelConfig. bucket_size: elements per gradient
     bucket. dp_collective: "reduce_scatter", "all_reduce" or "auto" (all_reduce on gloo, where it
-    measured faster, reduce_scatter elsewhere). exclude_from_weight_decay: no decay for norms,
-    biases and embeddings. Other keyword arguments go to optimizer_cls.
+    measured faster, reduce_scatter elsewhere). exclude_from_weight_decay: True for no decay on norms,
+    biases and embeddings, or a rule `(runtime_name, param) -> bool` picking the parameters without
+    decay (hf3d.Trainer passes transformers' own). Other keyword arguments go to optimizer_cls.
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")

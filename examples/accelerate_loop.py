@@ -1,0 +1,58 @@
+"""Continued pretraining of the embedded tiny SmolLM through a plain accelerate loop.
+
+    accelerate launch --config_file examples/accelerate/cpu.yaml examples/accelerate_loop.py
+    torchrun --nproc-per-node 2 examples/accelerate_loop.py
+
+The mesh comes from the launch (HF3D_TP, HF3D_PP, HF3D_DP, HF3D_PP_SCHEDULE, HF3D_NUM_MICROBATCHES;
+default: tensor parallel over every process). The model starts from the weights of a previous
+`hf3d train` run when --model points at one, else from a seeded initialisation of the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import transformers
+from accelerate import Accelerator
+
+import hf3d
+from hf3d.data import DataConfig, packed_rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="examples/models/tiny-smollm")
+    ap.add_argument("--data", default="examples/data/shakespeare.jsonl")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=8, help="rows per dp replica per step")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--output-dir", default="outputs/accelerate-loop")
+    args = ap.parse_args()
+
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pcfg = hf3d.ParallelConfig.from_env(tp=int(os.environ.get("HF3D_TP", world)))
+    pmodel = hf3d.parallelize(args.model, pcfg)
+    opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
+    sched = transformers.get_scheduler("cosine", opt, num_warmup_steps=args.steps // 10, num_training_steps=args.steps)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(pmodel.tokenizer_dir)
+    rows = packed_rows(DataConfig(path=args.data, seq_len=args.seq_len), tokenizer)
+    dl = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=args.rows)
+    pmodel, opt, sched, dl = hf3d.prepare(acc, pmodel, opt, sched, dl)
+
+    for step, batch in zip(range(args.steps), dl):
+        out = pmodel(**batch)  # train mode + labels: the whole forward/backward schedule runs here
+        acc.backward(out.loss)  # harmless: the loss is a leaf
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        acc.print(f"step {step + 1}: loss {out.loss.item():.4f} grad_norm {opt.last_grad_norm.item():.3f}")
+    acc.save_state(f"{args.output_dir}/state")  # collective, sharded: acc.load_state resumes at any mesh
+    pmodel.save_pretrained(f"{args.output_dir}/final")  # a stock HF directory
+    acc.print(f"wrote {args.output_dir}/final")
+
+
+if __name__ == "__main__":
+    main()
