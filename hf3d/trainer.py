@@ -78,10 +78,15 @@ class RunConfig:
     seed: int = 0
     save_final: bool = True
     """Write an HF directory to <output_dir>/final at the end."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers accelerate logs every step to (tensorboard, wandb, trackio, ...), under
+    <output_dir>; metrics.jsonl is written either way."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.global_batch < 1:
             raise ValueError("run.steps and run.global_batch must be positive")
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
 
 
 @dataclass
@@ -204,10 +209,11 @@ def _report_memory(opt, out: Path, rank0: bool) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns the last step's metrics."""
+    from accelerate import Accelerator
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from . import build_optimizer
+    from . import build_optimizer, prepare
 
     pmodel = _load_model(cfg.model, cfg.parallel)
     if is_complete(cfg.model.path):  # start from a checkpoint's weights: step 0, fresh optimizer
@@ -229,6 +235,16 @@ def train(cfg: TrainConfig) -> dict:
         exclude_from_weight_decay=o.exclude_from_weight_decay,
     )
     out = Path(cfg.run.output_dir)
+    # the loop is an accelerate loop: trackers, and the same refusals as any hf3d.prepare user
+    acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=cfg.run.report_to or None, project_dir=str(out))
+    pmodel, opt = prepare(acc, pmodel, opt)
+    if cfg.run.report_to:
+        flat = {
+            f"{sec}.{k}": v if isinstance(v, int | float | str | bool) else str(v)
+            for sec, d in cfg.to_dict().items()
+            for k, v in d.items()
+        }
+        acc.init_trackers("hf3d", config=flat)
     ckpt_root = out / "checkpoints"
     resume_from = resolve_resume(cfg.checkpoint.resume, ckpt_root)
     start = 0
@@ -284,11 +300,15 @@ def train(cfg: TrainConfig) -> dict:
             if rank0:
                 bar.write(f"hf3d: saved {saved} in {record['checkpoint_s']:.2f} s")
         metrics.write(record)
+        if cfg.run.report_to:
+            acc.log(record, step=step + 1)
         if step == start:  # optimizer state exists from the first step on
             _report_memory(opt, out, rank0)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
         if rank0 and (step + 1) % cfg.run.log_every == 0:
             bar.write(f"step {step + 1}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} lr {lr:.2e}")
+    for tracker in acc.trackers:  # not acc.end_training(): it would also end torch.distributed
+        tracker.finish()
     if cfg.run.save_final:
         final = out / "final"
         pmodel.save_pretrained(final)
