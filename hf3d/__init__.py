@@ -13,9 +13,18 @@ __all__ = [
     "ParallelConfig",
     "ParallelModel",
     "ParallelOptimizer",
+    "Trainer",
     "build_optimizer",
     "load_checkpoint",
     "parallelize",
     "prepare",
     "save_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    if name == "Trainer":  # transformers' Trainer takes seconds to import: load it on first use
+        from .hf_trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'hf3d' has no attribute {name!r}")

@@ -94,6 +94,7 @@ def prepare(acc, pmodel, optimizer=None, scheduler=None, dataloader=None):
             num_processes=pmodel.dp_size,
             process_index=pmodel.dp_rank,
             put_on_device=True,
+            dispatch_batches=False,  # each replica iterates its own copy: dispatching would split over tp/pp too
         )
         out.append(acc.prepare(_mark(shard)))
 
