@@ -251,3 +251,26 @@ def test_minimal_card_and_summary_checks(tmp_path):
         write_model_card(tmp_path / "m", {"loss_curve": [1.0, 2.0]})
     with pytest.raises(TypeError, match="'tokens_seen'"):
         write_model_card(tmp_path / "m", {"tokens_seen": "many"})
+
+
+def test_train_pushes_its_final_model_with_the_run_card(tmp_path):
+    """`export.push_to_hub` at the end of `hf3d train`: the card carries this run's figures, and the
+    token shows up in no output of the run."""
+    out = tmp_path / "run"
+    with FakeHub(TOKEN) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf")}
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+        sets = ["parallel.tp=1", "run.steps=3", "run.global_batch=2", "data.seq_len=32", "optim.warmup_steps=1"]
+        sets += ["checkpoint.every=0", f"run.output_dir={out}", "export.push_to_hub=user/run"]
+        cmd = [sys.executable, "-m", "hf3d", "train", "examples/configs/tiny-smollm.yaml", "--set", *sets]
+        proc = subprocess.run(cmd, cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        pushed = hub.files("user/run")
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "hf3d_training.json"} <= set(pushed)
+    summary = json.loads((out / "final" / "hf3d_training.json").read_text())
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["loss_curve"] == [[i + 1, loss] for i, loss in enumerate(losses)]
+    assert summary["tokens_seen"] == 3 * 2 * 32 and summary["parallel"]["tp"] == 1
+    card = (out / "final" / "README.md").read_text()
+    assert f"Final training loss: {losses[-1]:.4f}" in card and "hf3d" in card
+    _assert_no_token(proc.stdout, proc.stderr, dirs=(out,))
