@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 PP_SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+# ParallelConfig.from_env: field -> environment variable
+ENV_VARS = {
+    "tp": "HF3D_TP",
+    "pp": "HF3D_PP",
+    "dp": "HF3D_DP",
+    "pp_schedule": "HF3D_PP_SCHEDULE",
+    "num_microbatches": "HF3D_NUM_MICROBATCHES",
+}
 
 
 @dataclass
@@ -67,6 +77,37 @@ class ParallelConfig:
             )
 
         self._check_microbatches()
+
+    @classmethod
+    def from_env(cls, **overrides) -> ParallelConfig:
+        """A config from the HF3D_* environment variables (ENV_VARS), for launch scripts that set the
+        degrees outside the Python code. Unset or empty variables take the field defaults; keyword
+        overrides win over the environment: `ParallelConfig.from_env(num_microbatches=8)`."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"ParallelConfig.from_env got unknown field(s) {', '.join(unknown)}")
+        kwargs, used = {}, []
+        for name, var in ENV_VARS.items():
+            raw = os.environ.get(var, "").strip()
+            if not raw or name in overrides:
+                continue
+            used.append(f"{var}={raw}")
+            if name == "pp_schedule":
+                if raw not in PP_SCHEDULES:
+                    raise ValueError(f"{var}={raw!r} is not a pipeline schedule; known: {', '.join(PP_SCHEDULES)}")
+                kwargs[name] = raw
+                continue
+            value = int(raw) if raw.lstrip("+-").isdecimal() else 0
+            if value < 1:
+                raise ValueError(f"{var} must be a positive integer, got {raw!r}")
+            kwargs[name] = value
+        try:
+            return cls(**kwargs, **overrides)
+        except ValueError as e:
+            if not used:
+                raise
+            raise ValueError(f"{e} (from the environment: {', '.join(used)})") from None
 
     def _check_microbatches(self) -> None:
         if self.pp == 1 or self.pp_schedule == "afab":

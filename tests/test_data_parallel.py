@@ -3,9 +3,10 @@
 Every distributed run below is checked against `reference.reference_run`: stock transformers +
 torch.optim.AdamW + clip_grad_norm_ on one process over the whole global batch (4 rows); runs with
 other optimizer settings (exclude_from_weight_decay) against the same oracle with those
-settings (`reference_run(param_groups=...)`). dp rank d trains on rows [d*B/dp, (d+1)*B/dp). Tolerances (fp32, 3 steps):
-losses rel <= 1e-5, grad norms returned by opt.step() rel <= 1e-4 (rel <= 1e-5 on step 1 for the
-"counts every element once" checks), exported weights abs <= 1e-4.
+settings (`reference_run(param_groups=...)`). dp rank d trains on rows [d*B/dp, (d+1)*B/dp).
+Checked per step: the loss and the grad norm opt.step() returns, both relative; then the exported
+weights, element-wise and as a whole (the relative error of the training update). The bf16 run is
+checked against the fp32 oracle. Tolerances: see the constants below.
 
 Spawning gloo processes costs seconds, so one spawn per world size (2, 4, 8) runs many
 configurations one after another; each rank saves what it measured and the tests below assert
@@ -35,8 +36,28 @@ import hf3d  # noqa: E402
 BATCH, SEQ = 4, 16
 STEPS = 3
 BF16_STEPS = 5
-LOSS_RTOL, NORM_RTOL, NORM_RTOL_STEP1, WEIGHT_ATOL = 1e-5, 1e-4, 1e-5, 1e-4
-BF16_LOSS_RTOL = 1e-3  # measured: max rel 1.4e-4 over 5 steps (tiny llama, dp=2, ZeRO-1, bf16 params)
+# ~10-20x the largest error measured over every run of this file (gloo, 2-core CPU); fp32, 3 steps:
+LOSS_RTOL = 3e-6  # per-step loss, relative; measured 2.1e-7 (tp2-kvrep; dp-only runs 1.0e-7)
+NORM_RTOL = 2e-5  # per-step grad norm, relative; measured 1.2e-6 (tp2-kvrep; dp-only runs 1.4e-7)
+NORM_RTOL_STEP1 = 1e-5  # step 1 only, the "counts every element once" check; measured 6.5e-7 (tp2-kvrep)
+# Exported weights. Element-wise, the error is AdamW's: it divides each gradient by its own running
+# magnitude, so float noise in near-zero gradients (llama-kvrep's k_proj bias) becomes weight noise near
+# lr times that noise's relative size. The update check sees a small error spread over many elements:
+# decaying the embedding, which exclude_from_weight_decay must spare, makes the update error 1.0e-3
+# here while no element moves by more than 4.7e-5.
+WEIGHT_ATOL = 8e-5  # max |Δw|, measured 5.3e-6 (tp2-kvrep; dp-only runs 1.3e-6)
+UPDATE_RTOL = 1.5e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 9.8e-6 (tp2-kvrep)
+RESHARD_WEIGHT_ATOL = 2e-7  # hf3d dp=2 vs hf3d tp=2 after a restored state_dict; measured 1.3e-8
+# bf16 parameters (fp32 main grads, master weights and AdamW state), dp=2, 5 steps, against the fp32
+# oracle: hf3d's bf16 mode approximates that run. A stock bf16 AdamW run is another algorithm (it
+# drops every update under half a bf16 spacing: norm weights near 1 never move at lr 2e-3), and it
+# was no closer (update error 7.2e-2 against 5.6e-2). The floor is bf16 itself: rounding the fp32
+# oracle's weights to bf16 alone gives an update error of 2.6e-2, so these checks catch only
+# gross errors (an update lost or misplaced); the fp32 checks above are the precise ones.
+BF16_LOSS_RTOL = 1.5e-3  # per-step loss, relative; measured 1.2e-4
+BF16_WEIGHT_ATOL = 8e-2  # max |Δw|, measured 6.8e-3 (a norm weight near 1, bf16 spacing 7.8e-3)
+BF16_UPDATE_RTOL = 0.6  # measured 5.6e-2; 1.0 means no update at all
+BF16_RUN = "mem-dp2"
 MEM_BUCKET = 3000  # elements: several buckets, so the padding bound is exercised per bucket
 
 # name: (world size, family, ParallelConfig kwargs, build_optimizer kwargs); fp32, STEPS steps
@@ -87,7 +108,7 @@ NORM_ONCE_RUNS = ["tp2-kvrep", "tp2-pp2-tied", "tp2-dp2-kvrep", "tp2-pp2-dp2"]
 # name: (world size, ParallelConfig kwargs, steps); bf16 params on llama, bucket_size=MEM_BUCKET
 MEMORY_RUNS = {
     "mem-dp1": (2, dict(tp=2), 2),  # dp=1 at world 2: tp=2
-    "mem-dp2": (2, {}, BF16_STEPS),  # also the bf16-vs-fp32 loss run
+    BF16_RUN: (2, {}, BF16_STEPS),  # also the bf16-vs-fp32 run (losses and exported weights)
     "mem-dp4": (4, {}, 2),
 }
 ADAFACTOR = dict(lr=1e-2)  # torch.optim.Adafactor: factored second moments for 2-D params (not elementwise)
@@ -123,9 +144,11 @@ def _fp32_run(dirs, out, family, pkw, okw) -> dict:
     return dict(losses=losses, norms=norms, dp_identical=_dp_identical(pm), dp_size=pm.dp_size)
 
 
-def _memory_run(dirs, pkw, steps) -> dict:
+def _memory_run(dirs, pkw, steps, out: str | None) -> dict:
     pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(**pkw), dtype=torch.bfloat16)
     losses, norms, opt = hf3d_run(pm, _data(steps), _rows(pm), bucket_size=MEM_BUCKET)
+    if out is not None:
+        pm.save_pretrained(out)
     params = [p for _, p in pm.unique_parameters()]
     mine = torch.tensor(opt.memory_report()["master_weights"] // 4)
     dist.all_reduce(mine, group=pm.mesh.get_group("dp"))
@@ -250,7 +273,7 @@ def _worker(world: int, dirs: dict, out: str) -> None:
             results[name] = _fp32_run(dirs, f"{out}/{name}", family, pkw, okw)
     for name, (w, pkw, steps) in MEMORY_RUNS.items():
         if w == world:
-            results[name] = _memory_run(dirs, pkw, steps)
+            results[name] = _memory_run(dirs, pkw, steps, f"{out}/{name}" if name == BF16_RUN else None)
     if world == 2:
         results["nonfinite-hook-inf"] = _nonfinite_run(dirs, f"{out}/nonfinite-hook-inf", "hook-inf", {})
         no_overlap = dict(overlap_grad_reduce=False, dp_collective="reduce_scatter")
@@ -329,13 +352,20 @@ def _exported(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def _check_weights(path: Path, ref_sd: dict[str, torch.Tensor], tied: bool) -> None:
-    sd = _exported(path)
+def _check_weights(
+    path: Path, ref_sd: dict, source: str, *, tied: bool, atol: float = WEIGHT_ATOL, update_rtol: float = UPDATE_RTOL
+) -> None:
+    """Exported weights against the oracle's, element-wise and as the relative error of the update
+    ||w - w_ref|| / ||w_ref - w_0|| over every tensor (w_0: the weights in `source`)."""
+    sd, init = _exported(path), _exported(Path(source))
     expected = set(ref_sd) - ({"lm_head.weight"} if tied else set())
     assert set(sd) == expected
     err = {k: (sd[k].float() - ref_sd[k]).abs().max().item() for k in sd}
     worst = max(err, key=err.get)
-    assert err[worst] <= WEIGHT_ATOL, f"{worst}: max |dw| = {err[worst]:.3g}"
+    assert err[worst] <= atol, f"{worst}: max |dw| = {err[worst]:.3g}"
+    num = sum(float((sd[k].float() - ref_sd[k]).square().sum()) for k in sd)
+    den = sum(float((ref_sd[k] - init[k].float()).square().sum()) for k in sd)
+    assert (num / den) ** 0.5 <= update_rtol, f"the training update is off by {(num / den) ** 0.5:.3g} (relative)"
 
 
 def _check_losses_norms(res: dict, ref_losses, ref_norms, ranks) -> None:
@@ -357,7 +387,7 @@ def test_matches_reference(request, env, name):
     _check_losses_norms(runs, ref_losses, ref_norms, range(world))
     assert all(runs[r]["dp_identical"] for r in range(world)), "params differ across dp ranks"
     assert runs[0]["dp_size"] == world // math.prod(FP32_RUNS[name][2].get(k, 1) for k in ("tp", "pp"))
-    _check_weights(res["out"] / name, ref_sd, tied=family == "llama")
+    _check_weights(res["out"] / name, ref_sd, env["dirs"][family], tied=family == "llama")
 
 
 @pytest.mark.parametrize("with_overlap, without", OVERLAP_PAIRS)
@@ -412,16 +442,25 @@ def test_memory_report_matches_theory(request, name):
 
 
 def test_bf16_follows_fp32_reference(request, env):
-    """bf16 params (fp32 main grads and master weights), dp=2, ZeRO-1, 5 steps: every loss within
-    rel 1e-3 of the fp32 stock run (measured max rel 1.4e-4; losses near ln(vocab))."""
+    """bf16 params (fp32 main grads and master weights), dp=2, ZeRO-1, 5 steps: every loss and the
+    exported bf16 weights follow the fp32 stock run within the bf16 tolerances above."""
     res = _results(request, 2)
-    ref_losses = env["ref_bf16"][0]
+    ref_losses, _, ref_sd = env["ref_bf16"]
     for r in range(2):
-        losses = res[r]["mem-dp2"]["losses"]
+        losses = res[r][BF16_RUN]["losses"]
         assert len(losses) == BF16_STEPS
         rel = [_rel(a, b) for a, b in zip(losses, ref_losses)]
         assert max(rel) <= BF16_LOSS_RTOL, rel
-    assert res[0]["mem-dp2"]["losses"] == res[1]["mem-dp2"]["losses"]
+    assert res[0][BF16_RUN]["losses"] == res[1][BF16_RUN]["losses"]
+    assert {v.dtype for v in _exported(res["out"] / BF16_RUN).values()} == {torch.bfloat16}
+    _check_weights(
+        res["out"] / BF16_RUN,
+        ref_sd,
+        env["dirs"]["llama"],
+        tied=True,
+        atol=BF16_WEIGHT_ATOL,
+        update_rtol=BF16_UPDATE_RTOL,
+    )
 
 
 @pytest.mark.parametrize("poison", ["hook-inf", "main_grad-nan"])
@@ -446,7 +485,7 @@ def test_nonfinite_grad_norm_skips_the_step(request, env, poison):
         assert _rel(run["norms"][0], skip_norms[0]) <= NORM_RTOL
         assert _rel(run["norms"][2], skip_norms[1]) <= NORM_RTOL
         assert run["dp_identical"]
-    _check_weights(res["out"] / name, skip_sd, tied=True)
+    _check_weights(res["out"] / name, skip_sd, env["dirs"]["llama"], tied=True)
 
 
 @pytest.mark.parametrize("name", list(ADAFACTOR_RUNS))
@@ -474,7 +513,7 @@ def test_optimizer_state_dict_roundtrip_and_reshard(request):
         assert _rel(sd["norm"][2], sd["norm"][0]) <= NORM_RTOL
     a, b = _exported(res["out"] / "sd-uninterrupted"), _exported(res["out"] / "sd-resharded")
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= WEIGHT_ATOL
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= RESHARD_WEIGHT_ATOL
 
 
 def test_build_optimizer_rejects_bad_input(request):

@@ -9,8 +9,9 @@ is stopped by a per-job watchdog on every rank (the ranks exit; the tests of the
 finish fail with the reason, including any exception a rank raised before its peers hung), with a
 deadline on the whole spawn as a last resort.
 
-Tolerances: losses rel <= 1e-5, logits abs <= 1e-5, exported weights abs <= 1e-4 (grad norms rel
-<= 1e-4 as an extra).
+Checked per step: the loss (equal on every rank) and the pre-clip grad norm, both relative; then the
+exported weights, element-wise and as a whole (the relative error of the training update). Tolerances:
+see the constants below.
 """
 
 from __future__ import annotations
@@ -31,7 +32,16 @@ from models import VOCAB, make_model_dir, tiny_config
 from reference import BETAS, CLIP, LR, WD, batches, reference_run
 
 STEPS, BATCH, SEQ = 3, 4, 16
-LOSS_RTOL, LOGITS_ATOL, WEIGHT_ATOL, NORM_RTOL = 1e-5, 1e-5, 1e-4, 1e-4
+# ~10-20x the largest error measured over every job of this file (fp32, gloo, 2-core CPU):
+LOSS_RTOL = 3e-6  # per-step loss, relative; measured 2.1e-7 (llama, 5 layers, pp2 and pp3)
+LOGITS_ATOL = 3e-6  # max |Δlogits|, measured 2.4e-7 (stock packed vs unpacked; hf3d 2.1e-7 at tp2-pp2)
+NORM_RTOL = 2e-5  # per-step pre-clip grad norm, relative; measured 1.9e-6 (tp2-pp2-sp, qwen2 1f1b)
+# Exported weights after 3 AdamW steps. Element-wise, the error is AdamW's: it divides each gradient
+# by its own running magnitude, so float noise in near-zero gradients becomes weight noise near lr
+# times that noise's relative size. The update check sees a small error spread over many elements
+# (a wrong decay, a missing part of a gradient) that the element-wise bound cannot.
+WEIGHT_ATOL = 1e-4  # max |Δw|, measured 9.5e-6 (tp2-pp2-afab-qwen2)
+UPDATE_RTOL = 2e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 1.5e-5 (tp2-pp2 llama)
 SPAWN_DEADLINE_S = 600  # last resort; a job that hangs is stopped by its own watchdog first
 FIRST_JOB_TIMEOUT_S, JOB_TIMEOUT_S = 300, 45  # per job (a warm job takes ~1 s, ~2 s on a loaded CPU)
 
@@ -123,7 +133,7 @@ def job_parity(
     rows = slice(pm.dp_rank * rows_per, (pm.dp_rank + 1) * rows_per)
     if logits:
         with torch.no_grad():
-            rec["logits"] = pm(data[0][0], position_ids=pos).detach().clone()
+            rec["logits"] = pm.logits(data[0][0], position_ids=pos).detach().clone()
     opt = hf3d.build_optimizer(
         pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP, **(opt_kwargs or {})
     )
@@ -446,28 +456,34 @@ def _check_losses(recs, ref_losses, ref_norms):
         assert r["losses"] == losses0, (r["pp_rank"], r["losses"], losses0)
     rel = [_rel(a, b) for a, b in zip(losses0, ref_losses)]
     assert len(losses0) == len(ref_losses) and max(rel) <= LOSS_RTOL, (losses0, ref_losses, rel)
-    nrel = [_rel(a, b) for a, b in zip(recs[0]["norms"], ref_norms)]
-    assert max(nrel) <= NORM_RTOL, (recs[0]["norms"], ref_norms, nrel)
+    for r in recs:
+        nrel = [_rel(a, b) for a, b in zip(r["norms"], ref_norms)]
+        assert max(nrel) <= NORM_RTOL, (r["pp_rank"], r["norms"], ref_norms, nrel)
 
 
-def _check_export(export_dir, ref_state, tied):
+def _check_export(export_dir, ref_state, tied, source_dir):
     from safetensors.torch import load_file
 
     sd = load_file(str(Path(export_dir) / "model.safetensors"))
+    init = load_file(str(Path(source_dir) / "model.safetensors"))
     expected = {k for k in ref_state if not (tied and k == "lm_head.weight")}
     assert set(sd) == expected, sorted(set(sd) ^ expected)
     worst = max(((sd[k] - ref_state[k]).abs().max().item(), k) for k in sd)
     assert worst[0] <= WEIGHT_ATOL, f"exported {worst[1]} differs from stock by {worst[0]:.3g}"
+    # the relative error of what training changed, over every tensor
+    num = sum(float((sd[k] - ref_state[k]).square().sum()) for k in sd)
+    den = sum(float((ref_state[k] - init[k]).square().sum()) for k in sd)
+    assert (num / den) ** 0.5 <= UPDATE_RTOL, f"the training update is off by {(num / den) ** 0.5:.3g} (relative)"
 
 
 @pytest.mark.parametrize("name", list(PARITY))
-def test_training_parity(name, spawned, oracle, workdir):
-    """3 AdamW steps: per-step loss (rel 1e-5), grad norm, exported safetensors (abs 1e-4)."""
+def test_training_parity(name, spawned, oracle, workdir, model_dirs):
+    """3 AdamW steps: per-step loss and grad norm, exported safetensors (element-wise and as a whole)."""
     model, _, _ = PARITY[name]
     recs = _records(spawned, name)
     ref = oracle[model]
     _check_losses(recs, ref["losses"], ref["norms"])
-    _check_export(workdir / "export" / name, ref["state"], TIED[model])
+    _check_export(workdir / "export" / name, ref["state"], TIED[model], model_dirs[model])
 
 
 @pytest.mark.parametrize("name", ["pp2-afab-llama", "tp2-pp2-1f1b-llama"])
@@ -611,7 +627,7 @@ def test_bad_microbatches_not_dividing_batch(spawned, model_dirs):
 
 
 # -- packed sequences ------------------------------------------------------------------------------
-def test_packed_sequences_match_stock(spawned, oracle_packed, oracle, workdir):
+def test_packed_sequences_match_stock(spawned, oracle_packed, oracle, workdir, model_dirs):
     """Position ids restarting inside rows select HF's block-diagonal causal mask on every stage:
     losses, logits and exported weights match the stock model given the same position_ids."""
     recs = _records(spawned, "packed")
@@ -622,7 +638,7 @@ def test_packed_sequences_match_stock(spawned, oracle_packed, oracle, workdir):
     for r in recs:
         diff = (r["logits"] - ref["logits"]).abs().max().item()
         assert diff <= LOGITS_ATOL, f"pp rank {r['pp_rank']}: packed |Δlogits| = {diff:.3g}"
-    _check_export(workdir / "export" / "packed", ref["state"], tied=True)
+    _check_export(workdir / "export" / "packed", ref["state"], True, model_dirs["llama4"])
 
 
 def test_stock_packing_sanity(model_dirs):

@@ -4,14 +4,15 @@ What is checked, in fp32 on gloo:
 - logits of `hf3d.parallelize(dir, ParallelConfig(tp=t), attn_implementation=a)(ids)` against
   stock `AutoModelForCausalLM.from_pretrained(dir, attn_implementation=a)(ids).logits`, on every
   rank, for every family of tests/models.py and every valid tp in {1, 2, 3, 4}, with sdpa and
-  eager, and with sequence parallelism; max |Δ| <= 1e-5. None of the four families accepts tp=3
+  eager, and with sequence parallelism; max |Δ| <= LOGITS_ATOL. None of the four families accepts tp=3
   (asserted below), so two llama variants (6 query heads over 3 KV heads, and over 1 KV head,
   which tp=3 replicates) cover tp=3 on a world of 3. KV replication: llama-kvrep at tp 2 and 4,
   qwen2/qwen3 at tp 4, llama-6x1 at tp 3. Vocab padding: 101 is prime, padded at every tp > 1;
   the ids include the pad id 0 and the last real row 100.
 - training: 3 steps of train_step + build_optimizer(AdamW, clipping) against
-  tests/reference.reference_run (stock model, torch AdamW, clip_grad_norm_): losses and grad
-  norms rel <= 1e-5, exported weights abs <= 1e-4, with and without sequence parallelism.
+  tests/reference.reference_run (stock model, torch AdamW, clip_grad_norm_): per-step losses and
+  grad norms (relative), exported weights element-wise and as a whole (the relative error of the
+  training update), with and without sequence parallelism. Tolerances: see the constants below.
 - export: HF dir -> parallelize -> save_pretrained is bit-identical to the original safetensors
   and loads in stock transformers.
 - pure functions (no processes): split_layers, valid_tp_sizes, layout pieces.
@@ -51,7 +52,16 @@ FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3")
 # tp=3 fits none of FAMILIES; these llama variants (6 query heads) take it
 TP3_VARIANTS = {"llama-6x3": dict(num_key_value_heads=3), "llama-6x1": dict(num_key_value_heads=1)}
 ATTNS = ("sdpa", "eager")
-LOGITS_ATOL, LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-5, 1e-5, 1e-5, 1e-4
+# ~10-20x the largest error measured over every case of this file (fp32, gloo, 2-core CPU):
+LOGITS_ATOL = 5e-6  # max |Δlogits|, measured 3.6e-7 (llama-6x3 tp3 sdpa-sp)
+LOSS_RTOL = 3e-6  # per-step loss, relative; measured 2.1e-7 (llama tp2: 2 ulp of a loss near 4.6)
+NORM_RTOL = 6e-6  # per-step pre-clip grad norm, relative; measured 4.7e-7 (llama-kvrep tp4)
+# Exported weights after 3 AdamW steps. Element-wise, the error is AdamW's: it divides each gradient
+# by its own running magnitude, so float noise in near-zero gradients becomes weight noise near lr
+# times that noise's relative size. The update check sees a small error spread over many elements
+# (a wrong decay, a missing part of a gradient) that the element-wise bound cannot.
+WEIGHT_ATOL = 1e-4  # max |Δw|, measured 9.7e-6 (llama tp2, embed_tokens)
+UPDATE_RTOL = 2e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 1.6e-5 (llama-kvrep tp4)
 BATCH, SEQ, STEPS = 4, 12, 3  # SEQ divisible by 2, 3 and 4 (sequence parallelism)
 WATCHDOG_S = 400  # a rank stuck in a collective dumps its stack and exits instead of hanging
 
@@ -90,7 +100,7 @@ def _train_data():
 # ------------------------------------------------------------------------------------------------
 def _logits(pm, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return pm(ids).detach().clone()
+        return pm.logits(ids).detach().clone()
 
 
 def _logit_sweep(name: str, path: str, tps, ids, res: dict, out: str) -> None:
@@ -227,6 +237,13 @@ def _assert_logits(results, key: str, ref: torch.Tensor) -> None:
         assert err <= LOGITS_ATOL, f"{key} rank {rank}: max|Δlogits| = {err:.3e} > {LOGITS_ATOL}"
 
 
+def _update_error(saved: dict, ref_sd: dict, original: dict) -> float:
+    """The relative error of what training changed: ||w - w_ref|| / ||w_ref - w_0|| over every tensor."""
+    num = sum(float((saved[k].float() - ref_sd[k]).square().sum()) for k in saved)
+    den = sum(float((ref_sd[k] - original[k].float()).square().sum()) for k in saved)
+    return (num / den) ** 0.5
+
+
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(Path(path).glob("*.safetensors"))
     assert files, f"no safetensors in {path}"
@@ -289,6 +306,8 @@ def test_training_matches_stock(request, references, model_dirs, name, tp, world
         assert saved[k].shape == ref_sd[k].shape, k
         err = (saved[k] - ref_sd[k]).abs().max().item()
         assert err <= WEIGHT_ATOL, f"{k}: max|Δ| {err:.3e} after {STEPS} steps"
+    update_err = _update_error(saved, ref_sd, original)
+    assert update_err <= UPDATE_RTOL, f"the training update is off by {update_err:.3e} (relative)"
 
 
 # ------------------------------------------------------------------------------------------------
