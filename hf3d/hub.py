@@ -97,7 +97,7 @@ def _public_name(name: str) -> str:
 def _check_summary(summary: Any) -> dict:
     """The summary's types, checked where the trainer (or a user's JSON file) hands it over."""
     if not isinstance(summary, dict):
-        raise TypeError(f"the training summary must be a dict, got {type(summary).__name__}")
+        raise HubError(f"the training summary must be a dict, got {type(summary).__name__}")
     expected = {
         "base_model": (str, type(None)),
         "datasets": list,
@@ -110,7 +110,7 @@ def _check_summary(summary: Any) -> dict:
     }
     for key, types in expected.items():
         if key in summary and not isinstance(summary[key], types):
-            raise TypeError(f"training summary: {key!r} has type {type(summary[key]).__name__}; see hf3d.hub")
+            raise HubError(f"training summary: {key!r} has type {type(summary[key]).__name__}; see hf3d.hub")
     for point in summary.get("loss_curve", []):
         if not (
             isinstance(point, (list, tuple)) and len(point) == 2 and all(isinstance(v, (int, float)) for v in point)

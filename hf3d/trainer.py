@@ -163,11 +163,24 @@ class TrainConfig:
                     f"unknown key(s) {', '.join(sorted(unknown))} in section {section!r}; "
                     f"known: {', '.join(sorted(known))}"
                 )
-            built[section] = sub_cls(**(values or {}))
+            built[section] = sub_cls(**_as_numbers(section, sub_cls(), values or {}))
         return cls(**built)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _as_numbers(section: str, defaults, values: dict) -> dict:
+    """YAML reads `3e-4` (no dot) as a string: take numbers written that way where the field is a number."""
+    out = dict(values)
+    for key, value in values.items():
+        default = getattr(defaults, key)
+        if isinstance(value, str) and isinstance(default, int | float) and not isinstance(default, bool):
+            try:
+                out[key] = type(default)(float(value)) if isinstance(default, float) else int(value)
+            except ValueError:
+                raise ValueError(f"{section}.{key} must be a number, got {value!r}") from None
+    return out
 
 
 def lr_at(step: int, cfg: OptimConfig, total: int) -> float:

@@ -353,3 +353,14 @@ def test_error_message(errors, case):
         for w in words:
             assert w in msg, f"rank {rank}: {case}: {w!r} missing from the message: {msg}"
         assert len(msg) < 600, f"rank {rank}: {case}: the message is not short and clear: {msg}"
+
+
+def test_numbers_yaml_reads_as_strings_are_taken_as_numbers():
+    """YAML reads 3e-4 (no dot) as a string; a config field that is a number takes it as one, and
+    anything else is one clear message naming the key."""
+    from hf3d.trainer import TrainConfig
+
+    cfg = TrainConfig.from_yaml(None, ["optim.lr=3e-4", "optim.eps=1e-8", "run.global_batch=8"])
+    assert cfg.optim.lr == 3e-4 and cfg.optim.eps == 1e-8 and cfg.run.global_batch == 8
+    with pytest.raises(ValueError, match="optim.lr must be a number, got 'fast'"):
+        TrainConfig.from_yaml(None, ["optim.lr=fast"])

@@ -249,7 +249,7 @@ def test_minimal_card_and_summary_checks(tmp_path):
     assert "Qwen3ForCausalLM (2 layers, hidden size 48)" in body and "No training summary" in body
     with pytest.raises(ValueError, match=r"\[step, loss\] pairs"):
         write_model_card(tmp_path / "m", {"loss_curve": [1.0, 2.0]})
-    with pytest.raises(TypeError, match="'tokens_seen'"):
+    with pytest.raises(ValueError, match="'tokens_seen'"):
         write_model_card(tmp_path / "m", {"tokens_seen": "many"})
 
 
