@@ -20,7 +20,8 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-RESULTS = BENCH_DIR / "results"
+# HF3D_BENCH_RESULTS redirects every results file (tests/test_benchmarks.py writes into a temporary folder)
+RESULTS = Path(os.environ.get("HF3D_BENCH_RESULTS") or BENCH_DIR / "results")
 if str(REPO) not in sys.path:  # hf3d is used from the working tree, not an installed copy
     sys.path.insert(0, str(REPO))
 

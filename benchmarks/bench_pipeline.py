@@ -417,8 +417,11 @@ excluded), at their peak.
     out_dir = C.RESULTS / "quick" if args.quick else C.RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "pipeline.md").write_text(body)
+    env["hf3d_uncommitted_at_end"] = C.hf3d_uncommitted()
+    raw = {"env": env, "args": vars(args), "n_params": n_params, "wall_s": elapsed, "results": flat}
+    (out_dir / "pipeline.json").write_text(json.dumps(raw, indent=1, default=str))
     print(md_b, md_m, sep="\n\n")
-    print(f"wrote {out_dir / 'pipeline.md'} in {elapsed:.0f} s")
+    print(f"wrote {out_dir / 'pipeline.md'} and pipeline.json in {elapsed:.0f} s")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,9 @@ def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens) -> torch.
     losses: list[torch.Tensor] = []
     args = (input_ids,) if pipe.has_first else ()
     target = targets if pipe.has_last else None
-    pipe.schedule.step(*args, target=target, losses=losses, position_ids=position_ids)
+    # return_outputs=False: the last stage would otherwise keep every micro-batch's logits shard until
+    # the next step, plus a merged copy
+    pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, position_ids=position_ids)
     total = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=pmodel.device)
     dist.broadcast(total, group=pmodel.mesh.get_group("pp"), group_src=pmodel.stage_owners[-1])
     return total

@@ -1,0 +1,355 @@
+"""Regenerate the performance tables of README.md and benchmarks/README.md from benchmarks/results/*.json.
+
+Only the results files are read; nothing is measured and no figure is typed in by hand. Each table lives
+between marker comments and is replaced as a whole: `perf` in README.md (the performance table);
+`summary` (the same table and an index of every results file) and one `copy:<name>` block per results
+file in benchmarks/README.md (results/<name>.md's tables under a heading saying when, and at which
+commit, they were recorded).
+
+Every results file records the git commit it was measured at (benchmarks/_common.env_info). A row is
+"current" when `git diff --stat <commit> HEAD -- hf3d` is empty and no uncommitted hf3d/ change was
+recorded at measurement; otherwise it is marked STALE (hf3d/ changed since), UNCOMMITTED (measured on
+hf3d/ changes that are in no commit) or UNKNOWN (commit not in this repository). Marked rows are kept,
+not hidden.
+
+    python benchmarks/report.py            # rewrite the marked blocks
+    python benchmarks/report.py --check    # exit 1 if a block is out of date with the results files
+    python benchmarks/report.py --strict   # exit 2 (writing nothing) if a row the README uses is not current
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+
+
+# -- staleness ----------------------------------------------------------------------------------------
+def status(env: dict, repo: Path = REPO) -> tuple[str, str]:
+    """(state, note): state is current | STALE | UNCOMMITTED | UNKNOWN."""
+    commit = env.get("git_commit")
+    if not commit:
+        return "UNKNOWN", "no commit recorded"
+    diff = subprocess.run(
+        ["git", "diff", "--stat", commit, "HEAD", "--", "hf3d"], cwd=repo, capture_output=True, text=True
+    )
+    if diff.returncode != 0:
+        return "UNKNOWN", f"commit {commit} is not in this repository"
+    if diff.stdout.strip():
+        files = len(diff.stdout.strip().splitlines()) - 1
+        return "STALE", f"hf3d/ changed since {commit} ({files} file{'s' * (files != 1)})"
+    dirty = env.get("hf3d_uncommitted_at_start") or env.get("hf3d_uncommitted_at_end")
+    if dirty:
+        return "UNCOMMITTED", f"measured at {commit} with uncommitted hf3d/ changes"
+    return "current", commit
+
+
+def load(name: str, results: Path) -> dict | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+# -- rows of the README table: (results file, what, command, extractor -> result text) -----------------
+def _step_time(d: dict) -> str:
+    r = d["result"]["wall"]
+    s = d["samples"]
+    dl = abs(s["hf3d"][0]["loss"] - s["stock"][0]["loss"])
+    return (
+        f"{d['n_params'] / 1e6:.1f}M params: {r['ratio_hf3d_over_stock']:.3f}x median step time, "
+        f"{r['ratio_of_minima']:.3f}x fastest steps "
+        f"({d['args']['repeats']} interleaved rounds, {d['env'].get('torch_threads')} threads); "
+        f"first timed step's losses differ by {dl:.1e}"
+    )
+
+
+def _step_time_1(d: dict) -> str:
+    r = d["result"]["wall"]
+    rounds = d["args"]["repeats"]
+    return f"{r['ratio_hf3d_over_stock']:.3f}x median, {r['ratio_of_minima']:.3f}x fastest steps ({rounds} rounds)"
+
+
+def _load_memory(d: dict) -> str:
+    s = d["summary"]
+    use = s["bf16"]["metrics"]["peak RSS, load + first use (VmHWM)"]["ratio_above_baseline_B_worst_rank"]
+    anon = s["bf16"]["metrics"]["private RSS after first use (RssAnon)"]["ratio_above_baseline_B_worst_rank"]
+    out = f"{use:.2f}x over load + first use (bf16), {anon:.2f}x private memory"
+    if "fp32" in s:
+        fp32 = s["fp32"]["metrics"]["peak RSS during load (VmHWM)"]["ratio_above_baseline_B_worst_rank"]
+        out += f"; {fp32:.2f}x (bf16 → fp32)"
+    return out
+
+
+def _zero_a(d: dict) -> str:
+    cells = []
+    for mesh, v in d["a"].items():
+        w = v["worst_rank"]
+        dp = int(mesh.strip("()").split(",")[2])
+        cells.append(
+            f"{mesh.replace(' ', '')} {w['memory']['total'] / w['local_params']:.2f} (6 + 12/dp = {6 + 12 / dp:.2f})"
+        )
+    return (
+        "bytes per local parameter: "
+        + "; ".join(cells)
+        + " — hf3d's own count (`opt.memory_report()`), true by construction"
+    )
+
+
+def _zero_b(d: dict) -> str:
+    out = []
+    for key, label in (
+        ("(1,1,4) bf16 zero1-all_reduce", "all_reduce"),
+        ("(1,1,4) bf16 zero1-reduce_scatter", "reduce_scatter"),
+    ):
+        if key in d["b"]:
+            out.append(f"{label} {d['b'][key]['ratio_to_min']:.2f}x")
+    return "dp=4, bf16 params: " + ", ".join(out) + " of 2(dp−1)/dp × fp32 grad bytes (counted collectives)"
+
+
+def _zero_d(d: dict) -> str:
+    t, m = d["d"]["throughput"]["tokens_per_s"], d["d"]["memory"]
+    return (
+        f"tokens/s {t['hf3d'] / t['ddp']:.2f}x, peak RSS above baseline "
+        f"{m['hf3d']['peak_above'] / m['ddp']['peak_above']:.2f}x"
+    )
+
+
+def _pipeline(d: dict) -> str:
+    parts = []
+    for r in d["results"]:
+        if r["schedule"] in ("afab", "1f1b") and r["m"] == max(x["m"] for x in d["results"]):
+            parts.append(f"{r['schedule']} (m={r['m']}) {'/'.join(map(str, r['max_live_per_rank']))}")
+    return "max live micro-batches per rank: " + "; ".join(parts)
+
+
+def _memory_model(d: dict) -> str:
+    errs = [(tuple(r["mesh"]), r["error"]) for r in d["rows"]]
+    worst = max(errs, key=lambda e: abs(e[1]))
+    miss = [e for e in errs if abs(e[1]) > 0.10]
+    comm = [
+        abs(x["sent_predicted"][k] - x["sent_measured"][k])
+        for r in d["rows"]
+        for x in r.get("ranks", [])
+        for k in ("tp", "pp", "dp")
+    ]
+    sent = (
+        "tp/pp/dp bytes sent equal the counted ones"
+        if max(comm, default=0) <= 64
+        else f"bytes sent differ from the counted ones by up to {max(comm) / 2**20:.2f} MiB"
+    )
+    listed = f" ({', '.join(str(m[0]) for m in miss)})" if miss else ""
+    return (
+        f"predicted / measured peak RSS per rank at {len(errs)} meshes: worst {worst[1]:+.1%} at {worst[0]}; "
+        f"{len(miss)} outside ±10 %{listed}" + (f"; {sent}" if comm else "")
+    )
+
+
+def _scaling(d: dict) -> str:
+    s = d["slopes"]
+    n = [r["params"] for r in d["sizes"]]
+    parts = [f"N = {min(n) / 1e6:.0f}–{max(n) / 1e6:.0f}M params"]
+    parts += [
+        f"{k}=2: tokens/s ∝ N^{v['tokens_per_s']:.2f}, peak memory ∝ N^{v['peak_memory']:.2f}" for k, v in s.items()
+    ]
+    dps = {r["dp"]: r for r in d["dp"]}
+    if len(dps) > 1:
+        top = dps[max(dps)]
+        cores = d["env"].get("cpu_count", "?")
+        parts.append(
+            f"dp={top['dp']} weak-scaling efficiency {top['efficiency']:.2f} "
+            f"({top['efficiency_per_core']:.2f} per core; {cores} cores)"
+        )
+        if "noop" in top:
+            share = (top["real"]["step_s"] - top["noop"]["step_s"]) / top["real"]["step_s"]
+            parts.append(f"dp communication {share:.0%} of the step")
+    return "; ".join(parts)
+
+
+def _gpu(d: dict) -> str:
+    rows = {r["name"]: r for r in d.get("rows", []) if r.get("tokens_per_s")}
+    return f"{d['env'].get('gpu')}, seq {d['args']['seq']}: " + "; ".join(
+        f"{n}: {r['tokens_per_s']:,.0f} tok/s, MFU {r['mfu']:.1%}" for n, r in rows.items() if r.get("mfu")
+    )
+
+
+Row = tuple[str, str, str, Callable[[dict], str]]
+ROWS: list[Row] = [
+    (
+        "step_time",
+        "step time, hf3d tp=pp=dp=1 / stock transformers + AdamW (Llama, fp32)",
+        "python benchmarks/bench_step_time.py",
+        _step_time,
+    ),
+    (
+        "step_time_threads1",
+        "the same with one thread",
+        "python benchmarks/bench_step_time.py --threads 1",
+        _step_time_1,
+    ),
+    (
+        "load_memory",
+        "peak RSS of one tp=3 rank loading a SmolLM2-135M-shaped checkpoint / stock full load (above a baseline)",
+        "python benchmarks/bench_load_memory.py",
+        _load_memory,
+    ),
+    ("zero", "ZeRO-1 training state per rank, bf16 params", "python benchmarks/bench_zero.py", _zero_a),
+    ("zero", "gradient bytes sent per dp rank", "python benchmarks/bench_zero.py --parts b", _zero_b),
+    (
+        "zero",
+        "hf3d dp=2 / accelerate DDP on the same 2-process job",
+        "python benchmarks/bench_zero.py --parts d",
+        _zero_d,
+    ),
+    ("pipeline", "live micro-batches per pipeline rank at pp=4", "python benchmarks/bench_pipeline.py", _pipeline),
+    (
+        "memory_model",
+        "memory model (benchmarks/memory_model.py) vs measured RSS",
+        "python benchmarks/bench_memory_model.py",
+        _memory_model,
+    ),
+    (
+        "scaling",
+        "scaling with model size at tp=2 / pp=2, and over dp (weak scaling)",
+        "python benchmarks/bench_scaling.py",
+        _scaling,
+    ),
+    (
+        "gpu_smollm",
+        "SmolLM2-360M shape on one GPU, bf16 (hf3d and stock rows)",
+        "python benchmarks/gpu_smollm.py",
+        _gpu,
+    ),
+]
+
+
+def _cell(state: str, note: str, date: str) -> str:
+    tag = f"{note}, {date[:10]}" if state == "current" else f"**{state}**: {note}, {date[:10]}"
+    return tag
+
+
+def perf_table(results: Path = RESULTS) -> tuple[str, list[str]]:
+    """The README table and the names of the results files it uses that are not current."""
+    lines = ["| what | result | command | measured at |", "| --- | --- | --- | --- |"]
+    not_current = []
+    for name, what, cmd, fn in ROWS:
+        d = load(name, results)
+        if d is None:
+            if name == "gpu_smollm":
+                continue  # measured only where a GPU is lent
+            lines.append(f"| {what} | no `results/{name}.json` yet | `{cmd}` | — |")
+            continue
+        state, note = status(d.get("env", {}))
+        try:
+            text = fn(d)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+            text = f"unreadable `results/{name}.json` ({type(e).__name__}: {e})"
+        if state != "current":
+            not_current.append(name)
+        lines.append(f"| {what} | {text} | `{cmd}` | {_cell(state, note, d['env'].get('date_utc', '?'))} |")
+    return "\n".join(lines), sorted(set(not_current))
+
+
+def results_index(results: Path = RESULTS) -> str:
+    lines = [
+        "| results file | recorded (UTC) | commit | state | load avg start → end |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for path in sorted(results.glob("*.json")):
+        try:
+            env = json.loads(path.read_text()).get("env", {})
+        except json.JSONDecodeError:
+            lines.append(f"| `{path.name}` | unreadable | | | |")
+            continue
+        state, note = status(env)
+        load_avg = f"{env.get('load_avg_1m_at_start', '?')} → {env.get('load_avg_1m_at_end', '?')}"
+        lines.append(
+            f"| `{path.name}` | {env.get('date_utc', '?')} | {env.get('git_commit', '?')} | "
+            f"{state if state == 'current' else f'**{state}**: {note}'} | {load_avg} |"
+        )
+    return "\n".join(lines)
+
+
+COMMANDS = {name: cmd for name, _, cmd, _ in ROWS}
+
+
+def copy_block(name: str, results: Path = RESULTS) -> str:
+    """results/<name>.md as a README section: a heading with its command, when and at which commit it was
+    recorded (and its state), then the body, headings demoted so that the shallowest is level 4."""
+    md, d = results / f"{name}.md", load(name, results)
+    if d is None or not md.exists():
+        return (
+            f"### results/{name}.md\n\nNot measured yet: `{COMMANDS.get(name, f'python benchmarks/bench_{name}.py')}`."
+        )
+    lines = md.read_text().split("\n<details>")[0].splitlines()
+    title = lines[0].lstrip("# ").strip()
+    cmd = next((m.group(1) for line in lines if (m := re.match(r"Command: `([^`]*)`", line))), COMMANDS.get(name, ""))
+    env_at = next((i for i, line in enumerate(lines) if line.startswith("Environment: ")), 0)
+    body = lines[env_at + 1 :]
+    levels = [len(line) - len(line.lstrip("#")) for line in body if re.match(r"#+ ", line)]
+    shift = max(0, 4 - min(levels)) if levels else 0
+    body = ["#" * shift + line if re.match(r"#+ ", line) else line for line in body]
+    env = d.get("env", {})
+    state, note = status(env)
+    where = note if state == "current" else f"**{state}**: {note}"
+    head = (
+        f"### {title} — `{cmd}` (results/{name}.md)\n\n"
+        f"Recorded {env.get('date_utc', '?')} UTC ({where}), load average {env.get('load_avg_1m_at_start', '?')} → "
+        f"{env.get('load_avg_1m_at_end', '?')} on {env.get('cpu_count', '?')} cores."
+    )
+    return head + "\n\n" + "\n".join(body).strip()
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?(<!-- {re.escape(name)}:end -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no <!-- {name}:start --> ... <!-- {name}:end --> block")
+    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text, count=1)
+
+
+def render(results: Path = RESULTS) -> tuple[dict[Path, str], list[str]]:
+    """{file: new text} for both READMEs, and the results files the README table uses that are not current."""
+    table, not_current = perf_table(results)
+    readme, bench_readme = REPO / "README.md", BENCH_DIR / "README.md"
+    out = {readme: replace_block(readme.read_text(), "perf", table)}
+    text = bench_readme.read_text()
+    text = replace_block(text, "summary", table + "\n\nEvery results file:\n\n" + results_index(results))
+    for name in re.findall(r"<!-- copy:(\w+):start -->", text):
+        text = replace_block(text, f"copy:{name}", copy_block(name, results))
+    out[bench_readme] = text
+    return out, not_current
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a block differs from the results")
+    ap.add_argument(
+        "--strict", action="store_true", help="exit 2, writing nothing, if a used results file is not current"
+    )
+    args = ap.parse_args(argv)
+    texts, not_current = render()
+    if not_current:
+        print(f"not current (marked in the table): {', '.join(not_current)}", file=sys.stderr)
+        if args.strict:
+            return 2
+    changed = [p for p, t in texts.items() if p.read_text() != t]
+    if args.check:
+        for p in changed:
+            print(f"out of date: {p.relative_to(REPO)}", file=sys.stderr)
+        return 1 if changed else 0
+    for p in changed:
+        p.write_text(texts[p])
+        print(f"rewrote {p.relative_to(REPO)}")
+    if not changed:
+        print("up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
