@@ -225,6 +225,34 @@ def tail(text: str, n: int = 25) -> str:
 
 
 # -- models -----------------------------------------------------------------------------------------
+# the published SmolLM2 shapes (FACTS.md), as LlamaConfig keyword arguments
+_SMOLLM2 = dict(
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    bos_token_id=0,
+    eos_token_id=0,
+)
+SMOLLM2_135M = dict(
+    _SMOLLM2,
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+)
+SMOLLM2_360M = dict(
+    _SMOLLM2,
+    hidden_size=960,
+    num_hidden_layers=32,
+    num_attention_heads=15,
+    num_key_value_heads=5,
+    intermediate_size=2560,
+)
+
+
 def llama_config(**kw):
     from transformers import LlamaConfig
 

@@ -25,22 +25,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import env_info, llama_config, md_table, median, save_model_dir, shape_str, torchrun, write_results  # noqa: E402
+from _common import (  # noqa: E402
+    SMOLLM2_135M,
+    env_info,
+    llama_config,
+    md_table,
+    median,
+    save_model_dir,
+    shape_str,
+    torchrun,
+    write_results,
+)
 
 MESHES = {"dp2-zero1": dict(), "pp2": dict(pp=2)}
 
 
 def smollm2_135m(layers: int):
-    return llama_config(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-    )
+    return llama_config(**{**SMOLLM2_135M, "num_hidden_layers": layers})
 
 
 def worker(model_dir: str, work: str, mesh: str, rounds: int) -> None:

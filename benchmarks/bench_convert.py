@@ -40,20 +40,7 @@ from pathlib import Path
 import _common as C
 
 SCRIPT = Path(__file__).resolve()
-SMOLLM2_135M = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    intermediate_size=1536,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-    bos_token_id=0,
-    eos_token_id=0,
-)
+SMOLLM2_135M = C.SMOLLM2_135M
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 SIDES = ("raw", "writer", "to-hf", "from-hf")
 

@@ -41,20 +41,7 @@ import traceback
 
 import _common as C
 
-SMOLLM2_360M = dict(
-    hidden_size=960,
-    num_hidden_layers=32,
-    num_attention_heads=15,
-    num_key_value_heads=5,
-    intermediate_size=2560,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
-    bos_token_id=0,
-    eos_token_id=0,
-)
+SMOLLM2_360M = C.SMOLLM2_360M
 LR, WD, BETAS, CLIP = 3e-4, 0.1, (0.9, 0.95), 1.0
 RECOMPUTE_FIELDS = ("recompute", "activation_checkpointing", "activation_recompute")
 
