@@ -172,6 +172,51 @@ def _scaling(d: dict) -> str:
     return "; ".join(parts)
 
 
+def _convert(d: dict) -> str:
+    dts = [dt for dt in ("bf16", "fp32") if dt in d]
+    s = {dt: d[dt]["summary"] for dt in dts}
+
+    def per_dtype(value: Callable[[str], float], unit: str = "") -> str:
+        return ", ".join(f"{dt} {value(dt):.2f}{unit}" for dt in dts)
+
+    def in_largest(side: str) -> Callable[[str], float]:
+        return lambda dt: s[dt]["medians"][side]["extra_peak"] / d[dt]["largest_tensor_bytes"]
+
+    met = all(s[dt]["to_hf_time_target_met"] for dt in dts)
+    same = all(d[dt]["to_hf_bit_identical_to_source"] for dt in dts)
+    return (
+        f"time / raw: to-hf {per_dtype(lambda dt: s[dt]['to_hf_time_vs_raw'], 'x')} "
+        f"(target ≤ 2x raw: {'met' if met else 'missed'}); "
+        f"from-hf {per_dtype(lambda dt: s[dt]['from_hf_time_vs_raw'], 'x')}; "
+        f"to-hf extra peak memory {per_dtype(in_largest('to-hf'))} largest tensors "
+        f"(raw: {per_dtype(in_largest('raw'))}: the whole model); "
+        f"to-hf output bit-identical to the source: {same}"
+    )
+
+
+def _checkpoint(d: dict) -> str:
+    parts = []
+    for mesh, m in d["meshes"].items():
+        t = m["slowest"]
+        parts.append(
+            f"{mesh}: save {t['save']:.2f} s = {t['save'] / t['raw_write']:.2f}x raw write, "
+            f"stall {t['save'] / m['step_s']:.1f} steps; load {t['load'] / t['raw_read']:.2f}x raw read; "
+            f"restored exactly: {m['restored']}"
+        )
+    return f"{d['params'] / 1e6:.1f}M params, fp32 + AdamW, 2 processes (slowest rank). " + "; ".join(parts)
+
+
+def _init_memory(d: dict) -> str:
+    ratio = d["summary"]["peak_above"]["ratio_worst"]
+    stock = d["runs"]["stock"][0][0]
+    exact = stock["export_keys_match"] and not stock["export_tensors_differing"]
+    return (
+        f"{ratio:.2f}x, worst of {d['tp']} ranks "
+        f"(target ≤ 0.6x: {'met' if ratio <= 0.6 else 'missed'}); "
+        f"export equals stock from_config tensor by tensor: {exact}"
+    )
+
+
 def _gpu(d: dict) -> str:
     rows = {r["name"]: r for r in d.get("rows", []) if r.get("tokens_per_s")}
     return f"{d['env'].get('gpu')}, seq {d['args']['seq']}: " + "; ".join(
@@ -199,6 +244,13 @@ ROWS: list[Row] = [
         "python benchmarks/bench_load_memory.py",
         _load_memory,
     ),
+    (
+        "init_memory",
+        "peak RSS of one tp=3 rank initialising SmolLM2-135M from its config / stock `from_config` "
+        "(above each process's own baseline)",
+        "python benchmarks/bench_init_memory.py",
+        _init_memory,
+    ),
     ("zero", "ZeRO-1 training state per rank, bf16 params", "python benchmarks/bench_zero.py", _zero_a),
     ("zero", "gradient bytes sent per dp rank", "python benchmarks/bench_zero.py --parts b", _zero_b),
     (
@@ -219,6 +271,19 @@ ROWS: list[Row] = [
         "scaling with model size at tp=2 / pp=2, and over dp (weak scaling)",
         "python benchmarks/bench_scaling.py",
         _scaling,
+    ),
+    (
+        "convert",
+        "checkpoint → HF conversion (`hf3d convert to-hf`) and HF → checkpoint, SmolLM2-135M shape, "
+        "vs a plain safetensors `load_file` + `save_file` of the same bytes",
+        "python benchmarks/bench_convert.py",
+        _convert,
+    ),
+    (
+        "checkpoint",
+        "training checkpoint save (= the training stall) and load vs raw write / read of the same bytes, per mesh",
+        "python benchmarks/bench_checkpoint.py",
+        _checkpoint,
     ),
     (
         "gpu_smollm",
