@@ -245,8 +245,10 @@ class ParallelModel(nn.Module):
         if self.pcfg.pp == 1:
             total = torch.zeros((), device=self.device)
             for ids, pos, tgt in zip(input_ids.chunk(m), position_ids.chunk(m), targets.chunk(m)):
-                local_logits = self.stages[0](ids, pos)
-                loss = self.lm_head.token_losses(local_logits.flatten(0, 1), tgt.flatten()).sum() / num_tokens
+                # no name holds the logits: backward needs only the loss's saved log-softmax, and a logits
+                # tensor kept alive through backward would be a third [tokens, vocab] buffer at the peak
+                loss = self.lm_head.token_losses(self.stages[0](ids, pos).flatten(0, 1), tgt.flatten()).sum()
+                loss = loss / num_tokens
                 loss.backward()
                 total += loss.detach()
         else:

@@ -10,7 +10,7 @@ reduce-scatter (or all-reduce, cheaper on gloo) for ZeRO-1, all-reduce for ZeRO-
 ZeRO-1: dp rank d owns the d-th 1/dp of every bucket. For the parameter fragments inside its
 shard it keeps fp32 master weights and the wrapped torch optimizer's state, steps them with the
 reduced gradient, and the updated values are all-gathered back into the model's parameters,
-which are views of one flat buffer per bucket (so the gather lands in place).
+which are views of one flat buffer per bucket when dp > 1 (so the gather lands in place).
 
 Gradients that one tp rank computes only in part (per-head q/k norms, norms under sequence
 parallelism, replicated KV heads) are summed over tp, and tied embeddings held on two pipeline
@@ -46,7 +46,7 @@ class _Bucket:
     deferred: bool = False  # tied across pipeline ranks: reduced at step time, not from hooks
     pending: int = 0
     work: object = None
-    param_data: torch.Tensor | None = None  # flat model-dtype storage the params view (zero 1)
+    param_data: torch.Tensor | None = None  # flat model-dtype storage the params view (zero 1, dp > 1)
     fragments: list = field(default_factory=list)  # (param, flat_start, flat_stop) inside my shard
 
 
@@ -160,12 +160,14 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
         for b in self.buckets:
             lo, hi = self._my_shard(b) if self.zero_stage == 1 else (b.offset, b.offset + b.numel)
-            if self.zero_stage == 1:  # params become views of one flat buffer so all-gather lands in place
+            # params become views of one flat buffer so the all-gather lands in place; with one dp rank
+            # there is no all-gather, and the copy would only hold the parameters twice for a moment
+            if self.zero_stage == 1 and self.dp_size > 1:
                 b.param_data = torch.zeros(b.numel, dtype=self.param_dtype, device=self.device)
             start = b.offset
             for p in b.params:
                 end = start + p.numel()
-                if self.zero_stage == 1:
+                if b.param_data is not None:
                     view = b.param_data[start - b.offset : end - b.offset]
                     view.copy_(p.detach().flatten())
                     p.data = view.view(p.shape)
@@ -296,12 +298,13 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def _write_back(self) -> None:
         if not self._aliased:
             for p, master, a, z in self._masters:
-                if self.zero_stage == 0:
-                    p.data.copy_(master.view(p.shape))
+                b = self._bucket_of[id(p)]
+                if b.param_data is None:
+                    s = self._flat_range[id(p)][0]
+                    p.data.view(-1)[a - s : z - s].copy_(master)
                 else:
-                    b = self._bucket_of[id(p)]
                     b.param_data[a - b.offset : z - b.offset].copy_(master)
-        if self.zero_stage == 0:
+        if self.zero_stage == 0 or self.dp_size == 1:
             return
         for b in self.buckets:
             lo, hi = self._my_shard(b)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,6 +281,7 @@ def train(cfg: TrainConfig) -> dict:
     record: dict = {}
     every = cfg.checkpoint.every
     bar = tqdm(range(start, cfg.run.steps), disable=not rank0, desc="train", dynamic_ncols=True)
+    stop = StopSignal(pmodel.device)
     for step in bar:
         lr = lr_at(step, o, cfg.run.steps)
         for group in opt.param_groups:
@@ -303,7 +305,8 @@ def train(cfg: TrainConfig) -> dict:
         }
         if peak:
             record["mfu"] = fpt * tokens_per_step / elapsed / (peak * dist.get_world_size())
-        if every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps):
+        signum = stop.agreed()
+        if signum or (every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps)):
             t0 = time.perf_counter()
             extra = {"data_position": batches.position, "data_epoch": batches.epoch, "tokens": record["tokens"]}
             saved = save_checkpoint(ckpt_root / f"step_{step + 1}", pmodel, opt, step=step + 1, extra=extra)
@@ -313,6 +316,14 @@ def train(cfg: TrainConfig) -> dict:
             if rank0:
                 bar.write(f"hf3d: saved {saved} in {record['checkpoint_s']:.2f} s")
         metrics.write(record)
+        if signum:
+            code = 128 + signum
+            if rank0:
+                bar.write(
+                    f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {saved} "
+                    f"(checkpoint.resume=auto); exit code {code}"
+                )
+            raise SystemExit(code)
         if cfg.run.report_to:
             acc.log(record, step=step + 1)
         if step == start:  # optimizer state exists from the first step on
@@ -331,6 +342,26 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.export.push_to_hub:
             _push_final(cfg, final)
     return record
+
+
+class StopSignal:
+    """SIGTERM and SIGINT (preemption, Ctrl-C, torchrun forwarding either) end the run cleanly: the
+    handler only records the signal; after each step the ranks agree (one max all-reduce, so a signal
+    that reached one rank stops all), save a checkpoint of that step and exit with 128 + the signal
+    number (143 for SIGTERM, 130 for SIGINT). `checkpoint.resume: auto` then continues exactly."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.received = device, 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.received = signum
+
+    def agreed(self) -> int:
+        flag = torch.tensor(self.received, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
 
 
 def _write_summary(cfg: TrainConfig, final: Path, metrics_path: Path, last: dict) -> None:

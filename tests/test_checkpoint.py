@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -257,7 +257,7 @@ TRAIN = [
 ]
 
 
-def _train_world(out: str, kill_at: int | None) -> None:
+def _train_world(out: str, kill_at: int | None, sigterm_after: int | None = None) -> None:
     from hf3d.trainer import TrainConfig, train
 
     start_watchdog(240)
@@ -270,6 +270,19 @@ def _train_world(out: str, kill_at: int | None) -> None:
             write_marker(tmp, meta)
 
         checkpoint.write_marker = dying
+    if sigterm_after is not None:  # rank 1 alone is told to stop, during step sigterm_after
+        from hf3d.model import ParallelModel
+
+        train_step = ParallelModel.train_step
+        calls = []
+
+        def signalled(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) == sigterm_after and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return train_step(self, *args, **kwargs)
+
+        ParallelModel.train_step = signalled
     os.chdir(ROOT)
     train(TrainConfig.from_yaml("examples/configs/tiny-smollm.yaml", TRAIN + [f"run.output_dir={out}"]))
 
@@ -278,9 +291,38 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path):
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    spawn(_train_world, 2, str(straight), None)
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted `hf3d train` run the interrupted ones must equal."""
+    out = tmp_path_factory.mktemp("straight")
+    spawn(_train_world, 2, str(out), None)
+    return out
+
+
+def _same_run(a: Path, b: Path) -> None:
+    ma, mb = _metrics(a), _metrics(b)
+    assert [r["step"] for r in mb] == list(range(1, 11))  # each step once, the re-done ones replaced
+    for key in ("loss", "lr", "grad_norm", "tokens"):
+        assert [r[key] for r in ma] == [r[key] for r in mb], key
+    fa, fb = load_file(a / "final" / "model.safetensors"), load_file(b / "final" / "model.safetensors")
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+
+
+def test_sigterm_checkpoints_the_step_and_resumes_bit_for_bit(tmp_path, straight):
+    """SIGTERM on one rank during step 4: every rank finishes step 4, step_4 is saved, the run exits
+    with 143; resume: auto then ends exactly where the uninterrupted run ends."""
+    out = tmp_path / "stopped"
+    with pytest.raises(mp.ProcessExitedException) as e:
+        spawn(_train_world, 2, str(out), None, 4)
+    assert e.value.exit_code == 143
+    assert checkpoint.resolve_resume("auto", out / "checkpoints") == out / "checkpoints" / "step_4"
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
+    spawn(_train_world, 2, str(out), None)
+    _same_run(straight, out)
+
+
+def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path, straight):
+    killed = tmp_path / "killed"
     with pytest.raises(mp.ProcessExitedException):
         spawn(_train_world, 2, str(killed), 10)
     ckpts = killed / "checkpoints"
@@ -289,12 +331,6 @@ def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path):
     assert [r["step"] for r in _metrics(killed)] == list(range(1, 10))  # step 10 died in its save
 
     spawn(_train_world, 2, str(killed), None)  # resume: auto
-    a, b = _metrics(straight), _metrics(killed)
-    assert [r["step"] for r in b] == list(range(1, 11))  # each step once, the re-done ones replaced
-    for key in ("loss", "lr", "grad_norm", "tokens"):
-        assert [r[key] for r in a] == [r[key] for r in b], key
+    _same_run(straight, killed)
     assert not (ckpts / "step_10.tmp").exists() and checkpoint.is_complete(ckpts / "step_10")
     assert (ckpts / "latest").read_text().strip() == "step_10"
-    fa, fb = load_file(straight / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
-    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
-    shutil.rmtree(tmp_path)
