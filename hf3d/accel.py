@@ -64,9 +64,8 @@ def _mark(obj):
 
 
 def _optim_step(opt) -> int:
-    steps = [int(st["step"]) for st in opt.state.values() if "step" in st] if opt is not None else []
     everyone = [0] * dist.get_world_size()
-    dist.all_gather_object(everyone, max(steps, default=0))
+    dist.all_gather_object(everyone, opt.num_steps if opt is not None else 0)
     return max(everyone)
 
 

@@ -249,9 +249,8 @@ def _write_ranges(pmodel, opt):
 
 def _optim_keys(opt) -> list[str]:
     """Names of the wrapped optimizer's per-element state (exp_avg, ...), the same on every rank."""
-    mine = {k for st in opt.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(mine))
+    dist.all_gather_object(everyone, opt.state_keys())
     return sorted(set().union(*everyone))
 
 
@@ -308,9 +307,7 @@ def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, ext
             for k, flat in sources.items():
                 for name, off, _, view in hf_boxes(p, flat, ga - s, a - s, z - s, owned_only=True):
                     _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
-        steps = [int(st["step"]) for st in opt.optimizer.state.values() if "step" in st]
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
-        optim_meta = {"keys": keys, "step": steps[0] if steps else 0, "param_groups": groups}
+        optim_meta = {"keys": keys, "step": opt.num_steps, "param_groups": opt.group_settings()}
     dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())
     torch.save(_rng_state(), tmp / f"rng_{rank}.pt")
     dist.barrier()

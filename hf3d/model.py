@@ -261,16 +261,6 @@ class ParallelModel(nn.Module):
 
     # -- export -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def hf_state_pieces(self) -> list[tuple[str, int, int, int, torch.Tensor]]:
-        """(hf_name, dim, hf_start, hf_stop, tensor) for every piece this rank owns."""
-        out = []
-        for _, param in self.unique_parameters():
-            for p in get_pieces(param):
-                if p.owner:
-                    out.append((p.hf_name, p.dim, p.hf_start, p.hf_stop, p.local(param).detach().cpu().clone()))
-        return out
-
-    @torch.no_grad()
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
         files if known) that stock `AutoModelForCausalLM.from_pretrained` loads.

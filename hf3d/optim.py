@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,6 @@ class _Bucket:
     pending: int = 0
     work: object = None
     param_data: torch.Tensor | None = None  # flat model-dtype storage the params view (zero 1, dp > 1)
-    fragments: list = field(default_factory=list)  # (param, flat_start, flat_stop) inside my shard
 
 
 class ParallelOptimizer(torch.optim.Optimizer):
@@ -99,7 +98,6 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 offset = self._add_bucket(current, offset, deferred)
         self.main_grad = torch.zeros(offset, dtype=torch.float32, device=self.device)
         owned: list[tuple[int, int]] = []  # flat ranges whose gradient this rank counts in the norm
-        self._partial_tp: list[nn.Parameter] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._flat_range: dict[int, tuple[int, int]] = {}  # id(param) -> its [start, stop) in main_grad
         self._uses = _uses_per_step(pmodel)
@@ -321,6 +319,22 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 p.grad = None
 
     # -- state dict: HF names and global offsets, independent of the mesh ---------------------------
+    def state_keys(self) -> list[str]:
+        """Names of the wrapped optimizer's per-element state on this rank (exp_avg, ...)."""
+        return sorted(
+            {k for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
+        )
+
+    @property
+    def num_steps(self) -> int:
+        """Updates applied so far, as the wrapped optimizer counts them (0 before the first)."""
+        steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]
+        return max(steps, default=0)
+
+    def group_settings(self) -> list[dict]:
+        """Each parameter group's hyperparameters (lr, betas, weight_decay, ...), without its tensors."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
     def _state_boxes(self, keys, *, create: bool):
         """(key, hf_name, hf_offsets, sizes, view) over this rank's master fragments: "master" and the
         wrapped optimizer's per-element state; `create` makes zero state where there is none yet."""
@@ -341,16 +355,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         boxes of global HF tensors this rank steps (its ZeRO shard), "master" (fp32 master weights) and
         the wrapped optimizer's per-element state (exp_avg, ...). No collective and no full tensors: the
         dicts of all ranks together cover every element, and `load_state_dict` reads any mesh's boxes."""
-        keys = sorted(
-            {k for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
-        )
         out: dict[str, dict] = {}
-        for key, name, off, _, view in self._state_boxes(keys, create=False):
+        for key, name, off, _, view in self._state_boxes(self.state_keys(), create=False):
             out.setdefault(name, {}).setdefault(key, []).append((off, view.clone()))
-        steps = [st["step"] for st in self.optimizer.state.values() if "step" in st]
-        step = int(steps[0]) if steps else 0
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        return {"state": out, "step": step, "param_groups": groups}
+        return {"state": out, "step": self.num_steps, "param_groups": self.group_settings()}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
