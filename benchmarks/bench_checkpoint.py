@@ -103,6 +103,9 @@ def worker(model_dir: str, work: str, mesh: str, rounds: int) -> None:
     dist.all_gather_object(everyone, res)
     if rank == 0:
         (Path(work) / f"{mesh}.json").write_text(json.dumps(everyone))
+    # end gloo before the interpreter does: a process group torn down at exit was seen to abort
+    # ("terminate called without an active exception") after all the work was done
+    dist.destroy_process_group()
 
 
 def main() -> None:
