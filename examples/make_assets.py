@@ -54,6 +54,17 @@ SUBSET_SOURCES: tuple[str, ...] = (
     "sonnets_gut.txt",
 )
 
+# Two more sources for the staged-mixture example (examples/configs/smollm3-style-stages.yaml).
+EXTRA_SOURCES: dict[str, tuple[str, ...]] = {
+    "histories.jsonl": ("richard_ii_gut.txt", "henry_iv_part_1_gut.txt", "henry_v_gut.txt"),
+    "poems.jsonl": (
+        "rape_of_lucrece_gut.txt",
+        "lovers_complaint_gut.txt",
+        "passionate_pilgrim_gut.txt",
+        "phoenix_and_the_turtle_gut.txt",
+    ),
+}
+
 DATA_README = """\
 # Embedded training text
 
@@ -75,6 +86,14 @@ otherwise unmodified.
 | Title | Source file | Characters |
 |---|---|---:|
 {rows}
+
+## Extra sources for the staged-mixture example
+
+Same origin and licence; whole works, one JSON object per work.
+
+| File | Works |
+|---|---|
+{extra_rows}
 
 Regenerate with `python examples/make_assets.py --source-corpus PATH`.
 """
@@ -101,8 +120,19 @@ def write_subset(source_corpus: Path, data_dir: Path) -> Path:
             item = {"title": rec["title"], "source": rec["source"], "text": rec["text"]}
             f.write(json.dumps(item, ensure_ascii=False) + "\n")
 
+    for name, sources in EXTRA_SOURCES.items():
+        with (data_dir / name).open("w", encoding="utf-8", newline="\n") as f:
+            for src in sources:
+                rec = by_source[src]
+                item = {"title": rec["title"], "source": rec["source"], "text": rec["text"]}
+                f.write(json.dumps(item, ensure_ascii=False) + "\n")
     rows = "\n".join(f"| {r['title']} | `{r['source']}` | {len(r['text']):,} |" for r in records)
-    readme = DATA_README.format(n_works=len(records), n_chars=sum(len(r["text"]) for r in records), rows=rows)
+    extra_rows = "\n".join(
+        f"| `{name}` | {'; '.join(by_source[s]['title'] for s in sources)} |" for name, sources in EXTRA_SOURCES.items()
+    )
+    readme = DATA_README.format(
+        n_works=len(records), n_chars=sum(len(r["text"]) for r in records), rows=rows, extra_rows=extra_rows
+    )
     (data_dir / "README.md").write_text(readme, encoding="utf-8", newline="\n")
     return out
 

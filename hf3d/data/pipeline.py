@@ -1,0 +1,322 @@
+"""DataPipeline: the global batch of each step, from stages of weighted mixtures of token sources.
+
+The batch of step t is a function of (seed, t, state): row r of the global batch draws its source
+from the weights of the stage that contains t (a generator seeded by (seed, t)); each source hands
+out its training windows in a seeded permutation (a new one each epoch) through its own cursor, the
+rows drawing it taking successive windows in row order. Every dp rank computes the same global
+choice (index arithmetic only) and reads and packs just its rows [d * B / dp, (d + 1) * B / dp), so
+dp ranks are disjoint and together cover the global batch. The state is a few integers per source
+(cursor, epoch, consumed tokens), so a checkpoint resumes mid-epoch and mid-stage on the same next
+batch; taking a later step than the next one replays the skipped steps' draws without reading data.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from .config import DataConfig, SourceConfig
+from .packing import collate, pack_window
+from .sources import (
+    TokenSource,
+    build_token_cache,
+    cache_key,
+    default_cache_dir,
+    open_datatrove,
+    open_token_cache,
+    resolve,
+)
+
+# first words of the generators' seeds: the streams of mixture draws, permutations and eval never meet
+_DRAW, _PERM, _EVAL = 0, 1, 2
+
+
+class DataPipeline:
+    """Global batches for training and evaluation; see the module docstring for the order."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer,
+        *,
+        global_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        total_steps: int,
+        local_main: bool = True,
+        barrier: Callable[[], None] | None = None,
+    ):
+        if global_batch < 1 or global_batch % dp_size:
+            raise ValueError(f"the global batch ({global_batch}) must be a positive multiple of dp={dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is not in [0, {dp_size})")
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        self.cfg, self.global_batch, self.dp_rank, self.dp_size = cfg, global_batch, dp_rank, dp_size
+        self.total_steps = total_steps
+        self.stages = cfg.resolved_stages()
+        for i, stage in enumerate(self.stages):
+            if stage.start_step >= total_steps:
+                raise ValueError(
+                    f"data.stages[{i}] ({stage.name}) starts at step {stage.start_step}, but the run has only "
+                    f"{total_steps} steps (0..{total_steps - 1}); move or remove it"
+                )
+        self.eval_every = cfg.eval.every
+        self.eval_batch = cfg.eval.batch or global_batch
+        if self.eval_every and self.eval_batch % dp_size:
+            raise ValueError(f"data.eval.batch ({self.eval_batch}) must be a multiple of dp={dp_size}")
+
+        specs: dict[str, SourceConfig] = {}
+        for stage in self.stages:
+            for s in stage.sources:
+                specs.setdefault(s.label, s)
+        eval_spec = cfg.eval.source() if self.eval_every else None
+        if eval_spec is not None:
+            if "eval" in specs:
+                raise ValueError("a training source may not be named 'eval' (the name of data.eval's source)")
+            specs["eval"] = eval_spec
+        self.sources = self._open(specs, tokenizer, local_main, barrier)
+        self.eval_source = self.sources.pop("eval") if eval_spec is not None else None
+
+        # training windows of each source: all of them, or all but the held-out tail (eval.fraction)
+        self.num_train = {name: src.num_windows for name, src in self.sources.items()}
+        if self.eval_every and cfg.eval.fraction:
+            for s in self.stages[0].sources:
+                n = self.sources[s.label].num_windows
+                held = max(1, int(n * cfg.eval.fraction))
+                if n - held < 1:
+                    raise ValueError(
+                        f"data source {s.label!r} has {n} windows: too few to hold out data.eval.fraction="
+                        f"{cfg.eval.fraction} and still train; lower the fraction or use data.eval.path"
+                    )
+                self.num_train[s.label] = n - held
+        self._state = {name: dict(cursor=0, epoch=0, consumed_tokens=0) for name in self.sources}
+        self._next_step = 0
+        self._perms: dict[str, tuple[int, np.ndarray]] = {}
+        self._eval: list[dict] | None = None
+
+    # --- building / opening the sources ---------------------------------------------------------
+
+    def _open(self, specs: dict[str, SourceConfig], tokenizer, local_main: bool, barrier) -> dict[str, TokenSource]:
+        cfg = self.cfg
+        resolved = {name: resolve(s) for name, s in specs.items()}
+        root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        datasets_cache = str(root / "datasets") if cfg.cache_dir else None
+        folders = {
+            name: root / cache_key(specs[name], res, tokenizer)
+            for name, res in resolved.items()
+            if res.kind != "datatrove"
+        }
+        error = None
+        if local_main:  # tokenise on one process per node; the others wait at the barrier
+            try:
+                for name, folder in folders.items():
+                    if not (folder / "meta.json").is_file():
+                        build_token_cache(
+                            specs[name],
+                            resolved[name],
+                            tokenizer,
+                            folder,
+                            num_proc=cfg.num_proc,
+                            datasets_cache=datasets_cache,
+                        )
+            except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so the others do not hang
+                error = e
+        if barrier is not None:
+            barrier()
+        if error is not None:
+            raise error
+        window = cfg.seq_len + 1
+        out = {}
+        for name, s in specs.items():
+            if name in folders:
+                segments, meta = open_token_cache(folders[name], s)
+            else:
+                segments, meta = open_datatrove(s, resolved[name].files, tokenizer)
+            meta["kind"] = resolved[name].kind
+            src = TokenSource(name, segments, meta, window)
+            if src.num_windows == 0:
+                raise ValueError(
+                    f"data source {name!r} ({s.path}) holds {src.num_tokens} tokens in {src.num_docs} documents, "
+                    f"fewer than one window of seq_len + 1 = {window}; lower data.seq_len or add data"
+                )
+            out[name] = src
+        return out
+
+    # --- the order ----------------------------------------------------------------------------
+
+    def stage_index(self, step: int) -> int:
+        starts = [s.start_step for s in self.stages]
+        return int(np.searchsorted(starts, step, side="right")) - 1
+
+    @property
+    def stage_starts(self) -> list[tuple[int, str]]:
+        return [(s.start_step, s.name) for s in self.stages]
+
+    def _choices(self, step: int) -> tuple[list[str], np.ndarray]:
+        """The stage's source names and each global row's source index [global_batch]."""
+        sources = self.stages[self.stage_index(step)].sources
+        names = [s.label for s in sources]
+        if len(sources) == 1:
+            return names, np.zeros(self.global_batch, dtype=np.int64)
+        weights = np.array([s.weight for s in sources], dtype=np.float64)
+        rng = np.random.default_rng([self.cfg.seed, _DRAW, step, 0])
+        return names, rng.choice(len(sources), size=self.global_batch, p=weights / weights.sum())
+
+    def _perm(self, name: str, epoch: int) -> np.ndarray:
+        cached = self._perms.get(name)
+        if cached is None or cached[0] != epoch:
+            rng = np.random.default_rng([self.cfg.seed, _PERM, zlib.crc32(name.encode()), epoch])
+            n = self.num_train[name]
+            cached = (epoch, rng.permutation(n).astype(np.int32 if n < 2**31 else np.int64))
+            self._perms[name] = cached
+        return cached[1]
+
+    def _take(self, name: str, count: int) -> np.ndarray:
+        """The next `count` training windows of source `name`, advancing its cursor (and epoch)."""
+        st, n = self._state[name], self.num_train[name]
+        out = []
+        while count > 0:
+            k = min(count, n - st["cursor"])
+            out.append(self._perm(name, st["epoch"])[st["cursor"] : st["cursor"] + k])
+            st["cursor"] += k
+            count -= k
+            if st["cursor"] == n:
+                st["cursor"], st["epoch"] = 0, st["epoch"] + 1
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    def _advance(self, step: int) -> list[tuple[str, int]]:
+        """(source, window) of every global row of `step`; advances the state past `step`."""
+        names, choice = self._choices(step)
+        rows: list[tuple[str, int] | None] = [None] * self.global_batch
+        for i, name in enumerate(names):
+            idx = np.flatnonzero(choice == i)
+            for r, k in zip(idx, self._take(name, len(idx))):
+                rows[r] = (name, int(k))
+            self._state[name]["consumed_tokens"] += len(idx) * self.cfg.seq_len
+        self._next_step = step + 1
+        return rows
+
+    def _pack(self, rows: list[tuple[str, int]], source: dict[str, TokenSource] | None = None) -> dict:
+        per = len(rows) // self.dp_size
+        mine = rows[self.dp_rank * per : (self.dp_rank + 1) * per]
+        packed = []
+        for name, k in mine:
+            tokens, starts = (source or self.sources)[name].read(k)
+            packed.append(pack_window(tokens, starts, document_masking=self.cfg.document_masking))
+        return collate(packed)
+
+    def next_batch(self, step: int) -> dict:
+        """This dp rank's rows of step `step`: input_ids, shift_labels, position_ids, LongTensor
+        [global_batch / dp, seq_len]. Steps are taken in order; a skipped step's draws are replayed."""
+        if step < self._next_step:
+            raise ValueError(
+                f"the batch of step {step} was already taken (the next is step {self._next_step}); "
+                "take batches in step order, or load the state saved before that step"
+            )
+        while self._next_step < step:
+            self._advance(self._next_step)
+        return self._pack(self._advance(step))
+
+    @property
+    def consumed_tokens(self) -> dict[str, int]:
+        """Training tokens (inputs) drawn from each source so far, over all dp ranks."""
+        return {name: st["consumed_tokens"] for name, st in self._state.items()}
+
+    # --- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "next_step": self._next_step,
+            "seed": self.cfg.seed,
+            "seq_len": self.cfg.seq_len,
+            "sources": {name: {**st, "num_windows": self.num_train[name]} for name, st in self._state.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "seq_len"):
+            if state[key] != getattr(self.cfg, key):
+                raise ValueError(
+                    f"the saved data state has data.{key}={state[key]}, the config {getattr(self.cfg, key)}; "
+                    f"resume with data.{key}={state[key]}"
+                )
+        for name, saved in state["sources"].items():
+            if name not in self._state:
+                continue  # a source of an earlier configuration, no longer used
+            if saved["num_windows"] != self.num_train[name]:
+                raise ValueError(
+                    f"data source {name!r} had {saved['num_windows']} training windows when saved and has "
+                    f"{self.num_train[name]} now: its data, seq_len or eval split changed; resume with the same data"
+                )
+            self._state[name] = {k: int(saved[k]) for k in ("cursor", "epoch", "consumed_tokens")}
+        self._next_step = int(state["next_step"])
+
+    # --- evaluation ---------------------------------------------------------------------------------
+
+    def eval_batches(self) -> list[dict]:
+        """This dp rank's rows of each eval batch (like next_batch's); the same every call; [] when off."""
+        if not self.eval_every:
+            return []
+        if self._eval is None:
+            rows = self.eval_batch * self.cfg.eval.batches
+            if self.eval_source is not None:
+                src = self.eval_source
+                picks = [("eval", k % src.num_windows) for k in range(rows)]
+                sources = {"eval": src}
+            else:  # the held-out tail of each first-stage source, drawn by the first stage's weights
+                stage = self.stages[0].sources
+                weights = np.array([s.weight for s in stage], dtype=np.float64)
+                rng = np.random.default_rng([self.cfg.seed, _EVAL, 0, 0])
+                choice = rng.choice(len(stage), size=rows, p=weights / weights.sum())
+                seen = [0] * len(stage)
+                picks = []
+                for i in choice:
+                    name = stage[i].label
+                    held = self.sources[name].num_windows - self.num_train[name]
+                    picks.append((name, self.num_train[name] + seen[i] % held))
+                    seen[i] += 1
+                sources = self.sources
+            b = self.eval_batch
+            self._eval = [self._pack(picks[i : i + b], sources) for i in range(0, rows, b)]
+        return self._eval
+
+    # --- reporting --------------------------------------------------------------------------------
+
+    def summary(self) -> list[str]:
+        """Lines for the start of a run: each source, each stage, the eval split."""
+        rows_of = dict.fromkeys(self.sources, 0.0)  # expected rows per source over the run
+        lines = []
+        for i, stage in enumerate(self.stages):
+            end = self.stages[i + 1].start_step if i + 1 < len(self.stages) else self.total_steps
+            total = sum(s.weight for s in stage.sources)
+            parts = ", ".join(f"{s.label} {s.weight / total:.1%}" for s in stage.sources)
+            lines.append(f"data stage {stage.name}: steps {stage.start_step}..{end - 1}: {parts}")
+            for s in stage.sources:
+                rows_of[s.label] += (end - stage.start_step) * self.global_batch * s.weight / total
+        window = self.cfg.seq_len + 1
+        head = []
+        for name, src in self.sources.items():
+            held = src.num_windows - self.num_train[name]
+            skipped = src.meta.get("skipped_docs", 0)
+            head.append(
+                f"data source {name} ({src.meta['kind']}, {src.meta['path']}): {src.num_tokens:,} tokens, "
+                f"{src.num_docs:,} documents" + (f" ({skipped:,} empty or missing skipped)" if skipped else "") + ", "
+                f"{self.num_train[name]:,} training windows of {window} tokens"
+                + (f" (+{held:,} held out for eval)" if held else "")
+                + f"; {rows_of[name] / self.num_train[name]:.2f} epochs over the run"
+            )
+        if self.eval_every:
+            where = (
+                f"{self.eval_source.num_windows:,} windows of {self.cfg.eval.path}"
+                if self.eval_source
+                else (f"the last {self.cfg.eval.fraction:.1%} of each first-stage source")
+            )
+            lines.append(
+                f"data eval: every {self.eval_every} steps, {self.cfg.eval.batches} batches of {self.eval_batch} "
+                f"rows from {where}"
+            )
+        masking = "document masking" if self.cfg.document_masking else "no document masking"
+        return head + lines + [f"data packing: seq_len {self.cfg.seq_len}, {masking}, seed {self.cfg.seed}"]
