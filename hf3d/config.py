@@ -17,6 +17,28 @@ ENV_VARS = {
 }
 
 
+RECOMPUTE_FORMS = '"none", "full" or "every_<k>" with k a positive integer (e.g. "every_2")'
+# zbv / dualpipev split each backward into an input pass and weight passes, and a recomputed layer runs
+# its forward again in each of them: measured 4-8 forwards per layer and micro-batch instead of 2
+RECOMPUTE_SPLIT_BACKWARD = (
+    "recompute is not supported with pp_schedule {schedule!r}: it splits backward into input and weight "
+    "passes and each pass would run the recomputed layers' forward again; use pp_schedule '1f1b' or "
+    "'interleaved-1f1b' with recompute, or recompute='none'"
+)
+
+
+def _check_recompute(value) -> str:
+    if value is True or value is False:
+        return "full" if value else "none"
+    if isinstance(value, str):
+        if value in ("none", "full"):
+            return value
+        k = value.removeprefix("every_")
+        if value.startswith("every_") and k.isdecimal() and int(k) >= 1:
+            return "full" if int(k) == 1 else f"every_{int(k)}"
+    raise ValueError(f"ParallelConfig.recompute must be {RECOMPUTE_FORMS}, got {value!r}")
+
+
 @dataclass
 class ParallelConfig:
     """How one training job is split over processes.
@@ -43,6 +65,10 @@ class ParallelConfig:
     """0: optimizer replicated over dp, gradients all-reduced; 1: optimizer state sharded over dp."""
     sequence_parallel: bool = False
     """Shard norms and residuals along the sequence inside tensor-parallel regions."""
+    recompute: str = "none"
+    """Activation recompute: "none"; "full" (every decoder layer keeps only its input and runs its
+    forward again in backward); "every_<k>" (layers k-1, 2k-1, ... of the whole model, counted from 0,
+    like every k-th block in torchtitan). True and False mean "full" and "none"."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
@@ -58,6 +84,9 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.dp must be a positive integer or None, got {self.dp!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; known schedules: {', '.join(PP_SCHEDULES)}")
+        self.recompute = _check_recompute(self.recompute)
+        if self.recompute != "none" and self.pp > 1 and self.pp_schedule in ("zbv", "dualpipev"):
+            raise ValueError(RECOMPUTE_SPLIT_BACKWARD.format(schedule=self.pp_schedule))
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
         if self.pp_schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
@@ -126,6 +155,13 @@ class ParallelConfig:
                     f"pp_schedule {self.pp_schedule!r} runs micro-batches in rounds of pp={self.pp}: "
                     f"num_microbatches={m} must be a multiple of {rounds}; try {rounds * self.pp}"
                 )
+
+    def recomputes(self, layer_index: int) -> bool:
+        """Whether decoder layer `layer_index` (global, from 0) runs its forward again in backward."""
+        if self.recompute == "none":
+            return False
+        every = 1 if self.recompute == "full" else int(self.recompute.removeprefix("every_"))
+        return (layer_index + 1) % every == 0
 
     @property
     def num_stages(self) -> int:

@@ -9,8 +9,10 @@ import os
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .config import ParallelConfig
 from .hf import SafetensorsSource, StateDictSource, resolve_model_dir
@@ -29,6 +31,7 @@ def parallelize(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
+    config_overrides: dict | None = None,
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "tp") mesh.
 
@@ -39,6 +42,13 @@ def parallelize(
     dtype: parameter and activation dtype (fp32 master weights live in the optimizer).
     attn_implementation: any key of HF's attention registry ("sdpa", "eager", "flex_attention",
     "flash_attention_2" when installed).
+    config_overrides: values set on the HF config before the model is built, and exported with it by
+    `save_pretrained` (long-context knobs): `rope_theta`; `rope_scaling` or its transformers 5 name
+    `rope_parameters` (a dict with `rope_type` and that type's keys, e.g. {"rope_type": "linear",
+    "factor": 2.0}: it replaces the RoPE settings, keeping rope_theta unless it names one; llama3, yarn and
+    longrope scale from the config's max_position_embeddings before any override of it); any other
+    attribute of the config, such as `max_position_embeddings`. Attributes that shape the weights
+    (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
     """
     pcfg = pcfg or ParallelConfig()
     init_distributed()
@@ -55,6 +65,8 @@ def parallelize(
         from_scratch = Path(model_or_path).is_dir() and not has_weights(model_dir)  # local dirs only
         source = None if from_scratch else SafetensorsSource(model_dir)
         tokenizer_dir = model_dir
+    if config_overrides:
+        config = override_config(config, config_overrides, loading_weights=source is not None)
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
     mesh = build_mesh(pcfg)
@@ -98,7 +110,14 @@ def parallelize(
     del source
 
     stages = [
-        StageModule(hf_model, layer_split[s], first=s == 0, last=s == pcfg.num_stages - 1, stage_index=s)
+        StageModule(
+            hf_model,
+            layer_split[s],
+            first=s == 0,
+            last=s == pcfg.num_stages - 1,
+            stage_index=s,
+            recompute=[pcfg.recomputes(i) for i in layer_split[s]],
+        )
         for s in my_stages
     ]
     return ParallelModel(
@@ -111,6 +130,75 @@ def parallelize(
         stage_owners=owners,
         layer_split=layer_split,
     )
+
+
+# config attributes that shape the stored weights: overriding them cannot load a checkpoint
+WEIGHT_SHAPING = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+)
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+
+
+def override_config(config: PretrainedConfig, overrides: dict, *, loading_weights: bool) -> PretrainedConfig:
+    """A new config of the same class with `overrides` applied (see `parallelize`), built through the
+    config's constructor so that transformers standardises and validates the RoPE settings."""
+    if not isinstance(overrides, dict):
+        raise TypeError(f"config_overrides must be a dict of config attributes, got {type(overrides).__name__}")
+    values = config.to_dict()
+    unknown = sorted(k for k in overrides if k not in values and k not in ROPE_KEYS)
+    if unknown:
+        verb = "is not an attribute" if len(unknown) == 1 else "are not attributes"
+        raise ValueError(
+            f"config_overrides: {', '.join(map(repr, unknown))} {verb} of this {config.model_type!r} "
+            f"config; use rope_theta, rope_scaling, rope_parameters or one of: {', '.join(sorted(values))}"
+        )
+    shaping = sorted(k for k in overrides if k in WEIGHT_SHAPING and overrides[k] != values.get(k))
+    if shaping and loading_weights:
+        raise ValueError(
+            f"config_overrides: {', '.join(shaping)} would change the shape of the weights being loaded; "
+            "such attributes can change only when initialising from a directory holding just config.json"
+        )
+    rope = copy.deepcopy(values.get("rope_parameters")) or {}
+    if rope and not isinstance(next(iter(rope.values())), (int, float, str)) and any(k in overrides for k in ROPE_KEYS):
+        raise ValueError("config_overrides: this config has per-layer-type RoPE settings; pass rope_parameters whole")
+    for key in ("rope_parameters", "rope_scaling"):  # the new name and the old one: the same dict
+        if key in overrides:
+            rope = {"rope_theta": rope.get("rope_theta"), **_rope_dict(overrides[key], key)}
+            if rope["rope_type"] in ("llama3", "yarn", "longrope"):  # scaled from the pretraining length
+                rope.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
+    if "rope_theta" in overrides:
+        rope["rope_theta"] = float(overrides["rope_theta"])
+    values.update({k: v for k, v in overrides.items() if k not in ROPE_KEYS})
+    if rope:
+        values["rope_parameters"] = rope
+    try:
+        return type(config).from_dict(values)
+    except (KeyError, ValueError, TypeError, StrictDataclassError) as e:
+        reason = " ".join(str(e).split())  # one line
+        raise ValueError(f"config_overrides {overrides!r} make an invalid config: {reason}") from None
+
+
+def _rope_dict(value, name: str) -> dict:
+    if value is None:
+        return {"rope_type": "default"}
+    if not isinstance(value, dict):
+        raise TypeError(f"config_overrides[{name!r}] must be a dict such as {{'rope_type': 'linear', 'factor': 2.0}}")
+    value = dict(value)
+    rope_type = value.pop("type", None) or value.get("rope_type", "default")  # "type": the older key
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    if rope_type not in known:
+        raise ValueError(f"config_overrides[{name!r}]: unknown rope_type {rope_type!r}; known: {', '.join(known)}")
+    return {**value, "rope_type": rope_type}
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:

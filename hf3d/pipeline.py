@@ -45,7 +45,8 @@ class _Pipeline:
         # static stage metadata (no shape-inference pass, which would run tp collectives on fake data);
         # floating activations carry requires_grad so the schedule exchanges their gradients
         hidden = torch.empty(b, s_local, cfg.hidden_size, dtype=dtype, device="meta", requires_grad=True)
-        self.num_tokens = torch.ones(())
+        self.num_tokens, self.z_loss = torch.ones(()), 0.0
+        self.parts: list[torch.Tensor] = []  # [cross-entropy, z-loss] of each micro-batch, this step
         self.stages = []
         for st in pmodel.stages:
             inp = torch.empty(b, s, dtype=torch.long, device="meta") if st.first else hidden
@@ -71,25 +72,31 @@ class _Pipeline:
         self.has_last = last is not None
 
     def _loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        losses = self.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten())
-        return losses.sum() / self.num_tokens
+        objective, ce, z = self.lm_head.loss_terms(
+            local_logits.flatten(0, 1), targets.flatten(), self.num_tokens, z_loss=self.z_loss
+        )
+        self.parts.append(torch.stack([ce, z]))
+        return objective
 
 
-def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens) -> torch.Tensor:
-    """One training step's forward + backward through the schedule; returns the summed micro-batch
-    losses, the same on every pipeline rank."""
+def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss: float = 0.0) -> torch.Tensor:
+    """One training step's forward + backward through the schedule; returns [cross-entropy, z-loss], each
+    summed over micro-batches, the same on every pipeline rank (the schedule sees their sum)."""
     m = pmodel.pcfg.num_microbatches
     mb_shape = (input_ids.shape[0] // m, input_ids.shape[1])
     pipe = pmodel._pipeline
     if pipe is None or pipe.mb_shape != mb_shape:
         pipe = pmodel._pipeline = _Pipeline(pmodel, mb_shape)
-    pipe.num_tokens = num_tokens
+    pipe.num_tokens, pipe.z_loss, pipe.parts = num_tokens, z_loss, []
     losses: list[torch.Tensor] = []
     args = (input_ids,) if pipe.has_first else ()
     target = targets if pipe.has_last else None
     # return_outputs=False: the last stage would otherwise keep every micro-batch's logits shard until
     # the next step, plus a merged copy
     pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, position_ids=position_ids)
-    total = torch.stack([x.detach().float() for x in losses]).sum() if losses else torch.zeros((), device=pmodel.device)
-    dist.broadcast(total, group=pmodel.mesh.get_group("pp"), group_src=pmodel.stage_owners[-1])
-    return total
+    sums = torch.zeros(2, device=pmodel.device)
+    for part in pipe.parts:  # in micro-batch order, as the last stage ran them
+        sums += part
+    pipe.parts = []
+    dist.broadcast(sums, group=pmodel.mesh.get_group("pp"), group_src=pmodel.stage_owners[-1])
+    return sums

@@ -5,17 +5,31 @@ its stock parameter names) and reproduces the stock forward: embedding (first st
 cos/sin recomputed from position ids (every stage; the rotary module holds only buffers),
 HF's mask builders (full and sliding window, per `config.layer_types`), the decoder layers,
 and the final norm + lm_head (last stage), which returns this rank's vocab shard of logits.
+
+Activation recompute wraps a layer's call, while grad is enabled, in non-reentrant
+`torch.utils.checkpoint`: the layer keeps only its inputs and runs its forward again (its tensor-
+parallel collectives included, in the same order on every tp rank) when backward reaches it.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 
 class StageModule(nn.Module):
-    def __init__(self, hf_model: nn.Module, layer_ids: list[int], *, first: bool, last: bool, stage_index: int):
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        layer_ids: list[int],
+        *,
+        first: bool,
+        last: bool,
+        stage_index: int,
+        recompute: list[bool] | None = None,
+    ):
         super().__init__()
         base = hf_model.model
         self.config = hf_model.config
@@ -28,6 +42,8 @@ class StageModule(nn.Module):
         self.lm_head = hf_model.lm_head if last else None
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
         self.layer_types = [types[i] for i in layer_ids]
+        self.recompute = list(recompute) if recompute is not None else [False] * len(self.layers)
+        assert len(self.recompute) == len(self.layers)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """x: token ids [b, s] (first stage) or hidden states [b, s(/tp under SP), h].
@@ -48,10 +64,13 @@ class StageModule(nn.Module):
                 position_ids=position_ids,
             )
         position_embeddings = self.rotary_emb(shape_probe, position_ids=position_ids)
-        for layer, kind in zip(self.layers, self.layer_types):
-            hidden = layer(
-                hidden, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings
-            )
+        for layer, kind, again in zip(self.layers, self.layer_types, self.recompute):
+            kwargs = dict(attention_mask=masks[kind], position_ids=position_ids)
+            kwargs["position_embeddings"] = position_embeddings
+            if again and torch.is_grad_enabled():
+                hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            else:
+                hidden = layer(hidden, **kwargs)
         if self.last:
             return self.lm_head(self.norm(hidden))
         return hidden

@@ -229,26 +229,52 @@ class VocabParallelLMHead(nn.Module):
         """[..., V/tp (padded)] -> [..., V] on every rank."""
         return gather_last_dim(local_logits, self.group)[..., : self.vocab_size]
 
-    def token_losses(self, local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100):
+    def token_losses(
+        self, local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *, return_lse: bool = False
+    ):
         """Cross-entropy per token over a vocab split across tp ranks; 0 where target == ignore_index.
 
         local_logits [N, V_local], targets [N] (global ids). Never materialises full-vocab logits.
+        return_lse: also return each token's log-sum-exp of the logits [N] (0 where ignored), which the
+        z-loss squares; the cross-entropy computes it anyway.
         """
-        if _trivial(self.group):  # one rank holds the whole vocabulary: stock cross-entropy, as fast as HF's
-            return F.cross_entropy(local_logits.float(), targets, ignore_index=ignore_index, reduction="none")
+        ignored = targets == ignore_index
+        if _trivial(self.group):
+            if not return_lse:  # one rank holds the whole vocabulary: stock cross-entropy, as fast as HF's
+                return F.cross_entropy(local_logits.float(), targets, ignore_index=ignore_index, reduction="none")
+            logits = local_logits.float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(-1, targets.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
+            return (lse - picked).masked_fill(ignored, 0.0), lse.masked_fill(ignored, 0.0)
         logits = local_logits.float()
         cols = torch.arange(self.num_local, device=logits.device) + self.vocab_start
         if self.vocab_start + self.num_local > self.vocab_size:  # padded columns take no probability
             logits = logits.masked_fill(cols >= self.vocab_size, float("-inf"))
         with torch.no_grad():
             row_max = logits.max(dim=-1).values
-            if not _trivial(self.group):
-                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=self.group)
         shifted = logits - row_max.unsqueeze(-1)
-        sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), self.group)
+        log_sum_exp = reduce_from_tp(shifted.exp().sum(dim=-1), self.group).log()  # of the shifted logits
         local_t = targets - self.vocab_start
         mine = (local_t >= 0) & (local_t < self.num_local)
         picked = shifted.gather(-1, local_t.clamp(0, self.num_local - 1).unsqueeze(-1)).squeeze(-1)
         target_logit = reduce_from_tp(picked.masked_fill(~mine, 0.0), self.group)
-        losses = sum_exp.log() - target_logit
-        return losses.masked_fill(targets == ignore_index, 0.0)
+        losses = (log_sum_exp - target_logit).masked_fill(ignored, 0.0)
+        if not return_lse:
+            return losses
+        return losses, (log_sum_exp + row_max).masked_fill(ignored, 0.0)
+
+    def loss_terms(
+        self, local_logits: torch.Tensor, targets: torch.Tensor, num_tokens: torch.Tensor, *, z_loss: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(objective to backpropagate, cross-entropy part, z-loss part), each a sum over these tokens divided
+        by `num_tokens` (the global count of non-ignored targets). The parts come back detached.
+
+        z-loss (PaLM): z_loss * logsumexp(logits)^2 per non-ignored token; it only enters the objective."""
+        if z_loss == 0.0:
+            ce = self.token_losses(local_logits, targets).sum() / num_tokens
+            return ce, ce.detach(), torch.zeros((), device=ce.device)
+        losses, lse = self.token_losses(local_logits, targets, return_lse=True)
+        ce = losses.sum() / num_tokens
+        z = z_loss * lse.square().sum() / num_tokens
+        return ce + z, ce.detach(), z.detach()
