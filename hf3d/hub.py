@@ -16,7 +16,11 @@ Summary keys, all optional (a missing one leaves its part of the card out):
     parallel         dict, e.g. {"tp": 2, "pp": 2, "dp": 1, "schedule": "1f1b"}
     tokens_seen      int
     final_loss       float or None
+    final_eval_loss  float or None: the card shows it with its perplexity
     loss_curve       list of [step, loss] pairs, may be empty
+
+A `loss_curve.png` in the directory (hf3d.plots.plot_loss_curve) is shown in the card and uploaded
+with the other files.
 
 The token comes from `token=` or `huggingface_hub.get_token()` (HF_TOKEN, then the file written by
 `hf auth login`). It is handed to huggingface_hub only: never printed, logged or written; a push
@@ -39,6 +43,7 @@ T = TypeVar("T")
 
 SUMMARY_FILE = "hf3d_training.json"
 CARD_FILE = "README.md"
+LOSS_CURVE_FILE = "loss_curve.png"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[\w.-]{1,96})?$")  # NAME or NAMESPACE/NAME
 _FILE_SUFFIXES = (".txt", ".json", ".jsonl", ".csv", ".parquet", ".arrow", ".gz", ".zst", ".ds", ".bin")
 _SPARK = "▁▂▃▄▅▆▇█"
@@ -79,6 +84,13 @@ def write_model_card(model_dir: str | Path, summary: dict, *, repo_id: str | Non
         lines += ["No training summary (`hf3d_training.json`) came with this model.", ""]
     else:
         lines += _training_section(s)
+    if (model_dir / LOSS_CURVE_FILE).is_file():  # the picture leads the loss-curve section, made if need be
+        image = [f"![loss curve]({LOSS_CURVE_FILE})", ""]
+        if "### Loss curve" in lines:
+            at = lines.index("### Loss curve") + 2
+            lines[at:at] = image
+        else:
+            lines += ["### Loss curve", "", *image]
     path = model_dir / CARD_FILE
     path.write_text("\n".join(lines), encoding="utf-8")
     return path
@@ -106,6 +118,7 @@ def _check_summary(summary: Any) -> dict:
         "parallel": dict,
         "tokens_seen": int,
         "final_loss": (int, float, type(None)),
+        "final_eval_loss": (int, float, type(None)),
         "loss_curve": list,
     }
     for key, types in expected.items():
@@ -136,11 +149,15 @@ def _training_section(s: dict) -> list[str]:
     else:
         lines.append(f"- Started from local weights (`{Path(base).name}`)" if base else "- Trained from scratch")
     if s.get("datasets"):
-        lines.append("- Data: " + ", ".join(f"`{_public_name(d)}`" for d in s["datasets"]))
+        lines.append("- Data: " + ", ".join(map(_dataset_link, s["datasets"])))
     if "tokens_seen" in s:
         lines.append(f"- Tokens seen: {s['tokens_seen']:,}")
     if s.get("final_loss") is not None:
         lines.append(f"- Final training loss: {_fmt(s['final_loss'])}")
+    if s.get("final_eval_loss") is not None:
+        loss = float(s["final_eval_loss"])
+        perplexity = math.exp(loss) if loss < 700 else math.inf
+        lines.append(f"- Final eval loss: {_fmt(loss)} (perplexity {_fmt(perplexity)})")
     lines.append("")
     if s.get("hyperparameters"):
         lines += ["### Hyperparameters", "", *_table(["name", "value"], sorted(s["hyperparameters"].items())), ""]
@@ -154,6 +171,11 @@ def _training_section(s: dict) -> list[str]:
     if s.get("loss_curve"):
         lines += _loss_curve(s["loss_curve"])
     return lines
+
+
+def _dataset_link(name: str) -> str:
+    """A Hub dataset as a link to its page; a local file or folder by its last part only."""
+    return f"[{name}](https://huggingface.co/datasets/{name})" if _is_hub_repo(name) else f"`{_public_name(name)}`"
 
 
 def _loss_curve(curve: list, max_rows: int = 11, max_spark: int = 60) -> list[str]:

@@ -21,11 +21,31 @@ def device_peak_flops() -> float | None:
 
 
 def peak_memory_bytes() -> int:
-    """Peak accelerator memory on CUDA, else this process's peak resident set size."""
+    """Peak accelerator memory on CUDA (max_memory_allocated), else this process's own peak resident set.
+
+    On Linux that is VmHWM of /proc/self/status: ru_maxrss survives fork + exec, so a child process
+    (a torchrun worker, a subprocess) can report its parent's larger peak instead of its own. ru_maxrss
+    is the fallback where /proc is absent (macOS reports it in bytes, Linux in KiB)."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated()
+    hwm = _proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status in bytes; None where there is no /proc or no such field."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * 1024 if unit == "kB" else int(value)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def flops_per_token(config, seq_len: int) -> float:
@@ -35,6 +55,58 @@ def flops_per_token(config, seq_len: int) -> float:
     attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
     dense = layers * (attn + 3 * h * config.intermediate_size) + h * config.vocab_size
     return 6 * dense + 12 * layers * config.num_attention_heads * d * seq_len
+
+
+def throughput(
+    tokens: int, seconds: float, world_size: int, flops_per_token: float, peak: float | None = None
+) -> dict[str, float]:
+    """Throughput of `tokens` (all ranks together) processed in `seconds` by `world_size` devices.
+
+    Keys: tokens_per_sec, tokens_per_sec_per_device, tflops (achieved model TFLOP/s per device, from
+    `flops_per_token`), and mfu (tflops / the device's peak) only when `peak` (FLOP/s per device,
+    `device_peak_flops()`) is known."""
+    if seconds <= 0 or world_size < 1:
+        raise ValueError(f"throughput needs seconds > 0 and world_size >= 1, got {seconds} and {world_size}")
+    tokens_per_sec = tokens / seconds
+    per_device = tokens_per_sec / world_size
+    out = {
+        "tokens_per_sec": tokens_per_sec,
+        "tokens_per_sec_per_device": per_device,
+        "tflops": per_device * flops_per_token / 1e12,
+    }
+    if peak:
+        out["mfu"] = per_device * flops_per_token / peak
+    return out
+
+
+_PIP_NAMES = {"comet_ml": "comet-ml", "aim": "'aim<4'"}  # accelerate supports aim below 4 only
+
+
+def available_trackers(requested: list[str] | str) -> tuple[list[str], list[str]]:
+    """(usable, missing): the requested experiment trackers (accelerate's `log_with` names) split by
+    whether accelerate finds them installed, by accelerate's own checks, in the order asked.
+
+    "all" means what it means to accelerate: every installed tracker (none is then missing). An
+    unknown name is a ValueError listing the valid ones."""
+    from accelerate import tracking
+    from accelerate.utils import LoggerType
+
+    requested = [requested] if isinstance(requested, str) else list(requested)
+    valid = [t.value for t in LoggerType]
+    unknown = [name for name in requested if name not in valid]
+    if unknown:
+        raise ValueError(f"unknown experiment tracker {', '.join(map(repr, unknown))}: choose from {', '.join(valid)}")
+    installed = [t.value for t in tracking.get_available_trackers()]
+    if "all" in requested:
+        return installed, []
+    names = list(dict.fromkeys(requested))
+    return [n for n in names if n in installed], [n for n in names if n not in installed]
+
+
+def tracker_install_hint(missing: list[str]) -> str:
+    """One warning line for trackers that were asked for but are not installed."""
+    pip = " ".join(_PIP_NAMES.get(name, name) for name in missing)
+    return f"hf3d: not logging to {', '.join(missing)}: not installed (pip install {pip})"
 
 
 class MetricsWriter:

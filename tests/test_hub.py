@@ -274,3 +274,42 @@ def test_train_pushes_its_final_model_with_the_run_card(tmp_path):
     card = (out / "final" / "README.md").read_text()
     assert f"Final training loss: {losses[-1]:.4f}" in card and "hf3d" in card
     _assert_no_token(proc.stdout, proc.stderr, dirs=(out,))
+
+
+def test_card_shows_the_loss_curve_png_and_eval_loss_and_uploads_the_png(model_dir, hub_env, tmp_path, capsys):
+    """A loss_curve.png (drawn by hf3d.plots from a metrics.jsonl with eval points) is linked at the
+    top of the card's loss-curve section and lands in the same commit; final_eval_loss is shown with
+    its perplexity; Hub datasets link to their pages."""
+    pytest.importorskip("matplotlib")
+    from hf3d.hub import LOSS_CURVE_FILE
+    from hf3d.plots import plot_loss_curve
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 6.0 - 0.07 * s, "tokens": 512 * s} for s in range(1, 41)]
+    rows += [{"step": 20, "eval_loss": 4.9}, {"step": 40, "eval_loss": 3.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = plot_loss_curve(metrics, model_dir / LOSS_CURVE_FILE, title="tiny")
+    assert png == model_dir / "loss_curve.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (model_dir / "hf3d_training.json").write_text(json.dumps({**SUMMARY, "final_eval_loss": 3.0}))
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 0, capsys.readouterr().err
+        pushed = hub.files("user/tiny")
+        assert pushed["loss_curve.png"].data == png.read_bytes()
+        assert hub.calls("POST", r"/api/models/user/tiny/commit/.*") == 1  # one commit with everything
+    body = (model_dir / "README.md").read_text().split("---\n", 2)[2]
+    section = body[body.index("### Loss curve") :].splitlines()
+    assert section[:3] == ["### Loss curve", "", "![loss curve](loss_curve.png)"]
+    assert "- Final eval loss: 3.0000 (perplexity 20.0855)" in body  # exp(3) = 20.0855
+    assert "[HuggingFaceFW/fineweb-edu](https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu)" in body
+    assert "`shakespeare.txt`" in body
+
+
+def test_card_of_a_run_without_summary_curve_still_shows_the_png(tmp_path):
+    path = make_model_dir(tmp_path / "m", "llama")
+    (path / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    body = write_model_card(path, {"final_loss": 2.5}).read_text().split("---\n", 2)[2]
+    assert body.rstrip().endswith("### Loss curve\n\n![loss curve](loss_curve.png)")
+    assert "Final eval loss" not in body
+    with pytest.raises(ValueError, match="'final_eval_loss'"):
+        write_model_card(path, {"final_eval_loss": "low"})

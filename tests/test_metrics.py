@@ -1,0 +1,124 @@
+"""hf3d/metrics.py: the process's own peak memory, throughput / TFLOP/s / MFU, which trackers are usable;
+hf3d/plots.py: the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf3d import metrics
+from hf3d.metrics import available_trackers, peak_memory_bytes, throughput, tracker_install_hint
+from hf3d.plots import plot_loss_curve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM needs Linux /proc")
+def test_child_reports_its_own_peak_not_its_parents():
+    """A child started while this process holds 1 GiB more reports its own peak (VmHWM), far below
+    ours. Measured: parent 1405 MiB, child 379 MiB (the child's ru_maxrss said 1405 MiB: the parent's,
+    carried over fork + exec, which is what the old ru_maxrss-based figure reported)."""
+    held = torch.ones(2**28)  # 1 GiB, touched
+    parent = peak_memory_bytes()
+    assert parent >= held.numel() * 4
+    code = "from hf3d.metrics import peak_memory_bytes; print(peak_memory_bytes())"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    child = int(proc.stdout.strip())
+    assert 0 < child < parent - 2**29, (child, parent)
+    del held
+
+
+def test_peak_memory_is_a_high_water_mark():
+    before = peak_memory_bytes()
+    x = torch.ones(2**26)  # 256 MiB
+    during = peak_memory_bytes()
+    del x
+    assert during >= before and during >= 2**28
+    assert peak_memory_bytes() >= during  # the peak does not come down when the memory is freed
+
+
+def test_throughput_math():
+    # 8192 tokens in 2 s on 4 devices at 1e9 FLOPs per token
+    out = throughput(8192, 2.0, 4, 1e9, 2e12)
+    assert out == pytest.approx(
+        {"tokens_per_sec": 4096.0, "tokens_per_sec_per_device": 1024.0, "tflops": 1.024, "mfu": 0.512}, rel=1e-12
+    )
+    assert set(throughput(8192, 2.0, 4, 1e9)) == {"tokens_per_sec", "tokens_per_sec_per_device", "tflops"}
+    assert "mfu" not in throughput(8192, 2.0, 4, 1e9, None)
+    with pytest.raises(ValueError, match="seconds > 0"):
+        throughput(8192, 0.0, 4, 1e9)
+
+
+def test_trackers_split_by_what_accelerate_finds(monkeypatch):
+    from accelerate import tracking
+    from accelerate.utils import LoggerType
+
+    # as if only tensorboard were installed: accelerate's own list of available trackers
+    monkeypatch.setattr(tracking, "_available_trackers", [LoggerType.TENSORBOARD])
+    usable, missing = available_trackers(["wandb", "tensorboard", "comet_ml", "wandb"])
+    assert usable == ["tensorboard"] and missing == ["wandb", "comet_ml"]
+    assert available_trackers("tensorboard") == (["tensorboard"], [])
+    assert available_trackers(["all", "wandb"]) == (["tensorboard"], [])  # "all": what is installed
+    hint = tracker_install_hint(missing)
+    assert hint == "hf3d: not logging to wandb, comet_ml: not installed (pip install wandb comet-ml)"
+    with pytest.raises(ValueError, match=r"unknown experiment tracker 'weights-and-biases': choose from all, aim"):
+        available_trackers(["weights-and-biases"])
+
+
+def test_trackers_in_this_environment():
+    """Unpatched: a tracker is usable exactly when accelerate would initialise it."""
+    from accelerate.tracking import get_available_trackers
+
+    names = ["tensorboard", "trackio", "wandb", "mlflow", "comet_ml", "aim", "clearml", "dvclive"]
+    usable, missing = available_trackers(names)
+    installed = {t.value for t in get_available_trackers()}
+    assert usable == [n for n in names if n in installed] and missing == [n for n in names if n not in installed]
+    assert metrics.available_trackers([]) == ([], [])
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_metrics(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("with_eval", [False, True], ids=["train-only", "with-eval"])
+def test_loss_curve_png(tmp_path, with_eval):
+    pytest.importorskip("matplotlib")
+    from matplotlib.image import imread
+
+    records = [{"step": s, "loss": 8.0 / s**0.5, "consumed_tokens": 1024 * s} for s in range(1, 121)]
+    if with_eval:
+        records += [{"step": s, "eval_loss": 8.5 / s**0.5} for s in (30, 60, 90, 120)]
+    path = _write_metrics(tmp_path / "metrics.jsonl", records)
+    with path.open("a") as f:
+        f.write('{"step": 121, "loss": 0.7')  # a last line cut short by an interruption is skipped
+    out = plot_loss_curve(path, tmp_path / "plots" / "loss_curve.png", title="tiny run")
+    assert out == tmp_path / "plots" / "loss_curve.png"
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    height, width, _ = imread(out).shape
+    assert width > 600 and height > 400
+    assert not list(out.parent.glob("*.tmp"))
+
+
+def test_loss_curve_without_matplotlib_returns_none(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] or ["matplotlib"]:
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import matplotlib...` raise ImportError
+    path = _write_metrics(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 3.0}])
+    assert plot_loss_curve(path, tmp_path / "loss_curve.png") is None
+    assert not (tmp_path / "loss_curve.png").exists()
+
+
+def test_loss_curve_of_no_losses_is_an_error(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = _write_metrics(tmp_path / "metrics.jsonl", [{"step": 1, "loss": float("nan")}])
+    with pytest.raises(ValueError, match="has no finite `loss` or `eval_loss` to plot"):
+        plot_loss_curve(path, tmp_path / "loss_curve.png")
