@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -31,10 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .faults import is_communication_error
 from .layout import get_pieces
 from .mesh import on_rank0
 
@@ -53,6 +55,48 @@ def optim_key(state: str, hf_name: str) -> str:
     return f"{OPTIM_PREFIX}{state}/{hf_name}"
 
 
+# -- reading DCP metadata without running code ---------------------------------------------------
+# DCP's own reader unpickles `.metadata` with a plain pickle.load: a checkpoint from an untrusted source
+# could run code when it is opened. The metadata is dataclasses of DCP plus a few torch and pathlib
+# values; this unpickler takes those and refuses every other global.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        allowed = module == "torch.distributed.checkpoint.metadata" or name in _METADATA_GLOBALS.get(module, ())
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            allowed = True
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"the checkpoint's .metadata refers to {module}.{name}, which DCP metadata never holds; "
+                "refusing to load it (the file may have been crafted to run code)"
+            )
+        return super().find_class(module, name)
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` through an allow-list unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise ValueError(f"{self.path}: {e}") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / MARKER).is_file()
 
@@ -67,7 +111,13 @@ def read_marker(path: str | os.PathLike) -> dict:
             f"{path} is not a complete hf3d checkpoint (no {MARKER}: the save was interrupted, or this is "
             "not a checkpoint folder)"
         )
-    meta = json.loads((path / MARKER).read_text())
+    try:
+        meta = json.loads((path / MARKER).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path / MARKER} is damaged ({type(e).__name__}: {e}); this checkpoint cannot be trusted: resume from "
+            "another one (checkpoint.resume: PATH) or delete this folder"
+        ) from None
     if meta.get("format") != "hf3d" or meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path / MARKER} is not an hf3d checkpoint of format version {FORMAT_VERSION}")
     return meta
@@ -88,15 +138,50 @@ def write_marker(tmp: Path, meta: dict) -> None:
 
 def publish(tmp: Path, final: Path) -> None:
     """Replace `final` by the staged folder `tmp` (which already holds its marker)."""
-    if final.exists():
+    if final.exists() or final.is_symlink():
         old = final.with_name(final.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        final.rename(old)
+        remove(old)
+        final.rename(old)  # rename moves a symlink itself, never what it points to
         tmp.rename(final)
-        shutil.rmtree(old)
+        remove(old)
     else:
         tmp.rename(final)
+
+
+def remove(path: Path) -> None:
+    """Delete `path` without following symlinks: a link or a file is unlinked (what it points to is
+    untouched), a real directory is removed with everything inside (shutil.rmtree unlinks the links
+    it meets, never descending into them)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+class CheckpointWriteError(ValueError):
+    """A checkpoint could not be written; raised on every rank, after the staging folder is removed."""
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, CheckpointException):  # DCP: {rank: (exception, traceback)}; the first says it
+        rank, (e, _) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
+        return f"rank {rank}: {_one_line(e)}"
+    return " ".join(f"{type(e).__name__}: {e}".split())
+
+
+def _on_every_rank(fn) -> None:
+    """Run fn on every rank; an exception on any of them is raised on all (as an OSError carrying
+    that rank's one-line message), so no rank goes on to wait in the next collective."""
+    msg = None
+    try:
+        fn()
+    except Exception as e:
+        msg = f"rank {dist.get_rank()}: {_one_line(e)}"
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, msg)
+    failed = [m for m in everyone if m is not None]
+    if failed:
+        raise OSError(failed[0])
 
 
 # -- boxes: the rectangles of global HF tensors that one rank writes or reads -------------------------
@@ -274,16 +359,47 @@ def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, ext
     Every rank writes only what it owns (its tp slices, its pipeline stages, its ZeRO shard), under
     HF names and global offsets, so any mesh can load it. `extra` is a dict of the caller's state
     (an LR scheduler or anything with `state_dict()`, data position, counters), saved from rank 0.
-    Returns the checkpoint folder."""
-    from .hf import copy_model_files
+    Returns the checkpoint folder.
 
+    A write that fails on any rank (a full disk, a folder that cannot be created) raises one
+    CheckpointWriteError (a ValueError) on every rank, naming the path; the staging folder is removed
+    and nothing is published, so the checkpoints already there (and `latest`) are unchanged. A peer
+    that dies mid-save leaves the staging folder unmarked: never loaded, replaced by the next save."""
     final = Path(path)
     tmp = staging_dir(final)
+    try:
+        _save(final, tmp, pmodel, opt, step=step, extra=extra)
+    except (Exception, CheckpointException) as e:
+        if is_communication_error(e):  # a peer is gone: nothing left to agree with
+            raise
+        if dist.get_rank() == 0:
+            try:
+                remove(tmp)
+            except OSError:
+                pass  # left unmarked: never loaded, and the next save of this step replaces it
+        raise CheckpointWriteError(
+            f"could not write the checkpoint {final} ({_one_line(e)}); nothing was published and the "
+            f"checkpoints already in {final.parent} are unchanged: {_remedy(e)}, then resume"
+        ) from None
+    return final
+
+
+def _remedy(e: BaseException) -> str:
+    """What to do about a failed write: a path that is not a writable folder, or (anything else: a full
+    disk shows up as ENOSPC, EFBIG or a short write inside torch.save) room on the disk."""
+    text = f"{e} {_one_line(e)}"
+    if any(s in text for s in ("Not a directory", "Permission denied", "Read-only file system", "Is a directory")):
+        return "check that the output folder is a folder this user can write, or write to another folder"
+    return "make room on that disk, or write to another folder"
+
+
+def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None) -> None:
+    from .hf import copy_model_files
+
     rank = dist.get_rank()
 
     def stage() -> None:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        remove(tmp)  # a save of this step that died before it was marked
         tmp.mkdir(parents=True)
 
     on_rank0(stage)
@@ -308,9 +424,8 @@ def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, ext
                 for name, off, _, view in hf_boxes(p, flat, ga - s, a - s, z - s, owned_only=True):
                     _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
         optim_meta = {"keys": keys, "step": opt.num_steps, "param_groups": opt.group_settings()}
-    dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())
-    torch.save(_rng_state(), tmp / f"rng_{rank}.pt")
-    dist.barrier()
+    dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
+    _on_every_rank(lambda: torch.save(_rng_state(), tmp / f"rng_{rank}.pt"))
 
     def finish() -> None:
         if extra is not None:
@@ -334,7 +449,6 @@ def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, ext
         publish(tmp, final)
 
     on_rank0(finish)
-    return final
 
 
 def check_compatible(path: Path, config) -> None:
@@ -361,7 +475,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     path = Path(path)
     meta = read_marker(path)
     check_compatible(path, pmodel.config)
-    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = SafeReader(path).read_metadata().state_dict_metadata
     has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
     training = meta["kind"] == "training" and opt is not None
     # fp32 parameters are their own master weights: take them from the fp32 masters when there are some
@@ -392,7 +506,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     with torch.no_grad():
         for part in (entries, masters):
             if part:
-                dcp.load(part, checkpoint_id=path, planner=_LoadPlanner())
+                dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())
     if training:
         for group, saved in zip(opt.optimizer.param_groups, meta["optim"]["param_groups"]):
             group.update(
@@ -416,13 +530,24 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Complete `step_<N>` checkpoints under root, oldest first."""
+    """Complete `step_<N>` checkpoints under root, oldest first. Only real folders count: a symlink
+    named step_<N> is not a checkpoint hf3d wrote, so it is neither resumed from nor pruned."""
     found = []
     for d in root.iterdir() if root.is_dir() else []:
         m = STEP_DIR.match(d.name)
-        if m and is_complete(d):
+        if m and not d.is_symlink() and d.is_dir() and _marked_by_hf3d(d):
             found.append((int(m.group(1)), d))
     return sorted(found)
+
+
+def _marked_by_hf3d(d: Path) -> bool:
+    marker = d / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("format") == "hf3d"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def find_resume(root: Path) -> Path | None:
@@ -459,11 +584,21 @@ def resolve_resume(spec: str, root: Path) -> Path | None:
 
 def finish_save(root: Path, keep_last: int) -> None:
     """After a checkpoint under root is published: point `latest` at it and drop the oldest complete
-    ones beyond keep_last (0 keeps all). Rank 0 only."""
+    ones beyond keep_last (0 keeps all). Rank 0 only.
+
+    Only what hf3d made is deleted: real `step_<N>` folders directly under root holding hf3d's
+    marker. Symlinks are never followed: a `latest` that is a link is replaced, not written through."""
     complete = step_dirs(root)
     part = root / "latest.part"
-    part.write_text(complete[-1][1].name + "\n")
-    os.replace(part, root / "latest")
+    try:
+        remove(part)
+        part.write_text(complete[-1][1].name + "\n")
+        os.replace(part, root / "latest")
+    except OSError as e:
+        raise CheckpointWriteError(
+            f"could not update {root / 'latest'} ({_one_line(e)}); the checkpoint {complete[-1][1]} itself is "
+            "complete and checkpoint.resume=auto finds it: make room on that disk, then resume"
+        ) from None
     if keep_last > 0:
         for _, d in complete[:-keep_last]:
             shutil.rmtree(d)

@@ -13,10 +13,24 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _train(args) -> None:
-    from .trainer import TrainConfig, train
+def _train(args) -> int:
+    """Every rank of `hf3d train` ends the same way: 0, or the code of faults.fail (one line for the
+    whole job, no rank left waiting on a dead peer); a signal ends it with 128 + N (trainer.StopSignal)."""
+    from .faults import RunState, die_with_parent, fail, started_by_launcher
 
-    train(TrainConfig.from_yaml(args.config, args.set or []))
+    if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
+        die_with_parent()
+    state = RunState()
+    try:
+        from .trainer import TrainConfig, train
+
+        cfg = TrainConfig.from_yaml(args.config, args.set or [])
+        p = cfg.parallel
+        state.place(p.tp, p.pp, int(os.environ.get("WORLD_SIZE", "1")))
+        train(cfg, state=state)
+    except Exception as e:
+        return fail(e, state, "hf3d train")
+    return 0
 
 
 def _generate(args) -> None:
@@ -80,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_push)
     args = parser.parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except (ValueError, FileNotFoundError) as e:
         if _is_main_rank():
             print(f"hf3d {args.command}: error: {e}", file=sys.stderr)
@@ -90,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    return code or 0
 
 
 if __name__ == "__main__":

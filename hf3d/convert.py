@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from . import checkpoint
 from .hf import (
@@ -56,10 +56,12 @@ def parse_size(size: str | int) -> int:
     else:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
         if m is None or m.group(2).upper() not in _UNITS:
-            raise ValueError(f"size {size!r} is not understood; write it like 5GB, 500MB, 2GiB or a number of bytes")
+            raise ValueError(
+                f"--max-shard-size {size!r} is not understood; write it like 5GB, 500MB, 2GiB or a number of bytes"
+            )
         value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
     if value <= 0:
-        raise ValueError(f"size {size!r} must be positive")
+        raise ValueError(f"--max-shard-size {size!r} must be positive")
     return value
 
 
@@ -89,7 +91,7 @@ def _check_out_dir(out: Path, src: Path, keeps: str) -> None:
 
 
 # -- checkpoint -> HF -----------------------------------------------------------------------------
-class _Reader(FileSystemReader):
+class _Reader(checkpoint.SafeReader):
     """Reads the checkpoint's metadata once: DCP would re-read and unpickle it on every per-tensor load."""
 
     def read_metadata(self, *args, **kwargs):

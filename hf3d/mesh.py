@@ -10,19 +10,30 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import ParallelConfig
+from .faults import die_with_parent, started_by_launcher
 
 
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed() -> None:
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def init_distributed(timeout_s: float | None = None) -> None:
     """Start the default process group from the launcher's environment (torchrun, accelerate).
 
-    A plain `python script.py` with no launcher runs as a world of one process.
+    A plain `python script.py` with no launcher runs as a world of one process. Under torchrun every
+    worker is made to die with the launcher (a SIGKILLed torchrun leaves no worker behind); a process
+    started any other way keeps its parent's rules. timeout_s bounds every collective (default 10
+    minutes): a rank whose peer hangs without dying raises after that long instead of waiting forever.
     """
     if dist.is_initialized():
         return
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"the collective timeout must be a number of seconds > 0, got {timeout_s!r}")
+    if started_by_launcher():
+        die_with_parent()
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -30,7 +41,8 @@ def init_distributed() -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def _free_port() -> int:
@@ -49,14 +61,18 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
 
 
 def on_rank0(fn) -> None:
-    """Run fn on global rank 0 only; an OSError or ValueError there is raised as a ValueError on every
-    rank, so no rank is left waiting in the next collective."""
-    msg = [None]
+    """Run fn on global rank 0 only; an exception there is raised on every rank (an OSError or
+    ValueError as a ValueError everywhere; anything else as itself on rank 0 and as a ValueError
+    naming it on the others), so no rank is left waiting in the next collective."""
+    msg, error = [None], None
     if dist.get_rank() == 0:
         try:
             fn()
-        except (OSError, ValueError) as e:
-            msg[0] = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        except Exception as e:
+            error = e
+            msg[0] = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
     dist.broadcast_object_list(msg, src=0)
+    if error is not None and not isinstance(error, OSError | ValueError):
+        raise error
     if msg[0] is not None:
         raise ValueError(msg[0])

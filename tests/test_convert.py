@@ -325,3 +325,30 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
     ref = _tensors(export)
     assert all(fp32[k].dtype == torch.float32 and torch.equal(fp32[k].to(torch.bfloat16), ref[k]) for k in ref)
     assert not all(torch.equal(fp32[k], ref[k].float()) for k in ref)  # the fp32 masters, not an upcast
+
+
+class _RunsCode:
+    """A pickle that calls a function when it is loaded: what a crafted .metadata would hold."""
+
+    def __init__(self, target: Path):
+        self.target = target
+
+    def __reduce__(self):
+        return (Path.touch, (self.target,))
+
+
+def test_crafted_checkpoint_metadata_is_refused_without_running_code(family_dirs, tmp_path, capsys):
+    """DCP's own reader unpickles .metadata with pickle.load; hf3d's reader takes only DCP's metadata
+    classes and a few torch/pathlib values, so a .metadata that would run code is refused unread."""
+    import pickle
+
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    honest = (ckpt / ".metadata").read_bytes()
+    ran = tmp_path / "code-ran"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+    msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
+    assert "refers to pathlib.Path.touch" in msg, msg
+    assert "refusing to load it" in msg and not ran.exists() and not (tmp_path / "out").exists()
+    (ckpt / ".metadata").write_bytes(honest)  # the honest metadata still reads through the same reader
+    assert cli_main(["convert", "to-hf", str(ckpt), str(tmp_path / "out")]) == 0
+    _assert_same_model(family_dirs["llama"], tmp_path / "out")

@@ -1,0 +1,156 @@
+"""Failures of a multi-process run: no rank outlives its launcher, no rank waits on a dead peer, and the
+error that stopped the run is printed once, with the rank's mesh coordinates and the step.
+
+- Launcher death. torchrun starts every worker in its own session, so a launcher killed by SIGKILL
+  (the OOM killer, `scancel --signal=KILL`) leaves its workers running and writing. `die_with_parent`
+  asks the kernel to SIGKILL this process when its parent dies (Linux `prctl(PR_SET_PDEATHSIG)`).
+- A rank that raises. `fail` prints one line and leaves at once with `os._exit`: a rank that
+  returned normally would wait in the process group's teardown, or in the next collective, for
+  peers that are themselves waiting. Its closed sockets break the peers' pending collectives (gloo
+  reports "Connection closed by peer" within milliseconds), their own `fail` runs, and the job is
+  down in about a second. A peer that hangs without dying is caught by the collective timeout.
+- One line, not one per rank. The first rank to fail takes a key in the job's rendezvous store and
+  prints; ranks that fail after it (a broken collective, or the same ValueError raised on every rank)
+  stay silent. torchrun's own summary names every rank's exit code.
+
+Exit codes of `hf3d train`: 0 done; 1 this rank raised (a configuration or input error, or a bug);
+2 bad command line; 3 a collective failed (a peer died, or the collective timed out);
+128 + N stopped by signal N after checkpointing (130 SIGINT, 143 SIGTERM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+EXIT_ERROR = 1
+EXIT_COMMUNICATION = 3
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# errors a user can cause: one line, no traceback
+USER_ERRORS = (ValueError, TypeError, OSError)
+# what gloo and the c10d stores say when a peer is gone or late
+_COMMUNICATION_SIGNS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "gloo/transport",
+    "nccl",
+)
+_REPORTED_KEY = "hf3d/failure_reported"
+
+
+def started_by_launcher() -> bool:
+    """True under torchrun (and `accelerate launch`, which goes through torchrun's agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> bool:
+    """Have the kernel send `sig` to this process when its parent (the launcher) exits; if the parent
+    is already gone, die now. Returns False (and does nothing) off Linux.
+
+    The race: a parent that died before the prctl call has already re-parented this process (to init
+    or a subreaper), so no signal would ever come; the parent pid read before the call tells."""
+    if not sys.platform.startswith("linux"):
+        return False
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if parent == 1 or os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return True
+
+
+@dataclass
+class RunState:
+    """Where a rank is: the trainer sets `coords` once the mesh exists and `step` as it goes, so a
+    failure can say where it happened."""
+
+    rank: int = field(default_factory=lambda: int(os.environ.get("RANK", "0")))
+    coords: dict[str, int] | None = None
+    """Mesh coordinates, {"pp": ., "dp": ., "tp": .}."""
+    step: int = 0
+    """The step being trained, counted from 1 as in metrics.jsonl; 0 before the first."""
+
+    def locate(self, mesh) -> None:
+        """Take the coordinates from the run's ("pp", "dp", "tp") DeviceMesh."""
+        self.coords = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
+
+    def place(self, tp: int, pp: int, world_size: int) -> None:
+        """Coordinates from the degrees alone (the mesh is pp-major, tp-minor over the global ranks), for
+        errors raised before the mesh exists; left unset when the degrees do not fit the world."""
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            return
+        dp = world_size // (tp * pp)
+        self.coords = {"pp": self.rank // (dp * tp), "dp": self.rank // tp % dp, "tp": self.rank % tp}
+
+    def where(self) -> str:
+        coords = ", ".join(f"{k}={v}" for k, v in (self.coords or {}).items())
+        at = f"at step {self.step}" if self.step else "before the first step"
+        return f"rank {self.rank}" + (f" ({coords})" if coords else "") + f" failed {at}"
+
+
+def is_communication_error(e: BaseException) -> bool:
+    """A collective or point-to-point operation failed: a peer died or a timeout expired."""
+    if isinstance(e, dist.DistError):
+        return True
+    return isinstance(e, RuntimeError) and any(s in str(e).lower() for s in _COMMUNICATION_SIGNS)
+
+
+def _first_to_report() -> bool:
+    """Take the job-wide 'reported' key in the rendezvous store; True for the first rank only. A store
+    that cannot be reached (its host, rank 0 without torchrun, is gone) means another rank failed first."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        return store.add(_REPORTED_KEY, 1) == 1
+    except Exception:
+        return False
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The error under library wrappers: torch's pipeline stages re-raise what a forward or backward
+    raised as a plain RuntimeError("[Stage i] failed to run forward ...") from the original."""
+    while type(e) is RuntimeError and e.__cause__ is not None:
+        e = e.__cause__
+    return e
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def fail(e: BaseException, state: RunState, command: str) -> int:
+    """Report `e`, raised on this rank, and end the process without waiting for any peer.
+
+    The first rank of the job to fail prints `<command>: rank R (pp=., dp=., tp=.) failed at step S:
+    Type: message` (a traceback first when `e` is not an error a user can cause); later ones print
+    nothing. Returns the exit code when this process has no peers (no process group, or a world of
+    one), so the caller can return it; otherwise leaves with `os._exit`."""
+    e = root_cause(e)
+    peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    communication = is_communication_error(e)
+    code = EXIT_COMMUNICATION if communication else EXIT_ERROR
+    first = _first_to_report() if peers else state.rank == 0
+    if first:
+        if not isinstance(e, USER_ERRORS) and not communication:
+            traceback.print_exception(e, file=sys.stderr)
+        if state.coords is None and state.step == 0 and isinstance(e, USER_ERRORS):
+            print(f"{command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # before any rank started
+        else:
+            print(f"{command}: {state.where()}: {_one_line(e)}", file=sys.stderr)
+    if not peers:
+        return code
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
