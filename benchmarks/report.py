@@ -217,6 +217,44 @@ def _init_memory(d: dict) -> str:
     )
 
 
+def _recompute(d: dict) -> str:
+    s = d["summary"]
+    fastest = [s[m]["train_step_time_ratio_of_minima"] for m in ("every_2", "full")]
+    return (
+        f"{d['shape']['num_hidden_layers']} layers, {d['args']['rows']} x {d['args']['seq']} tokens: peak RSS of "
+        f"forward + backward above rest every_2 {s['every_2']['memory_ratio']:.2f}x, full "
+        f"{s['full']['memory_ratio']:.2f}x of none (−{s['full']['saved_bytes'] / 2**20:.0f} MiB); train_step time "
+        f"{s['every_2']['train_step_time_ratio']:.2f}x, {s['full']['train_step_time_ratio']:.2f}x (fastest steps "
+        f"{fastest[0]:.2f}x, {fastest[1]:.2f}x); "
+        f"losses equal: {d['losses_equal']}"
+    )
+
+
+def _default_run(d: dict) -> str:
+    evals = d["eval_losses"]
+    return (
+        f"{d['steps']} steps, {d['tokens']:,} tokens in {d['wall_s']:.0f} s wall on 2 processes (tp=2); loss "
+        f"{d['first_loss']:.2f} → {d['last_loss']:.2f}, eval loss {evals[0][1]:.2f} (step {evals[0][0]}) → "
+        f"{evals[-1][1]:.2f} (step {evals[-1][0]}); checkpoints {', '.join(d['checkpoints'])}"
+    )
+
+
+def default_run_block(results: Path = RESULTS) -> str:
+    """The quick start's paragraph on what the main command did when it was last run."""
+    d = load("default_run", results)
+    if d is None:
+        return "(not measured yet: `python benchmarks/bench_default_run.py`)"
+    state, note = status(d["env"])
+    sample = d["sample"].replace("\n", " ").strip()
+    return (
+        f"Measured by `python benchmarks/bench_default_run.py` ({_cell(state, note, d['env']['date_utc'])}): "
+        f"{_default_run(d)}. Its loss curve (`outputs/tiny-smollm/loss_curve.png`, train and eval):\n\n"
+        f"![loss curve of the default run](benchmarks/results/default_run_loss_curve.png)\n\n"
+        f"and the sample it wrote (`outputs/tiny-smollm/sample.txt`, from the exported model): "
+        f"`{sample[:160]}`"
+    )
+
+
 def _gpu(d: dict) -> str:
     rows = {r["name"]: r for r in d.get("rows", []) if r.get("tokens_per_s")}
     return f"{d['env'].get('gpu')}, seq {d['args']['seq']}: " + "; ".join(
@@ -226,6 +264,12 @@ def _gpu(d: dict) -> str:
 
 Row = tuple[str, str, str, Callable[[dict], str]]
 ROWS: list[Row] = [
+    (
+        "default_run",
+        "the README's main command (the embedded default run), 2-core CPU",
+        "python benchmarks/bench_default_run.py",
+        _default_run,
+    ),
     (
         "step_time",
         "step time, hf3d tp=pp=dp=1 / stock transformers + AdamW (Llama, fp32)",
@@ -284,6 +328,13 @@ ROWS: list[Row] = [
         "training checkpoint save (= the training stall) and load vs raw write / read of the same bytes, per mesh",
         "python benchmarks/bench_checkpoint.py",
         _checkpoint,
+    ),
+    (
+        "recompute",
+        "activation recompute (`ParallelConfig.recompute`) / none, SmolLM2-135M shape cut to a few layers, "
+        "fp32, one process",
+        "python benchmarks/bench_recompute.py",
+        _recompute,
     ),
     (
         "gpu_smollm",
@@ -382,7 +433,8 @@ def render(results: Path = RESULTS) -> tuple[dict[Path, str], list[str]]:
     """{file: new text} for both READMEs, and the results files the README table uses that are not current."""
     table, not_current = perf_table(results)
     readme, bench_readme = REPO / "README.md", BENCH_DIR / "README.md"
-    out = {readme: replace_block(readme.read_text(), "perf", table)}
+    text = replace_block(readme.read_text(), "perf", table)
+    out = {readme: replace_block(text, "default-run", default_run_block(results))}
     text = bench_readme.read_text()
     text = replace_block(text, "summary", table + "\n\nEvery results file:\n\n" + results_index(results))
     for name in re.findall(r"<!-- copy:(\w+):start -->", text):

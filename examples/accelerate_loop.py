@@ -18,7 +18,7 @@ import transformers
 from accelerate import Accelerator
 
 import hf3d
-from hf3d.data import DataConfig, packed_rows
+from hf3d.data import DataConfig, DataPipeline
 
 
 def main() -> None:
@@ -38,8 +38,17 @@ def main() -> None:
     opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0)
     sched = transformers.get_scheduler("cosine", opt, num_warmup_steps=args.steps // 10, num_training_steps=args.steps)
     tokenizer = transformers.AutoTokenizer.from_pretrained(pmodel.tokenizer_dir)
-    rows = packed_rows(DataConfig(path=args.data, seq_len=args.seq_len), tokenizer)
-    dl = torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=args.rows)
+    # packed windows with document masking: input_ids, shift_labels (pre-shifted), position_ids
+    data = DataPipeline(
+        DataConfig(path=args.data, seq_len=args.seq_len),
+        tokenizer,
+        global_batch=args.rows,
+        dp_rank=0,
+        dp_size=1,
+        total_steps=args.steps,
+    )
+    rows = [dict(zip(b, r)) for b in map(data.next_batch, range(args.steps)) for r in zip(*b.values())]
+    dl = torch.utils.data.DataLoader(rows, batch_size=args.rows)
     pmodel, opt, sched, dl = hf3d.prepare(acc, pmodel, opt, sched, dl)
 
     for step, batch in zip(range(args.steps), dl):

@@ -20,7 +20,7 @@ import transformers
 from transformers import TrainingArguments
 
 import hf3d
-from hf3d.data import DataConfig, packed_rows
+from hf3d.data import DataConfig, DataPipeline
 
 
 def main() -> None:
@@ -39,8 +39,21 @@ def main() -> None:
     pcfg = hf3d.ParallelConfig.from_env(tp=int(os.environ.get("HF3D_TP", world)))
     pmodel = hf3d.parallelize(args.model, pcfg, seed=0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(pmodel.tokenizer_dir)
-    packed = packed_rows(DataConfig(path=args.data, seq_len=args.seq_len), tokenizer)  # seeded shuffle
-    rows = [{"input_ids": r, "labels": r} for r in packed]
+    # seeded, packed windows; HF labels (the model shifts them), positions restarting at each document
+    num_rows = args.steps * args.rows * pmodel.dp_size + args.eval_rows
+    data = DataPipeline(
+        DataConfig(path=args.data, seq_len=args.seq_len),
+        tokenizer,
+        global_batch=num_rows,
+        dp_rank=0,
+        dp_size=1,
+        total_steps=1,
+    )
+    batch = data.next_batch(0)
+    rows = [
+        {"input_ids": ids, "labels": ids, "position_ids": pos}
+        for ids, pos in zip(batch["input_ids"], batch["position_ids"])
+    ]
 
     training_args = TrainingArguments(
         output_dir=args.output_dir,

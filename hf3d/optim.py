@@ -310,6 +310,16 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 shard = b.param_data[lo - b.offset : hi - b.offset].clone()
                 dist.all_gather_single(b.param_data, shard, group=self.dp_group)
 
+    def nonfinite_parameters(self) -> list[str]:
+        """Collective: the parameters whose reduced gradient of this step holds an inf or NaN, on any
+        rank, in model order (runtime names: fused projections are qkv_proj / gate_up_proj). Call it
+        after a skipped step, before zero_grad, to say where a non-finite gradient came from."""
+        local = {self.names[id(p)] for p, _, lo, hi in self._masters if not torch.isfinite(self.main_grad[lo:hi]).all()}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, sorted(local))
+        bad = set().union(*everyone)
+        return [name for name in self.names.values() if name in bad]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.main_grad.zero_()
         for _, master, _, _ in self._masters:

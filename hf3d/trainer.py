@@ -1,16 +1,21 @@
-"""`hf3d train`: a YAML config -> parallel model + ZeRO optimizer -> steps -> metrics and an HF export.
+"""`hf3d train`: a YAML config (hf3d/train_config.py) -> parallel model, data pipeline, ZeRO optimizer and
+lr schedule -> steps, evaluation, checkpoints, metrics -> an HF export, a loss curve and a model card.
 
-Each config section is its own small dataclass, validated where it is built.
+The order of a run: every check that needs no data or weights (check_run) -> model -> data (tokenised
+once per node, cached) -> optimizer -> resume (only the parts the checkpoint section asks for) ->
+the output directory is created, the resolved config printed and saved -> steps.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
+import os
+import shutil
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,225 +23,126 @@ import torch.distributed as dist
 import yaml
 
 from .checkpoint import finish_save, is_complete, load_checkpoint, resolve_resume, save_checkpoint
-from .config import ParallelConfig
-from .data import BatchIterator, DataConfig, packed_rows
-from .metrics import MetricsWriter, device_peak_flops, flops_per_token, peak_memory_bytes
+from .faults import RunState
+from .mesh import on_rank0
+from .metrics import (
+    MetricsWriter,
+    available_trackers,
+    device_peak_flops,
+    flops_per_token,
+    peak_memory_bytes,
+    tracker_install_hint,
+)
+from .metrics import throughput as throughput_metrics
+from .schedules import build_lr_scheduler
+from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelConfig:
-    """Which stock HF model to train."""
-
-    path: str = "examples/models/tiny-smollm"
-    """HF directory, Hub id, or hf3d checkpoint (its weights only; `hf3d convert from-hf` makes one).
-    A directory with config.json but no weights starts from scratch."""
-    dtype: str = "float32"
-    """Parameter/activation dtype: float32 or bfloat16 (fp32 master weights either way)."""
-    attn_implementation: str = "sdpa"
-    """sdpa, eager, flex_attention, or flash_attention_2 (when installed)."""
-    init_seed: int = 0
-    """Seed of the from-scratch initialisation."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+__all__ = ["TrainConfig", "train"]
 
 
-@dataclass
-class OptimConfig:
-    """AdamW with linear warm-up and cosine decay."""
-
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    """Final learning rate as a fraction of lr."""
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    max_grad_norm: float = 1.0
-    bucket_size: int = 2**22
-    """Elements per gradient bucket (data-parallel communication unit)."""
-    exclude_from_weight_decay: bool = True
-    """No decay for norms, biases and embeddings."""
-
-    def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
-        if self.lr <= 0 or self.warmup_steps < 0:
-            raise ValueError("optim.lr must be > 0 and optim.warmup_steps >= 0")
-
-
-@dataclass
-class RunConfig:
-    """The loop itself."""
-
-    steps: int = 200
-    global_batch: int = 16
-    """Rows per optimizer step over all dp ranks (each row is data.seq_len tokens)."""
-    output_dir: str = "outputs/tiny-smollm"
-    log_every: int = 10
-    seed: int = 0
-    save_final: bool = True
-    """Write an HF directory to <output_dir>/final at the end."""
-    report_to: list[str] = field(default_factory=list)
-    """Experiment trackers accelerate logs every step to (tensorboard, wandb, trackio, ...), under
-    <output_dir>; metrics.jsonl is written either way."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.global_batch < 1:
-            raise ValueError("run.steps and run.global_batch must be positive")
-        if isinstance(self.report_to, str):
-            self.report_to = [self.report_to]
-
-
-@dataclass
-class CheckpointConfig:
-    """Training checkpoints under <output_dir>/checkpoints/step_<N>/ (any mesh can resume them)."""
-
-    every: int = 100
-    """Steps between checkpoints; 0 turns checkpointing off. The last step is always saved (when on)."""
-    keep_last: int = 2
-    """Complete checkpoints kept; older ones are deleted after each save. 0 keeps all."""
-    resume: str = "auto"
-    """auto: the newest complete checkpoint of this output_dir, or a fresh start when there is none;
-    none: always start fresh; or a path to a step_<N> folder or to a checkpoints folder."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.every, int) or self.every < 0:
-            raise ValueError(f"checkpoint.every must be a number of steps >= 0, got {self.every!r}")
-        if not isinstance(self.keep_last, int) or self.keep_last < 0:
-            raise ValueError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last!r}")
-        self.resume = str(self.resume)
-
-
-@dataclass
-class ExportConfig:
-    """What happens to the final HF directory (<output_dir>/final, written when run.save_final)."""
-
-    push_to_hub: str | None = None
-    """A Hub repo id (NAMESPACE/NAME) to upload the final directory to, with a model card; the token
-    comes from HF_TOKEN or `hf auth login`."""
-    private: bool = False
-    """Create the Hub repo private."""
-    license: str = "apache-2.0"
-    """License named in the model card."""
-
-
-@dataclass
-class TrainConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    export: ExportConfig = field(default_factory=ExportConfig)
-
-    def __post_init__(self) -> None:
-        if self.export.push_to_hub and not self.run.save_final:
-            raise ValueError("export.push_to_hub needs run.save_final=true (the final directory is what is pushed)")
-
-    @classmethod
-    def from_yaml(cls, path: str | None, overrides: list[str] = ()) -> TrainConfig:
-        raw = {}
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ValueError(f"config file {path!r} does not exist")
-            raw = yaml.safe_load(p.read_text()) or {}
-        for item in overrides:
-            key, sep, value = item.partition("=")
-            if not sep or "." not in key:
-                raise ValueError(f"--set expects section.key=value, got {item!r}")
-            section, name = key.split(".", 1)
-            raw.setdefault(section, {})[name] = yaml.safe_load(value)
-        sections = {f.name: f for f in dataclasses.fields(cls)}
-        built = {}
-        for section, values in raw.items():
-            if section not in sections:
-                raise ValueError(f"unknown config section {section!r}; sections: {', '.join(sections)}")
-            sub_cls = type(sections[section].default_factory())
-            known = {f.name for f in dataclasses.fields(sub_cls)}
-            unknown = set(values or {}) - known
-            if unknown:
-                raise ValueError(
-                    f"unknown key(s) {', '.join(sorted(unknown))} in section {section!r}; "
-                    f"known: {', '.join(sorted(known))}"
-                )
-            built[section] = sub_cls(**_as_numbers(section, sub_cls(), values or {}))
-        return cls(**built)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def _as_numbers(section: str, defaults, values: dict) -> dict:
-    """YAML reads `3e-4` (no dot) as a string: take numbers written that way where the field is a number."""
-    out = dict(values)
-    for key, value in values.items():
-        default = getattr(defaults, key)
-        if isinstance(value, str) and isinstance(default, int | float) and not isinstance(default, bool):
-            try:
-                out[key] = type(default)(float(value)) if isinstance(default, float) else int(value)
-            except ValueError:
-                raise ValueError(f"{section}.{key} must be a number, got {value!r}") from None
-    return out
-
-
-def lr_at(step: int, cfg: OptimConfig, total: int) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def _load_model(cfg: ModelConfig, pcfg: ParallelConfig):
+def _load_model(cfg: ModelConfig, pcfg):
     """The parallel model. A weightless HF directory is initialised from its config by `parallelize`
     itself: every rank draws the stock init in stock order and keeps only its own slices, so the
     model equals `torch.manual_seed(init_seed); from_config(config, dtype=torch.float32)` (then cast
     to model.dtype) at any mesh."""
     from . import parallelize
 
-    return parallelize(
+    pmodel = parallelize(
         cfg.path,
         pcfg,
         seed=cfg.init_seed,
         dtype=DTYPES[cfg.dtype],
         attn_implementation=cfg.attn_implementation,
+        config_overrides=cfg.overrides() or None,
     )
+    if is_complete(cfg.path):  # start from a checkpoint's weights: step 0, fresh optimizer
+        load_checkpoint(cfg.path, pmodel)
+    return pmodel
 
 
-def _report_memory(opt, out: Path, rank0: bool) -> None:
+def _model_config(cfg: ModelConfig):
+    from transformers import AutoConfig
+
+    if not Path(cfg.path).exists() and (cfg.path.startswith((".", "/", "~")) or cfg.path.count("/") > 1):
+        raise ValueError(
+            f"model.path {cfg.path!r} does not exist: give an HF model directory, an hf3d checkpoint or a Hub id "
+            "(NAMESPACE/NAME)"
+        )
+    try:
+        return AutoConfig.from_pretrained(cfg.path)
+    except OSError as e:
+        raise ValueError(
+            f"model.path {cfg.path!r} is neither a local model directory (with config.json) nor a Hub model id "
+            f"that can be reached: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def _report_memory(opt, out: Path, rank0: bool, write) -> None:
     """Every rank's training-state bytes, printed and written to <output_dir>/memory.json."""
-    from tqdm.auto import tqdm
-
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, opt.memory_report())
     if rank0:
         (out / "memory.json").write_text(json.dumps(reports, indent=1))
         for r, rep in enumerate(reports):
-            parts = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rep.items())
-            tqdm.write(f"hf3d: rank {r} training state (MiB): {parts}")
+            write(f"hf3d: rank {r} training state (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rep.items()))
 
 
-def train(cfg: TrainConfig) -> dict:
+def _node_barrier(counter=[0]):  # noqa: B006 - one counter per process: each barrier gets its own key
+    """Every rank waits until all have arrived, through the rendezvous store: no collective timeout
+    applies, so the local main process may tokenise for as long as the data takes."""
+    if dist.get_world_size() == 1:
+        return
+    counter[0] += 1
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hf3d/data_barrier/{counter[0]}"
+    store.add(key, 1)
+    while store.add(key, 0) < dist.get_world_size():
+        time.sleep(0.2)
+
+
+def evaluate(pmodel, batches: list[dict]) -> float:
+    """The token-mean cross-entropy over the held-out batches (all dp ranks' rows), on every rank."""
+    was_training = pmodel.training
+    pmodel.eval()
+    loss_sum = count = 0.0
+    for b in batches:
+        s, n = pmodel.eval_loss(b["input_ids"], shift_labels=b["shift_labels"], position_ids=b["position_ids"])
+        loss_sum, count = loss_sum + float(s), count + float(n)
+    pmodel.train(was_training)
+    return loss_sum / max(count, 1.0)
+
+
+def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     """Run training; returns the last step's metrics."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
     from . import build_optimizer, prepare
+    from .data import DataPipeline
+    from .mesh import init_distributed
 
-    pmodel = _load_model(cfg.model, cfg.parallel)
-    if is_complete(cfg.model.path):  # start from a checkpoint's weights: step 0, fresh optimizer
-        load_checkpoint(cfg.model.path, pmodel)
+    state = state or RunState()
+    if cfg.run.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
+        torch.use_deterministic_algorithms(True)
+    init_distributed(cfg.run.collective_timeout_s)
     rank0 = dist.get_rank() == 0
+    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=_model_config(cfg.model))
+    pmodel = _load_model(cfg.model, cfg.parallel)
+    state.locate(pmodel.mesh)
     tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or cfg.model.path)
-    rows = packed_rows(cfg.data, tokenizer)
-    batches = BatchIterator(rows, cfg.run.global_batch, pmodel.dp_rank, pmodel.dp_size)
-    o = cfg.optim
+    pipe = DataPipeline(
+        cfg.data,
+        tokenizer,
+        global_batch=cfg.run.global_batch,
+        dp_rank=pmodel.dp_rank,
+        dp_size=pmodel.dp_size,
+        total_steps=cfg.run.steps,
+        local_main=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+        barrier=_node_barrier,
+    )
+    o, r, c = cfg.optim, cfg.run, cfg.checkpoint
     opt = build_optimizer(
         pmodel,
         torch.optim.AdamW,
@@ -244,104 +150,248 @@ def train(cfg: TrainConfig) -> dict:
         betas=o.betas,
         eps=o.eps,
         weight_decay=o.weight_decay,
-        max_grad_norm=o.max_grad_norm,
+        max_grad_norm=o.max_grad_norm or None,
         bucket_size=o.bucket_size,
-        exclude_from_weight_decay=o.exclude_from_weight_decay,
+        exclude_from_weight_decay=o.no_decay_rule(),
     )
-    out = Path(cfg.run.output_dir)
+    out = Path(r.output_dir)
+    trackers, missing = available_trackers(r.report_to)
     # the loop is an accelerate loop: trackers, and the same refusals as any hf3d.prepare user
-    acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=cfg.run.report_to or None, project_dir=str(out))
+    acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=trackers or None, project_dir=str(out))
     pmodel, opt = prepare(acc, pmodel, opt)
-    if cfg.run.report_to:
+
+    # -- resume: only the parts asked for --
+    resume_from = resolve_resume(c.resume, out / "checkpoints")
+    torch.manual_seed(r.seed)  # a resumed run takes every rank's RNG state from the checkpoint instead
+    start, offset, saved = 0, 0, {}
+    if resume_from is not None:
+        step = load_checkpoint(resume_from, pmodel, opt if c.load_optimizer else None, extra=saved)
+        start = step if c.load_step else 0
+        offset = start if not c.load_scheduler else 0  # a restarted schedule spans the steps left
+        if c.load_data_position and "data" in saved:
+            pipe.load_state_dict(saved["data"])
+    for group in opt.param_groups:  # the schedule's peak lr, whatever the checkpoint's groups held
+        group["lr"] = o.lr
+        group.pop("initial_lr", None)
+    if start >= r.steps:
+        raise ValueError(
+            f"the run resumed from {resume_from} is already at step {start} of run.steps={r.steps}: raise run.steps "
+            "to train further, or set checkpoint.resume: none to start over"
+        )
+    sched = build_lr_scheduler(opt, o, r.steps - offset)
+    if resume_from is not None and c.load_scheduler and "scheduler" in saved:
+        sched.load_state_dict(saved["scheduler"])
+
+    say = tqdm.write
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        (out / "config.yaml").write_text(resolved)
+        say("hf3d: resolved config (also in " + str(out / "config.yaml") + "):\n" + resolved.rstrip())
+        p = cfg.parallel
+        say(f"hf3d: mesh pp={p.pp} dp={pmodel.dp_size} tp={p.tp} on {dist.get_world_size()} processes")
+        for line in derived + pipe.summary():
+            say(f"hf3d: {line}")
+        if missing:
+            say(tracker_install_hint(missing))
+        if resume_from is not None:
+            parts = [k for k in ("optimizer", "scheduler", "step", "data_position") if getattr(c, f"load_{k}")]
+            say(f"hf3d: resumed from {resume_from} at step {start} (restored: {', '.join(parts) or 'weights only'})")
+    if trackers:
         flat = {
             f"{sec}.{k}": v if isinstance(v, int | float | str | bool) else str(v)
             for sec, d in cfg.to_dict().items()
             for k, v in d.items()
         }
         acc.init_trackers("hf3d", config=flat)
-    ckpt_root = out / "checkpoints"
-    resume_from = resolve_resume(cfg.checkpoint.resume, ckpt_root)
-    start = 0
-    if resume_from is not None:
-        state = {}
-        start = load_checkpoint(resume_from, pmodel, opt, extra=state)
-        if "data_position" in state:
-            batches.position, batches.epoch = state["data_position"], state["data_epoch"]
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        p = cfg.parallel
-        print(f"hf3d: mesh pp={p.pp} dp={p.dp} tp={p.tp}; {rows.shape[0]} rows of {cfg.data.seq_len} tokens")
-        if resume_from is not None:
-            print(f"hf3d: resumed from {resume_from} at step {start}")
+
     metrics = MetricsWriter(out, enabled=rank0, resume_step=start if resume_from is not None else None)
-    tokens_per_step = cfg.run.global_batch * cfg.data.seq_len
-    peak = device_peak_flops()
+    world, peak = dist.get_world_size(), device_peak_flops()
     fpt = flops_per_token(pmodel.config, cfg.data.seq_len)
+    tokens_per_step = r.global_batch * cfg.data.seq_len
+    eval_batches = pipe.eval_batches()
     record: dict = {}
-    every = cfg.checkpoint.every
-    bar = tqdm(range(start, cfg.run.steps), disable=not rank0, desc="train", dynamic_ncols=True)
+    saved_to = None
+    bar = tqdm(total=r.steps, initial=start, disable=not rank0, desc="train", unit="step", dynamic_ncols=True)
     stop = StopSignal(pmodel.device)
-    for step in bar:
-        lr = lr_at(step, o, cfg.run.steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
+    health = StepHealth(r, skipped=int(saved.get("skipped_steps", 0)) if start else 0)
+    for step in range(start, r.steps):
+        state.step = step + 1
+        lr = opt.param_groups[0]["lr"]
         t0 = time.perf_counter()
-        ids = next(batches)
-        loss = pmodel.train_step(ids, ids)
+        batch = pipe.next_batch(step)
+        data_s = time.perf_counter() - t0
+        loss = pmodel.train_step(
+            batch["input_ids"],
+            shift_labels=batch["shift_labels"],
+            position_ids=batch["position_ids"],
+            z_loss=o.z_loss,
+        )
         grad_norm = opt.step()
+        sched.step()
         opt.zero_grad()
         elapsed = time.perf_counter() - t0
+        warning = health.check(step + 1, loss.item(), grad_norm.item(), opt)
+        if warning and rank0:
+            say(f"hf3d: {warning}")
+        consumed = pipe.consumed_tokens
         record = {
             "step": step + 1,
             "loss": loss.item(),
             "lr": lr,
             "grad_norm": grad_norm.item(),
-            "tokens": tokens_per_step * (step + 1),
-            "tokens_per_sec": tokens_per_step / elapsed,
+            "tokens": sum(consumed.values()),
+            "consumed_tokens": sum(consumed.values()),
+            **{f"consumed_tokens/{name}": n for name, n in consumed.items()},
+            **throughput_metrics(tokens_per_step, elapsed, world, fpt, peak),
             "step_time_s": elapsed,
+            "data_time_pct": 100.0 * data_s / elapsed,
             "peak_mem_bytes": peak_memory_bytes(),
             "skipped": opt.last_step_skipped,
+            "skipped_steps": health.skipped,
         }
-        if peak:
-            record["mfu"] = fpt * tokens_per_step / elapsed / (peak * dist.get_world_size())
+        if o.z_loss:
+            record["z_loss"] = float(pmodel.last_z_loss)
+        if len(pipe.stage_starts) > 1:
+            record["stage"] = pipe.stage_index(step)
+        if eval_batches and ((step + 1) % pipe.eval_every == 0 or step + 1 == r.steps):
+            record["eval_loss"] = evaluate(pmodel, eval_batches)
+            record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
         signum = stop.agreed()
-        if signum or (every and ((step + 1) % every == 0 or step + 1 == cfg.run.steps)):
-            t0 = time.perf_counter()
-            extra = {"data_position": batches.position, "data_epoch": batches.epoch, "tokens": record["tokens"]}
-            saved = save_checkpoint(ckpt_root / f"step_{step + 1}", pmodel, opt, step=step + 1, extra=extra)
+        metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
+        if signum or (c.every and ((step + 1) % c.every == 0 or step + 1 == r.steps)):
+            t1 = time.perf_counter()
+            extra = {"scheduler": sched, "data": pipe, "tokens": record["tokens"], "skipped_steps": health.skipped}
+            saved_to = save_checkpoint(
+                out / "checkpoints" / f"step_{step + 1}", pmodel, opt, step=step + 1, extra=extra
+            )
+            on_rank0(lambda: finish_save(out / "checkpoints", c.keep_last))
             if rank0:
-                finish_save(ckpt_root, cfg.checkpoint.keep_last)
-            record["checkpoint_s"] = time.perf_counter() - t0
-            if rank0:
-                bar.write(f"hf3d: saved {saved} in {record['checkpoint_s']:.2f} s")
-        metrics.write(record)
+                say(f"hf3d: saved {saved_to} in {time.perf_counter() - t1:.2f} s")
         if signum:
             code = 128 + signum
             if rank0:
-                bar.write(
-                    f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {saved} "
+                say(
+                    f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {saved_to} "
                     f"(checkpoint.resume=auto); exit code {code}"
                 )
             raise SystemExit(code)
-        if cfg.run.report_to:
+        if trackers:
             acc.log(record, step=step + 1)
         if step == start:  # optimizer state exists from the first step on
-            _report_memory(opt, out, rank0)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_sec']:.0f}")
-        if rank0 and (step + 1) % cfg.run.log_every == 0:
-            bar.write(f"step {step + 1}: loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} lr {lr:.2e}")
+            _report_memory(opt, out, rank0, say)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        bar.update(1)
+        if rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record):
+            say(_log_line(record, r.steps))
+    bar.close()
     for tracker in acc.trackers:  # not acc.end_training(): it would also end torch.distributed
         tracker.finish()
-    if cfg.run.save_final:
-        final = out / "final"
-        pmodel.save_pretrained(final)
-        if rank0:
-            _write_summary(cfg, final, metrics.path, record)
-            print(f"hf3d: wrote {final} (load it with AutoModelForCausalLM.from_pretrained)")
-        if cfg.export.push_to_hub:
-            _push_final(cfg, final)
+    _finish(cfg, pmodel, out, metrics.path, record, rank0)
     return record
+
+
+def _log_line(record: dict, steps: int) -> str:
+    line = (
+        f"step {record['step']}/{steps}: loss {record['loss']:.4f} lr {record['lr']:.2e} "
+        f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_sec']:.0f}"
+    )
+    if "eval_loss" in record:
+        line += f" eval_loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
+    return line
+
+
+def _finish(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: dict, rank0: bool) -> None:
+    """The loss curve, the HF export with its record and card inputs, a sample, and the Hub upload."""
+    from tqdm.auto import tqdm
+
+    from .plots import plot_loss_curve
+
+    curve = None
+    if rank0:
+        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name)
+        tqdm.write(f"hf3d: loss curve {curve}" if curve else "hf3d: no loss curve (pip install matplotlib)")
+    if not cfg.run.save_final:
+        return
+    final = out / "final"
+    pmodel.save_pretrained(final)
+    if rank0:
+        if curve:
+            shutil.copy2(curve, final / curve.name)
+        _write_summary(cfg, final, metrics_path, last)
+        tqdm.write(f"hf3d: wrote {final} (load it with AutoModelForCausalLM.from_pretrained)")
+        if cfg.run.sample_prompt:
+            text = _sample(final, cfg.run.sample_prompt)
+            (out / "sample.txt").write_text(text + "\n")
+            tqdm.write(f"hf3d: sample from {final}:\n{text}")
+    if cfg.export.push_to_hub:
+        _push_final(cfg, final)
+
+
+def _sample(model_dir: Path, prompt: str, max_new_tokens: int = 48) -> str:
+    """A short sample of the exported model, through stock transformers (what a user of the export gets)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.random.fork_rng(devices=[]):  # the same sample for the same weights; the run's RNG untouched
+        torch.manual_seed(0)
+        out = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=50, pad_token_id=tok.eos_token_id
+        )
+    text = tok.decode(out[0], skip_special_tokens=True)
+    return text
+
+
+class StepHealth:
+    """Non-finite steps and loss spikes. A step whose gradient norm is inf/NaN was already left out by
+    the optimizer (no update); here it is counted, explained (the first parameter whose gradient was
+    non-finite), and turned into a stop by run.on_nonfinite=stop or after run.max_consecutive_skips in
+    a row. A loss above spike_factor x the recent mean gets a warning line. Every rank decides alike:
+    the loss and the norm are global values."""
+
+    WINDOW = 50
+
+    def __init__(self, run: RunConfig, skipped: int = 0):
+        self.run, self.skipped, self.in_a_row = run, skipped, 0
+        self.recent: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+
+    def check(self, step: int, loss: float, grad_norm: float, opt) -> str | None:
+        """A warning line, None, or a ValueError that stops the run (the last checkpoint stays)."""
+        if opt.last_step_skipped:
+            self.skipped += 1
+            self.in_a_row += 1
+            names = opt.nonfinite_parameters()  # collective: every rank skipped this step
+            where = (
+                f"first parameter with a non-finite gradient: {names[0]}"
+                if names
+                else "every gradient is finite, their norm overflowed"
+            )
+            what = f"step {step}: loss {loss:.6g}, grad norm {grad_norm:.6g} ({where})"
+            if self.run.on_nonfinite == "stop":
+                raise ValueError(
+                    f"non-finite {what}; stopped by run.on_nonfinite=stop. Resume from the last checkpoint "
+                    "with a lower optim.lr, or set run.on_nonfinite=skip"
+                )
+            if self.in_a_row >= self.run.max_consecutive_skips:
+                raise ValueError(
+                    f"{self.in_a_row} steps in a row had a non-finite gradient, the last {what}: the run diverges. "
+                    "Resume from the last checkpoint with a lower optim.lr (or raise run.max_consecutive_skips)"
+                )
+            return f"warning: non-finite {what}: update skipped ({self.skipped} skipped so far)"
+        self.in_a_row = 0
+        warning = None
+        if self.run.spike_factor and len(self.recent) >= 10 and math.isfinite(loss):
+            mean = sum(self.recent) / len(self.recent)
+            if loss > self.run.spike_factor * mean:
+                warning = (
+                    f"warning: loss spike at step {step}: {loss:.4f} > {self.run.spike_factor:g} x the mean of "
+                    f"the previous {len(self.recent)} steps ({mean:.4f})"
+                )
+        if math.isfinite(loss):
+            self.recent.append(loss)
+        return warning
 
 
 class StopSignal:
@@ -368,25 +418,32 @@ def _write_summary(cfg: TrainConfig, final: Path, metrics_path: Path, last: dict
     """The run's record next to the exported weights (hf3d_training.json): the model card is made from it."""
     from .hub import SUMMARY_FILE
 
-    curve = [[r["step"], r["loss"]] for r in map(json.loads, metrics_path.read_text().splitlines())]
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    curve = [[rec["step"], rec["loss"]] for rec in records]
+    evals = [rec["eval_loss"] for rec in records if "eval_loss" in rec]
     model_path = cfg.model.path
     from_hub = not Path(model_path).exists() and model_path.count("/") == 1
+    sources = sorted({s.label for stage in cfg.data.resolved_stages() for s in stage.sources})
+    hyper = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if k != "bucket_size"}
     summary = {
         "base_model": model_path if from_hub else None,
-        "datasets": [cfg.data.path],
+        "datasets": sources,
         "license": cfg.export.license,
         "hyperparameters": {
-            **{k: v for k, v in dataclasses.asdict(cfg.optim).items() if k != "bucket_size"},
+            **hyper,
             "steps": cfg.run.steps,
             "global_batch": cfg.run.global_batch,
             "seq_len": cfg.data.seq_len,
+            "document_masking": cfg.data.document_masking,
             "dtype": cfg.model.dtype,
         },
         "parallel": {k: getattr(cfg.parallel, k) for k in ("tp", "pp", "dp", "pp_schedule", "num_microbatches")},
-        "tokens_seen": curve[-1][0] * cfg.run.global_batch * cfg.data.seq_len if curve else 0,
+        "tokens_seen": records[-1].get("consumed_tokens", 0) if records else 0,
         "final_loss": curve[-1][1] if curve else last.get("loss"),
         "loss_curve": curve,
     }
+    if evals:
+        summary["final_eval_loss"] = evals[-1]
     (final / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
 
 

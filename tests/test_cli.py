@@ -51,11 +51,11 @@ def test_bad_config_is_one_clear_error_and_nonzero_exit(tmp_path):
     )
     assert proc.returncode == 1
     assert proc.stderr.count("hf3d train: error:") == 1
-    assert "Valid tp values: 1, 2" in proc.stderr
+    assert "world size 1 is not tp·pp·dp = 4·1·?" in proc.stderr
     assert not (tmp_path / "x" / "final").exists()
 
     proc = _run(["train", "--set", "parallel.nope=1"], tmp_path)
-    assert proc.returncode == 1 and "unknown key(s) nope in section 'parallel'" in proc.stderr
+    assert proc.returncode == 1 and "unknown key 'nope' in parallel; known keys: tp, pp" in proc.stderr
 
     proc = _run(["train", "missing.yaml"], tmp_path)
     assert proc.returncode == 1 and "config file 'missing.yaml' does not exist" in proc.stderr

@@ -1,0 +1,125 @@
+"""YAML values -> the config dataclasses, checked against each field's type hint.
+
+Every config section is a small dataclass; `build_section` fills one from a dict and refuses what
+it cannot take with one line naming the key, where it is, and what to write instead: an unknown key
+gets the nearest known name, a value of the wrong type names the type expected. Nested dataclasses
+and lists of them (data.stages[i].sources[j]) are built the same way, with their path in the message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Union
+
+_NONE = type(None)
+
+
+def build_section(cls, values: dict | None, where: str):
+    """An instance of dataclass `cls` from `values` (a YAML mapping); `where` names it in messages."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{where} must be a mapping of key: value, got {_describe(values)}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in values:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(f"unknown key {key!r} in {where}; {hint}known keys: {', '.join(fields)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {key: coerce(value, hints[key], f"{where}.{key}") for key, value in values.items()}
+    return cls(**kwargs)
+
+
+def coerce(value: Any, hint, where: str):
+    """`value` as type `hint`, or a ValueError naming `where`. Numbers written as strings (YAML reads
+    `3e-4` without a dot as a string) are taken as numbers; an int is taken where a float is expected."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and _NONE in options:
+            return None
+        errors = []
+        for option in options:
+            if option is _NONE:
+                continue
+            try:
+                return coerce(value, option, where)
+            except ValueError as e:
+                errors.append(e)
+        raise ValueError(f"{where} must be {_type_name(hint)}, got {_describe(value)}")
+    if dataclasses.is_dataclass(hint):
+        return build_section(hint, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ValueError(
+                f"{where} must be a list of {_type_name(typing.get_args(hint)[0])}, got {_describe(value)}"
+            )
+        args = typing.get_args(hint)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise ValueError(f"{where} must be a list of {len(args)} values, got {len(value)}")
+            return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        items = [coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping, got {_describe(value)}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{where} must be true or false, got {_describe(value)}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{where} must be an integer, got {_describe(value)}")
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be a number, got {_describe(value)}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where} must be a string, got {_describe(value)}")
+    return value
+
+
+def _type_name(hint) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        names = [_type_name(a) for a in typing.get_args(hint) if a is not _NONE]
+        none = _NONE in typing.get_args(hint)
+        return " or ".join(names) + (" (or null)" if none else "")
+    if origin in (list, tuple):
+        return "a list"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"

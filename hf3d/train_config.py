@@ -1,0 +1,302 @@
+"""The `hf3d train` YAML: one small dataclass per section, each validated where it is built.
+
+    model        which stock HF model, its dtype and attention, long-context overrides
+    data         sources, stages and mixtures, packing, document masking, eval split (hf3d/data)
+    parallel     tp / pp / dp, schedule, micro-batches, recompute (hf3d.ParallelConfig)
+    optim        AdamW, weight decay, clipping, z-loss, and the lr schedule (hf3d/schedules.py)
+    run          steps, batch, output dir, logging, trackers
+    checkpoint   how often to save, what to keep, what to resume and which parts of it
+    export       the final HF directory's Hub upload
+
+Checks that need more than one section (batch vs dp and micro-batches, seq_len vs the model's
+positions, data stages vs the run and its lr decay) live in `check_run`, which runs before anything
+is loaded or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from .config import ParallelConfig
+from .configfile import build_section
+from .data import DataConfig
+from .schedules import ScheduleConfig, decay_start_step, describe_schedule
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    """Which stock HF model to train."""
+
+    path: str = "examples/models/tiny-smollm"
+    """HF directory, Hub id, or hf3d checkpoint (its weights only; `hf3d convert from-hf` makes one).
+    A directory with config.json but no weights starts from scratch."""
+    dtype: str = "float32"
+    """Parameter/activation dtype: float32 or bfloat16 (fp32 master weights either way)."""
+    attn_implementation: str = "sdpa"
+    """sdpa, eager, flex_attention, or flash_attention_2 (when installed)."""
+    init_seed: int = 0
+    """Seed of the from-scratch initialisation."""
+    rope_theta: float | None = None
+    """Override the RoPE base (long-context continued pretraining); written into the exported config."""
+    rope_scaling: dict | None = None
+    """Override the RoPE scaling, e.g. {rope_type: linear, factor: 2.0}; written into the exported config."""
+    max_position_embeddings: int | None = None
+    """Override the model's maximum sequence length; written into the exported config."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    def overrides(self) -> dict:
+        keys = ("rope_theta", "rope_scaling", "max_position_embeddings")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+@dataclass
+class OptimConfig(ScheduleConfig):
+    """AdamW (fp32 state, ZeRO-1 sharded over dp) and its learning-rate schedule."""
+
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    bucket_size: int = 2**22
+    """Elements per gradient bucket (data-parallel communication unit)."""
+    exclude_from_weight_decay: bool | list[str] = True
+    """true: no decay for norms, biases and embeddings; false: decay everything; or a list of name
+    patterns (fnmatch, e.g. ["*norm*", "*.bias", "model.embed_tokens.*"]) matched against parameter
+    names (the HF names; fused projections are named qkv_proj / gate_up_proj)."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss (PaLM): z · mean log²(sum of exp of the logits); 0 turns it off. The
+    logged loss stays the cross-entropy."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.betas = tuple(self.betas)
+        if self.z_loss < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("optim.z_loss, optim.weight_decay and optim.max_grad_norm must be >= 0")
+
+    def no_decay_rule(self):
+        """What build_optimizer takes for exclude_from_weight_decay."""
+        if isinstance(self.exclude_from_weight_decay, bool):
+            return self.exclude_from_weight_decay
+        patterns = list(self.exclude_from_weight_decay)
+        return lambda name, param: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+@dataclass
+class RunConfig:
+    """The loop itself."""
+
+    steps: int = 200
+    """Optimizer steps of the whole run (a resumed run stops at the same step)."""
+    global_batch: int = 16
+    """Rows per optimizer step over all dp ranks (each row is data.seq_len tokens)."""
+    output_dir: str = "outputs/tiny-smollm"
+    log_every: int = 10
+    """Steps between log lines (the progress bar updates every step)."""
+    seed: int = 0
+    """Seed of dropout and any other randomness in the step (the data order has data.seed)."""
+    save_final: bool = True
+    """Write an HF directory to <output_dir>/final at the end."""
+    sample_prompt: str | None = None
+    """When set, the final model writes a short sample from this prompt into the log and the output dir."""
+    report_to: list[str] = field(default_factory=list)
+    """Experiment trackers accelerate logs every step to (tensorboard, trackio, wandb, ... or all),
+    under <output_dir>; the ones not installed are named in one warning and skipped. metrics.jsonl
+    is written either way."""
+    collective_timeout_s: float = 600.0
+    """How long a rank waits in a collective for a peer before failing (a hung or dead peer)."""
+    on_nonfinite: str = "skip"
+    """A step whose loss or gradient norm is inf/NaN: skip (no update, counted as skipped_steps in
+    metrics.jsonl) or stop (at once, naming the step and the first parameter with a non-finite gradient)."""
+    max_consecutive_skips: int = 5
+    """Stop when this many steps in a row were skipped (the run is diverging, not hiccuping)."""
+    spike_factor: float = 3.0
+    """Warn in the log when a step's loss exceeds this many times the mean of the previous 50 steps'
+    (a warning, not a stop); 0 turns it off."""
+    deterministic: bool = False
+    """Deterministic kernels only (torch.use_deterministic_algorithms): bit-reproducible runs for a
+    seed, at some speed cost on GPU. CPU fp32 runs are bit-reproducible either way."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.global_batch < 1:
+            raise ValueError("run.steps and run.global_batch must be positive")
+        if self.log_every < 1:
+            raise ValueError(f"run.log_every must be >= 1, got {self.log_every}")
+        if self.on_nonfinite not in ("skip", "stop"):
+            raise ValueError(f"run.on_nonfinite must be skip or stop, got {self.on_nonfinite!r}")
+        if self.max_consecutive_skips < 1 or self.spike_factor < 0:
+            raise ValueError("run.max_consecutive_skips must be >= 1 and run.spike_factor >= 0 (0: off)")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"run.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+
+
+@dataclass
+class CheckpointConfig:
+    """Training checkpoints under <output_dir>/checkpoints/step_<N>/ (any mesh can resume them).
+
+    Initialising from HF weights (model.path) is separate from resuming: a resume restores what the
+    four load_* switches say. Continued pretraining from another run's checkpoint with a fresh
+    optimizer and a re-warmed lr: resume: PATH, load_optimizer/load_scheduler/load_step/
+    load_data_position: false (or give the checkpoint as model.path, which loads its weights only)."""
+
+    every: int = 100
+    """Steps between checkpoints; 0 turns checkpointing off. The last step is always saved (when on)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after each save. 0 keeps all."""
+    resume: str = "auto"
+    """auto: the newest complete checkpoint of this output_dir, or a fresh start when there is none;
+    none: always start fresh; or a path to a step_<N> folder or to a checkpoints folder."""
+    load_optimizer: bool = True
+    """Restore the AdamW moments (and fp32 masters) of the checkpoint resumed."""
+    load_scheduler: bool = True
+    """Restore the lr schedule's position; false restarts it (warm-up again) over the steps left."""
+    load_step: bool = True
+    """Restore the step counter; false counts from 0 again (run.steps more steps)."""
+    load_data_position: bool = True
+    """Restore where each data source was (and the tokens consumed); false starts the data over."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be a number of steps >= 0, got {self.every!r}")
+        if self.keep_last < 0:
+            raise ValueError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last!r}")
+
+
+@dataclass
+class ExportConfig:
+    """What happens to the final HF directory (<output_dir>/final, written when run.save_final)."""
+
+    push_to_hub: str | None = None
+    """A Hub repo id (NAMESPACE/NAME) to upload the final directory to, with a model card; the token
+    comes from HF_TOKEN or `hf auth login`."""
+    private: bool = False
+    """Create the Hub repo private."""
+    license: str = "apache-2.0"
+    """License named in the model card."""
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def __post_init__(self) -> None:
+        if self.export.push_to_hub and not self.run.save_final:
+            raise ValueError("export.push_to_hub needs run.save_final=true (the final directory is what is pushed)")
+
+    @classmethod
+    def from_yaml(cls, path: str | None, overrides: list[str] = ()) -> TrainConfig:
+        raw = {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ValueError(f"config file {path!r} does not exist")
+            try:
+                raw = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ValueError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"config file {path!r} must be a mapping of sections (model:, data:, ...)")
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or "." not in key:
+                raise ValueError(f"--set expects section.key=value, got {item!r}")
+            *parents, name = key.split(".")
+            target = raw
+            for part in parents:  # data.eval.every: nested sections
+                target = target.setdefault(part, {})
+                if not isinstance(target, dict):
+                    raise ValueError(f"--set {item!r}: {part!r} is not a mapping in the config file")
+            target[name] = yaml.safe_load(value)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        built = {}
+        for section, values in raw.items():
+            if section not in fields:
+                import difflib
+
+                near = difflib.get_close_matches(str(section), list(fields), n=1, cutoff=0.5)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise ValueError(f"unknown config section {section!r}; {hint}sections: {', '.join(fields)}")
+            sub_cls = type(fields[section].default_factory())
+            try:
+                built[section] = build_section(sub_cls, values, section)
+            except ValueError as e:  # messages of classes used outside YAML name the YAML key here
+                msg = str(e).replace(f"{sub_cls.__name__}.", f"{section}.")
+                raise ValueError(msg.replace("unknown pp_schedule", "unknown parallel.pp_schedule")) from None
+        if "parallel" not in built:
+            built["parallel"] = ParallelConfig(tp=2)
+        return cls(**built)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
+    """Checks across sections, before anything is loaded or written; returns the derived values to
+    print at start (tokens per step and in all, the lr decay window, data stages against it)."""
+    p, r = cfg.parallel, cfg.run
+    tp_pp = p.tp * p.pp
+    if world_size % tp_pp or (p.dp is not None and p.dp * tp_pp != world_size):
+        dp = "dp" if p.dp is None else f"dp={p.dp}"
+        raise ValueError(
+            f"world size {world_size} is not tp·pp·{dp} = {p.tp}·{p.pp}·{p.dp or '?'}: launch tp·pp·dp processes "
+            f"(e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change parallel.tp/pp/dp"
+        )
+    dp = world_size // tp_pp
+    m = p.num_microbatches
+    if r.global_batch % (dp * m):
+        raise ValueError(
+            f"run.global_batch={r.global_batch} is not divisible by dp·num_microbatches = {dp}·{m} = {dp * m}: "
+            f"use a multiple of {dp * m}"
+        )
+    seq, max_pos = cfg.data.seq_len, cfg.model.max_position_embeddings or model_config.max_position_embeddings
+    if max_pos is not None and seq > max_pos:
+        raise ValueError(
+            f"data.seq_len={seq} is longer than the model's max_position_embeddings={max_pos}: shorten "
+            "data.seq_len, or raise model.max_position_embeddings (with model.rope_scaling/rope_theta for RoPE)"
+        )
+    tokens = r.global_batch * seq
+    lines = [
+        f"tokens per step: {tokens:,} ({r.global_batch} rows of {seq} over dp={dp}, {m} micro-batches of "
+        f"{r.global_batch // dp // m} rows per rank); tokens in all: {tokens * r.steps:,} over {r.steps} steps"
+    ]
+    lines += describe_schedule(cfg.optim, r.steps)
+    decay = decay_start_step(cfg.optim, r.steps)
+    for start, name in stage_starts(cfg.data):
+        if start >= r.steps:
+            raise ValueError(
+                f"data stage {name!r} starts at step {start}, at or after the run's last step ({r.steps}): "
+                "move its start_step before run.steps or remove the stage"
+            )
+        if start == 0:
+            continue
+        if decay is None or cfg.optim.schedule != "wsd":
+            where = ""
+        elif start == decay:
+            where = " = the lr decay start"
+        else:
+            where = (
+                f" — {abs(start - decay)} steps {'after' if start > decay else 'before'} the lr decay start ({decay})"
+            )
+        lines.append(f"data stage {name!r} starts at step {start}{where}")
+    return lines
+
+
+def stage_starts(data: DataConfig) -> list[tuple[int, str]]:
+    return [(s.start_step, s.name) for s in data.resolved_stages()]

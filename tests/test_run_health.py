@@ -1,0 +1,157 @@
+"""Non-finite steps (skip, count, explain, stop), loss-spike warnings and deterministic runs of `hf3d train`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from hf3d.train_config import RunConfig  # noqa: E402
+from hf3d.trainer import StepHealth  # noqa: E402
+
+ONE_PROCESS = [
+    "parallel.tp=1",
+    "parallel.num_microbatches=1",
+    "run.global_batch=4",
+    "data.seq_len=32",
+    "data.eval.every=0",
+    "optim.warmup_steps=1",
+    "run.sample_prompt=null",
+    "run.log_every=1",
+]
+
+
+def _train(out: Path, *settings: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hf3d", "train", "examples/configs/tiny-smollm.yaml", "--set", *ONE_PROCESS]
+    cmd += [*settings, f"run.output_dir={out}"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_diverging_run_skips_counts_and_stops_after_k_in_a_row(tmp_path):
+    """lr=1e30: after step 1's update the gradients are so large that their squared norm overflows; steps
+    2..4 are skipped (weights untouched) and the third skip in a row stops the run with one line."""
+    out = tmp_path / "run"
+    proc = _train(
+        out,
+        "optim.lr=1e30",
+        "optim.max_grad_norm=0",
+        "run.steps=10",
+        "run.max_consecutive_skips=3",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=0",
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "hf3d train" in line and "failed" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "3 steps in a row had a non-finite gradient" in errors[0] and "step 4" in errors[0]
+    assert "every gradient is finite, their norm overflowed" in errors[0]
+    assert "lower optim.lr" in errors[0]
+    records = _records(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["skipped"] for r in records] == [False, True, True]
+    assert [r["skipped_steps"] for r in records] == [0, 1, 2]
+    assert "update skipped" in proc.stdout
+    assert not (out / "final").exists()  # nothing that looks like a finished run
+    assert (out / "checkpoints" / "step_3" / "hf3d_checkpoint.json").is_file()  # the last good save stays
+
+
+def test_on_nonfinite_stop_stops_at_the_first_bad_step(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(
+        out, "optim.lr=1e30", "optim.max_grad_norm=0", "run.steps=10", "run.on_nonfinite=stop", "checkpoint.every=0"
+    )
+    assert proc.returncode == 1
+    assert "non-finite step 2: loss" in proc.stderr and "run.on_nonfinite=stop" in proc.stderr
+    assert [r["step"] for r in _records(out)] == [1]
+
+
+class _Opt(SimpleNamespace):
+    last_step_skipped = False
+
+
+def test_loss_spike_is_a_warning_not_a_stop():
+    health = StepHealth(RunConfig(spike_factor=3.0))
+    opt = _Opt()
+    assert all(health.check(step, 2.0, 1.0, opt) is None for step in range(1, 21))
+    warning = health.check(21, 6.5, 1.0, opt)
+    assert warning and "loss spike at step 21: 6.5000 > 3 x the mean of the previous 20 steps (2.0000)" in warning
+    assert health.check(22, 5.9, 1.0, opt) is None  # below 3x the mean, which now includes the spike
+    assert StepHealth(RunConfig(spike_factor=0)).check(1, 1e9, 1.0, opt) is None
+
+
+@pytest.mark.parametrize(
+    "bad, words",
+    [
+        ("run.on_nonfinite=ignore", "run.on_nonfinite must be skip or stop"),
+        ("run.max_consecutive_skips=0", "run.max_consecutive_skips must be >= 1"),
+    ],
+)
+def test_bad_health_settings(bad, words, tmp_path):
+    proc = _train(tmp_path / "x", bad)
+    assert proc.returncode == 1 and words in proc.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_deterministic_runs_are_bit_identical(tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        proc = _train(out, "run.steps=4", "run.deterministic=true", "checkpoint.every=0")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(out)
+    a, b = (_records(out) for out in runs)
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in a] == [(r["loss"], r["grad_norm"], r["lr"]) for r in b]
+    assert (runs[0] / "final" / "model.safetensors").read_bytes() == (
+        runs[1] / "final" / "model.safetensors"
+    ).read_bytes()
+
+
+def _poisoned_step(tmp: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from dist import report, start_watchdog
+    from models import make_model_dir
+
+    import hf3d
+
+    start_watchdog(120)
+    model_dir = Path(tmp) / "model"
+    if dist.get_rank() == 0:
+        make_model_dir(model_dir, "llama")
+    dist.barrier()
+    pmodel = hf3d.parallelize(model_dir, hf3d.ParallelConfig(tp=2))
+    opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3)
+    before = {n: p.detach().clone() for n, p in pmodel.unique_parameters()}
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    pmodel.train_step(ids, ids)
+    opt.finish_grad_sync()
+    if dist.get_rank() == 1:  # one rank's gradient of one layer's MLP goes bad
+        p = dict(pmodel.unique_parameters())["model.layers.1.mlp.down_proj.weight"]
+        _, master, lo, hi = next(m for m in opt._masters if m[0] is p)
+        opt.main_grad[lo + 3] = float("nan")
+    opt.step()
+    names = opt.nonfinite_parameters()
+    unchanged = all(torch.equal(p, before[n]) for n, p in pmodel.unique_parameters())
+    report({"skipped": opt.last_step_skipped, "names": names, "unchanged": unchanged}, Path(tmp) / "res.pt")
+
+
+def test_nonfinite_gradient_on_one_rank_skips_everywhere_and_is_named(tmp_path):
+    import torch
+    from dist import spawn
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    spawn(_poisoned_step, 2, str(tmp_path))
+    for res in torch.load(tmp_path / "res.pt"):
+        assert res == {"skipped": True, "names": ["model.layers.1.mlp.down_proj.weight"], "unchanged": True}

@@ -1,0 +1,230 @@
+"""`hf3d train` end to end on 4 gloo processes (tp=2 x pp=2): the loss falls, evaluation runs, checkpoints
+are written, and a run resumed from a middle checkpoint trains the same steps to the same numbers. Also the
+launch through `accelerate launch` with the shipped CPU config file, and the outputs a user looks at
+(progress bar, log lines, resolved config, loss curve, sample, model card inputs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "examples/configs/tiny-smollm.yaml"
+STEPS = 12
+SETTINGS = [
+    f"run.steps={STEPS}",
+    "run.global_batch=8",
+    "run.log_every=4",
+    "data.seq_len=32",
+    "data.eval.every=6",
+    "data.eval.batches=1",
+    "optim.warmup_steps=2",
+    "checkpoint.every=4",
+    "checkpoint.keep_last=0",
+    "parallel.tp=2",
+    "parallel.pp=2",
+    "parallel.num_microbatches=2",
+]
+
+
+def _torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
+
+
+def _train(launcher: list[str], out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [*launcher, "-m", "hf3d", "train", CONFIG, "--set", *SETTINGS, f"run.output_dir={out}", *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("e2e")
+    full = _train(_torchrun(4), base / "full")
+    resumed = _train(_torchrun(4), base / "resumed", f"checkpoint.resume={base / 'full' / 'checkpoints' / 'step_8'}")
+    return base, full, resumed
+
+
+def test_tp2_pp2_loss_falls_eval_runs_and_checkpoints_are_written(runs):
+    base, proc, _ = runs
+    out = base / "full"
+    records = _records(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert records[-1]["loss"] < records[0]["loss"] - 0.5, [r["loss"] for r in records]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    assert [s for s, _ in evals] == [6, 12]
+    assert evals[1][1] < evals[0][1]
+    for key in (
+        "lr",
+        "grad_norm",
+        "tokens_per_sec",
+        "tokens_per_sec_per_device",
+        "tflops",
+        "consumed_tokens",
+        "peak_mem_bytes",
+        "data_time_pct",
+    ):
+        assert all(key in r for r in records), key
+    assert records[-1]["consumed_tokens"] == STEPS * 8 * 32
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == [
+        "step_12",
+        "step_4",
+        "step_8",
+    ]
+    # what the user sees: the resolved config once, the derived values, log lines, the curve, the export
+    assert proc.stdout.count("hf3d: resolved config") == 1
+    assert "tokens per step: 256" in proc.stdout
+    assert f"step 12/{STEPS}: loss" in proc.stdout and "eval_loss" in proc.stdout
+    assert (out / "config.yaml").is_file() and (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    final = out / "final"
+    assert (final / "loss_curve.png").is_file()
+    summary = json.loads((final / "hf3d_training.json").read_text())
+    assert summary["final_eval_loss"] == evals[-1][1] and summary["datasets"] == ["shakespeare"]
+    assert (out / "sample.txt").read_text().startswith("ROMEO:")
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_resume_from_a_middle_checkpoint_trains_the_same_steps(runs):
+    base, _, proc = runs
+    full, resumed = _records(base / "full"), _records(base / "resumed")
+    assert [r["step"] for r in resumed] == [9, 10, 11, 12]
+    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    for a, b in zip(full[8:], resumed):  # the same mesh: bit for bit
+        for key in ("loss", "lr", "grad_norm", "consumed_tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert full[-1]["eval_loss"] == resumed[-1]["eval_loss"]
+
+
+def test_init_from_a_checkpoint_is_not_a_resume(runs, tmp_path):
+    """A run that continues another run's checkpoint with every load_* switch off: the weights come from
+    step 8 (at another mesh: one process), but the step counter, the lr schedule (warm-up again), the
+    optimizer state and the data position all start over."""
+    base, _, _ = runs
+    out = tmp_path / "fresh"
+    off = [f"checkpoint.load_{k}=false" for k in ("optimizer", "scheduler", "step", "data_position")]
+    one_process = ["parallel.tp=1", "parallel.pp=1", "parallel.num_microbatches=1", "run.steps=2"]
+    proc = _train(
+        [sys.executable],
+        out,
+        *one_process,
+        *off,
+        "data.eval.every=0",
+        "checkpoint.every=0",
+        "run.sample_prompt=null",
+        f"checkpoint.resume={base / 'full' / 'checkpoints' / 'step_8'}",
+    )
+    assert "restored: weights only" in proc.stdout
+    fresh, full = _records(out), _records(base / "full")
+    assert [r["step"] for r in fresh] == [1, 2]
+    assert fresh[0]["lr"] == full[0]["lr"]  # warm-up again: lr / warmup_steps
+    assert fresh[0]["consumed_tokens"] == 8 * 32  # the data starts over ...
+    assert fresh[0]["consumed_tokens/shakespeare"] == 8 * 32
+    # ... on the first rows of the data order, with step 8's weights: the first batch of the full run,
+    # scored by a model that has trained 8 steps, is far below that run's own first loss
+    assert fresh[0]["loss"] < full[0]["loss"] - 0.5
+
+
+def test_stages_example_config_checks_out():
+    """examples/configs/smollm3-style-stages.yaml: three stages, WSD, the last stage starting where the
+    decay starts (said in the derived values), and a stage moved past the run refused with one line."""
+    from transformers import AutoConfig
+
+    from hf3d.train_config import TrainConfig, check_run
+
+    path = "examples/configs/smollm3-style-stages.yaml"
+    cfg = TrainConfig.from_yaml(str(ROOT / path))
+    model_config = AutoConfig.from_pretrained(ROOT / cfg.model.path)
+    lines = check_run(cfg, world_size=2, model_config=model_config)
+    assert [s.name for s in cfg.data.resolved_stages()] == ["stable-1", "stable-2", "decay"]
+    assert "data stage 'decay' starts at step 180 = the lr decay start" in lines
+    assert any("lr decay (1-sqrt): steps [180, 200)" in line for line in lines)
+    late = TrainConfig.from_yaml(str(ROOT / path), ["run.steps=150"])
+    with pytest.raises(ValueError, match="data stage 'decay' starts at step 180, at or after the run's last step"):
+        check_run(late, world_size=2, model_config=model_config)
+
+
+def test_weight_decay_patterns_pick_the_parameters_without_decay():
+    from hf3d.train_config import OptimConfig
+
+    rule = OptimConfig(exclude_from_weight_decay=["*norm*", "*.bias"]).no_decay_rule()
+    assert rule("model.layers.0.input_layernorm.weight", None) and rule("model.layers.0.self_attn.q_proj.bias", None)
+    assert not rule("model.layers.0.mlp.gate_up_proj.weight", None) and not rule("model.embed_tokens.weight", None)
+    assert OptimConfig(exclude_from_weight_decay=True).no_decay_rule() is True
+
+
+def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/cpu.yaml"]
+    out = tmp_path / "acc"
+    _train(
+        launcher,
+        out,
+        "parallel.pp=1",
+        "run.steps=3",
+        "data.eval.every=0",
+        "checkpoint.every=0",
+        "run.sample_prompt=null",
+    )
+    records = _records(out)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert (out / "final" / "config.json").is_file()
+
+
+def test_smollm2_135m_continued_config_runs_two_steps_on_a_local_random_checkpoint(tmp_path):
+    """The shipped continued-pretraining config, its real shape at tp=3, against a locally saved random
+    checkpoint of that shape (no Hub here): the same config with the model, the data source and the
+    run length pointed at local things, and the sequence shortened to fit a CPU test."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _common import SMOLLM2_135M
+
+    model_dir = tmp_path / "smollm2-135m-random"
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMOLLM2_135M)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer").save_pretrained(model_dir)
+    out = tmp_path / "run"
+    cmd = [
+        *_torchrun(3),
+        "-m",
+        "hf3d",
+        "train",
+        "examples/configs/smollm2-135m-continued.yaml",
+        "--set",
+        f"model.path={model_dir}",
+        "parallel.tp=3",
+        "parallel.num_microbatches=1",
+        "run.steps=2",
+        "run.global_batch=2",
+        "data.seq_len=64",
+        "data.sources=[{path: examples/data/poems.jsonl}]",
+        "data.num_proc=1",
+        "data.eval.every=2",
+        "data.eval.batches=1",
+        "optim.warmup_steps=1",
+        "optim.decay_steps=1",
+        "model.rope_theta=200000",
+        "run.report_to=[]",
+        "run.sample_prompt=null",
+        f"run.output_dir={out}",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    records = _records(out)
+    assert [r["step"] for r in records] == [1, 2] and "eval_loss" in records[-1]
+    assert "z_loss" in records[0] and records[0]["lr"] == 5e-4
+    exported = LlamaConfig.from_pretrained(out / "final")
+    assert (exported.hidden_size, exported.num_hidden_layers, exported.vocab_size) == (576, 30, 49152)
+    assert exported.rope_parameters["rope_theta"] == 200000  # the long-context override reaches the export
