@@ -302,7 +302,8 @@ def _entry(entries: dict[str, _Boxes], key: str, hf_shapes, hf_name: str, dtype:
 
 # -- save / load ----------------------------------------------------------------------------------
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# config fields that decide the shape of the weights: a checkpoint must agree on all of them
+# config fields that decide which weights exist and their shapes: a checkpoint must agree on all of them,
+# and a config override cannot change them while weights are loaded
 SHAPE_FIELDS = (
     "model_type",
     "hidden_size",
@@ -313,6 +314,8 @@ SHAPE_FIELDS = (
     "head_dim",
     "vocab_size",
     "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
 )
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .checkpoint import SHAPE_FIELDS
 from .config import ParallelConfig
 from .hf import SafetensorsSource, StateDictSource, resolve_model_dir
 from .init import InitSource, has_weights
@@ -132,20 +133,6 @@ def parallelize(
     )
 
 
-# config attributes that shape the stored weights: overriding them cannot load a checkpoint
-WEIGHT_SHAPING = (
-    "model_type",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "tie_word_embeddings",
-    "attention_bias",
-    "mlp_bias",
-)
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
@@ -162,7 +149,7 @@ def override_config(config: PretrainedConfig, overrides: dict, *, loading_weight
             f"config_overrides: {', '.join(map(repr, unknown))} {verb} of this {config.model_type!r} "
             f"config; use rope_theta, rope_scaling, rope_parameters or one of: {', '.join(sorted(values))}"
         )
-    shaping = sorted(k for k in overrides if k in WEIGHT_SHAPING and overrides[k] != values.get(k))
+    shaping = sorted(k for k in overrides if k in SHAPE_FIELDS and overrides[k] != values.get(k))
     if shaping and loading_weights:
         raise ValueError(
             f"config_overrides: {', '.join(shaping)} would change the shape of the weights being loaded; "
