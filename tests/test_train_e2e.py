@@ -114,7 +114,7 @@ def test_init_from_a_checkpoint_is_not_a_resume(runs, tmp_path):
     base, _, _ = runs
     out = tmp_path / "fresh"
     off = [f"checkpoint.load_{k}=false" for k in ("optimizer", "scheduler", "step", "data_position")]
-    one_process = ["parallel.tp=1", "parallel.pp=1", "parallel.num_microbatches=1", "run.steps=2"]
+    one_process = ["parallel.tp=1", "parallel.pp=1", "parallel.num_microbatches=1", "run.steps=3"]
     proc = _train(
         [sys.executable],
         out,
@@ -127,7 +127,7 @@ def test_init_from_a_checkpoint_is_not_a_resume(runs, tmp_path):
     )
     assert "restored: weights only" in proc.stdout
     fresh, full = _records(out), _records(base / "full")
-    assert [r["step"] for r in fresh] == [1, 2]
+    assert [r["step"] for r in fresh] == [1, 2, 3]
     assert fresh[0]["lr"] == full[0]["lr"]  # warm-up again: lr / warmup_steps
     assert fresh[0]["consumed_tokens"] == 8 * 32  # the data starts over ...
     assert fresh[0]["consumed_tokens/shakespeare"] == 8 * 32
