@@ -155,3 +155,13 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere_and_is_named(tmp_path):
     spawn(_poisoned_step, 2, str(tmp_path))
     for res in torch.load(tmp_path / "res.pt"):
         assert res == {"skipped": True, "names": ["model.layers.1.mlp.down_proj.weight"], "unchanged": True}
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_touches_nothing(tmp_path):
+    out = tmp_path / "run"
+    settings = ["run.steps=2", "checkpoint.every=1"]
+    assert _train(out, *settings).returncode == 0
+    before = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*"))
+    again = _train(out, *settings)  # resume: auto finds step 2 of 2
+    assert again.returncode == 1 and "already at step 2 of run.steps=2: raise run.steps" in again.stderr
+    assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in out.rglob("*")) == before
