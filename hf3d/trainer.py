@@ -173,12 +173,12 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     for group in opt.param_groups:  # the schedule's peak lr, whatever the checkpoint's groups held
         group["lr"] = o.lr
         group.pop("initial_lr", None)
-    if start >= r.steps:
+    if start > r.steps:
         raise ValueError(
-            f"the run resumed from {resume_from} is already at step {start} of run.steps={r.steps}: raise run.steps "
-            "to train further, or set checkpoint.resume: none to start over"
+            f"the run resumed from {resume_from} is already at step {start}, past run.steps={r.steps}: raise "
+            "run.steps to train further, or set checkpoint.resume: none to start over"
         )
-    sched = build_lr_scheduler(opt, o, r.steps - offset)
+    sched = build_lr_scheduler(opt, o, max(1, r.steps - offset))  # a complete run (start == steps) trains nothing
     if resume_from is not None and c.load_scheduler and "scheduler" in saved:
         sched.load_state_dict(saved["scheduler"])
 
@@ -197,6 +197,8 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         if resume_from is not None:
             parts = [k for k in ("optimizer", "scheduler", "step", "data_position") if getattr(c, f"load_{k}")]
             say(f"hf3d: resumed from {resume_from} at step {start} (restored: {', '.join(parts) or 'weights only'})")
+        if start == r.steps:
+            say(f"hf3d: the run is complete at step {start} (run.steps); writing its final outputs again")
     if trackers:
         flat = {
             f"{sec}.{k}": v if isinstance(v, int | float | str | bool) else str(v)
