@@ -15,8 +15,10 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -277,7 +279,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
                     f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {saved_to} "
                     f"(checkpoint.resume=auto); exit code {code}"
                 )
-            raise SystemExit(code)
+            _leave(code, acc)
         if trackers:
             acc.log(record, step=step + 1)
         if step == start:  # optimizer state exists from the first step on
@@ -291,6 +293,19 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         tracker.finish()
     _finish(cfg, pmodel, out, metrics.path, record, rank0)
     return record
+
+
+def _leave(code: int, acc) -> NoReturn:
+    """End a stopped run at once with `code`, every rank alike, once its checkpoint is saved: trackers
+    closed, output flushed, a last barrier (no rank leaves while a peer still waits on it), then
+    os._exit. No interpreter teardown: with gloo's threads still up, teardown could abort (SIGABRT)
+    and turn the documented exit code into 134."""
+    for tracker in acc.trackers:
+        tracker.finish()
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _log_line(record: dict, steps: int) -> str:
