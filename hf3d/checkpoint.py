@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .faults import is_communication_error
+from .faults import is_communication_error, one_line
 from .layout import get_pieces
 from .mesh import on_rank0
 
@@ -166,7 +166,7 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, CheckpointException):  # DCP: {rank: (exception, traceback)}; the first says it
         rank, (e, _) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
         return f"rank {rank}: {_one_line(e)}"
-    return " ".join(f"{type(e).__name__}: {e}".split())
+    return one_line(e)
 
 
 def _on_every_rank(fn) -> None:

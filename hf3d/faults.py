@@ -125,7 +125,8 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """`Type: message` on one line (whitespace runs collapsed)."""
     text = " ".join(str(e).split())
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
@@ -148,7 +149,7 @@ def fail(e: BaseException, state: RunState, command: str) -> int:
         if state.coords is None and state.step == 0 and isinstance(e, USER_ERRORS):
             print(f"{command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # before any rank started
         else:
-            print(f"{command}: {state.where()}: {_one_line(e)}", file=sys.stderr)
+            print(f"{command}: {state.where()}: {one_line(e)}", file=sys.stderr)
     if not peers:
         return code
     for stream in (sys.stdout, sys.stderr):
