@@ -15,8 +15,10 @@ def _is_main_rank() -> bool:
 
 def _train(args) -> int:
     """Every rank of `hf3d train` ends the same way: 0, or the code of faults.fail (one line for the
-    whole job, no rank left waiting on a dead peer); a signal ends it with 128 + N (trainer.StopSignal)."""
-    from .faults import RunState, die_with_parent, fail, started_by_launcher
+    whole job, no rank left waiting on a dead peer); a signal ends it with 128 + N (trainer.StopSignal).
+    Under a launcher a finished run leaves through faults.leave: no interpreter teardown, which with
+    gloo's threads up could abort and turn 0 into 134."""
+    from .faults import RunState, die_with_parent, fail, leave, started_by_launcher
 
     if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
         die_with_parent()
@@ -30,6 +32,8 @@ def _train(args) -> int:
         train(cfg, state=state)
     except Exception as e:
         return fail(e, state, "hf3d train")
+    if started_by_launcher():
+        leave(0)
     return 0
 
 

@@ -13,6 +13,10 @@ error that stopped the run is printed once, with the rank's mesh coordinates and
   prints; ranks that fail after it (a broken collective, or the same ValueError raised on every rank)
   stay silent. torchrun's own summary names every rank's exit code.
 
+- A finished run. Under a launcher every rank also ends with `os._exit`, once all ranks have
+  arrived (`leave`): interpreter teardown with gloo's threads up can abort ("terminate called
+  without an active exception", SIGABRT) and turn a finished run's 0 into 134.
+
 Exit codes of `hf3d train`: 0 done; 1 this rank raised (a configuration or input error, or a bug);
 2 bad command line; 3 a collective failed (a peer died, or the collective timed out);
 128 + N stopped by signal N after checkpointing (130 SIGINT, 143 SIGTERM).
@@ -25,8 +29,10 @@ import datetime
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -152,6 +158,29 @@ def fail(e: BaseException, state: RunState, command: str) -> int:
             print(f"{command}: {state.where()}: {one_line(e)}", file=sys.stderr)
     if not peers:
         return code
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def store_barrier(name: str, _count=[0]) -> None:  # noqa: B006 - one counter per process: each barrier its own key
+    """Every rank waits until all have arrived, through the rendezvous store: no collective timeout
+    applies, so one rank may work alone (tokenise, export, upload) for as long as it takes."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    _count[0] += 1
+    store = dist.distributed_c10d._get_default_store()
+    key = f"hf3d/barrier/{name}/{_count[0]}"
+    store.add(key, 1)
+    while store.add(key, 0) < dist.get_world_size():
+        time.sleep(0.2)
+
+
+def leave(code: int) -> NoReturn:
+    """End this process now with `code` once every rank has arrived: output flushed, then os._exit,
+    so no interpreter teardown runs with gloo's threads up (it can abort and turn `code` into 134).
+    Files the run wrote are closed by then; nothing else is left to flush."""
+    store_barrier("leave")
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)

@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -25,7 +24,7 @@ import torch.distributed as dist
 import yaml
 
 from .checkpoint import finish_save, is_complete, load_checkpoint, resolve_resume, save_checkpoint
-from .faults import RunState
+from .faults import RunState, leave, store_barrier
 from .mesh import on_rank0
 from .metrics import (
     MetricsWriter,
@@ -89,19 +88,6 @@ def _report_memory(opt, out: Path, rank0: bool, write) -> None:
             write(f"hf3d: rank {r} training state (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rep.items()))
 
 
-def _node_barrier(counter=[0]):  # noqa: B006 - one counter per process: each barrier gets its own key
-    """Every rank waits until all have arrived, through the rendezvous store: no collective timeout
-    applies, so the local main process may tokenise for as long as the data takes."""
-    if dist.get_world_size() == 1:
-        return
-    counter[0] += 1
-    store = dist.distributed_c10d._get_default_store()
-    key = f"hf3d/data_barrier/{counter[0]}"
-    store.add(key, 1)
-    while store.add(key, 0) < dist.get_world_size():
-        time.sleep(0.2)
-
-
 def evaluate(pmodel, batches: list[dict]) -> float:
     """The token-mean cross-entropy over the held-out batches (all dp ranks' rows), on every rank."""
     was_training = pmodel.training
@@ -142,7 +128,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         dp_size=pmodel.dp_size,
         total_steps=cfg.run.steps,
         local_main=int(os.environ.get("LOCAL_RANK", "0")) == 0,
-        barrier=_node_barrier,
+        barrier=lambda: store_barrier("data"),
     )
     o, r, c = cfg.optim, cfg.run, cfg.checkpoint
     opt = build_optimizer(
@@ -297,15 +283,10 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
 
 def _leave(code: int, acc) -> NoReturn:
     """End a stopped run at once with `code`, every rank alike, once its checkpoint is saved: trackers
-    closed, output flushed, a last barrier (no rank leaves while a peer still waits on it), then
-    os._exit. No interpreter teardown: with gloo's threads still up, teardown could abort (SIGABRT)
-    and turn the documented exit code into 134."""
+    closed, then faults.leave (all ranks arrive, output flushed, no interpreter teardown)."""
     for tracker in acc.trackers:
         tracker.finish()
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    leave(code)
 
 
 def _log_line(record: dict, steps: int) -> str:
