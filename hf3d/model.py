@@ -17,8 +17,8 @@ from .config import ParallelConfig
 from .hf import DEFAULT_MAX_SHARD_BYTES, TensorSpec, write_hf_dir, write_order
 from .layout import get_pieces
 from .stage import StageModule
+from .tensor_parallel import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 # HF call arguments that change nothing here (no KV cache while training; outputs are always a dataclass)
 IGNORED_KWARGS = {"use_cache", "return_dict", "num_items_in_batch", "output_attentions", "output_hidden_states"}
 
@@ -49,6 +49,9 @@ class ParallelModel(nn.Module):
         self.grad_sync = None  # set by build_optimizer: receives train_step's start-of-step signal
         self._pipeline = None
         self.last_z_loss: torch.Tensor | None = None  # the z-loss term of the last train_step, global mean
+        # train_step at pp=1: the lm_head matmul and the loss run chunk by chunk, with no [tokens, vocab]
+        # logits (tensor_parallel._FusedHeadLoss); False runs the plain head + loss_terms
+        self.fused_loss = True
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property
@@ -339,11 +342,15 @@ class ParallelModel(nn.Module):
         if self.pcfg.pp == 1:
             sums = torch.zeros(2, device=self.device)  # [cross-entropy, z-loss]
             for ids, pos, tgt in zip(input_ids.chunk(m), position_ids.chunk(m), targets.chunk(m)):
-                # no name holds the logits: backward needs only the loss's saved log-softmax, and a logits
-                # tensor kept alive through backward would be a third [tokens, vocab] buffer at the peak
-                objective, ce, z = self.lm_head.loss_terms(
-                    self.stages[0](ids, pos).flatten(0, 1), tgt.flatten(), num_tokens, z_loss=z_loss
-                )
+                if self.fused_loss:
+                    hidden = self.stages[0](ids, pos, head=False)
+                    objective, ce, z = self.lm_head.fused_loss_terms(hidden, tgt, num_tokens, z_loss=z_loss)
+                    del hidden
+                else:  # no name holds the logits: a logits tensor kept alive through backward would be a
+                    # third [tokens, vocab] buffer at the peak (backward needs only the saved log-softmax)
+                    objective, ce, z = self.lm_head.loss_terms(
+                        self.stages[0](ids, pos).flatten(0, 1), tgt.flatten(), num_tokens, z_loss=z_loss
+                    )
                 objective.backward()
                 sums += torch.stack([ce, z])
         else:

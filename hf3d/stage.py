@@ -45,11 +45,11 @@ class StageModule(nn.Module):
         self.recompute = list(recompute) if recompute is not None else [False] * len(self.layers)
         assert len(self.recompute) == len(self.layers)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """x: token ids [b, s] (first stage) or hidden states [b, s(/tp under SP), h].
 
-        Returns hidden states, or [b, s, V/tp] logits on the last stage.
-        """
+        Returns hidden states, or [b, s, V/tp] logits on the last stage; head=False stops the last
+        stage after its final norm (the caller runs the lm_head itself)."""
         hidden = self.embed_tokens(x) if self.first else x
         b, s = position_ids.shape
         shape_probe = hidden.new_empty((b, s, 1))  # the mask builders read batch, seq, dtype, device
@@ -72,7 +72,8 @@ class StageModule(nn.Module):
             else:
                 hidden = layer(hidden, **kwargs)
         if self.last:
-            return self.lm_head(self.norm(hidden))
+            hidden = self.norm(hidden)
+            return self.lm_head(hidden) if head else hidden
         return hidden
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
+IGNORE_INDEX = -100  # a target that takes no loss (HF and torch cross-entropy)
 
 
 def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
@@ -198,6 +199,79 @@ class VocabParallelEmbedding(nn.Module):
         return reduce_scatter_seq(out, self.group) if self.sequence_parallel else reduce_from_tp(out, self.group)
 
 
+LOSS_CHUNK_ELEMENTS = 1 << 21  # logits per chunk of the fused head: 8 MiB in fp32
+LOSS_CHUNK_MIN_ROWS = 256  # fewer rows make the head's matmuls slow on CPU
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """lm_head matmul + cross-entropy (+ z-loss) over chunks of tokens, gradients computed in the forward.
+
+    The [tokens, vocab] logits never exist at once: each chunk's logits become that chunk's losses and
+    its gradient (softmax - one-hot, and the z-loss term) at once, which is folded into the gradients
+    of the hidden states and of the weight before the next chunk. Backward only scales the two by the
+    incoming gradient. Over a vocab split across tp ranks, each chunk's row max and (sum exp, target
+    logit) are all-reduced; the hidden states' gradient is this rank's partial sum, which the caller's
+    copy_to_tp / gather_seq reduces in its backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, num_tokens, z_loss, vocab_start, vocab_size, group, ignore_index):
+        n, v_local = x.shape[0], weight.shape[0]
+        ctx.weight_dtype = weight.dtype
+        split = not _trivial(group)
+        rows = max(LOSS_CHUNK_MIN_ROWS, LOSS_CHUNK_ELEMENTS // max(v_local, 1))
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        sums = torch.zeros(2, dtype=torch.float32, device=x.device)  # [cross-entropy, lse^2] over tokens
+        padded = vocab_start + v_local > vocab_size
+        for s0 in range(0, n, rows):
+            xc, tc = x[s0 : s0 + rows], targets[s0 : s0 + rows]
+            logits = (xc @ weight.t()).float()
+            if padded:  # padded columns take no probability
+                logits[:, vocab_size - vocab_start :] = float("-inf")
+            kept = tc != ignore_index
+            local_t = tc - vocab_start
+            mine = kept & (local_t >= 0) & (local_t < v_local)
+            local_t = local_t.clamp(0, v_local - 1).unsqueeze(-1)
+            row_max = logits.max(dim=-1).values
+            if split:
+                dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            logits.sub_(row_max.unsqueeze(-1))
+            picked = logits.gather(-1, local_t).squeeze(-1).masked_fill_(~mine, 0.0)
+            logits.exp_()
+            both = torch.stack([logits.sum(dim=-1), picked])
+            if split:
+                dist.all_reduce(both, group=group)
+            sum_exp, target_logit = both.unbind()
+            lse = sum_exp.log()  # of the shifted logits
+            sums[0] += (lse - target_logit).masked_fill_(~kept, 0.0).sum()
+            lse.add_(row_max)
+            sums[1] += lse.square().masked_fill_(~kept, 0.0).sum()
+            # d(objective)/d(logits) = (softmax * (1 + 2 z lse) - one_hot) / num_tokens on kept tokens
+            scale = kept.to(torch.float32) / num_tokens
+            factor = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+            logits.mul_((factor / sum_exp).unsqueeze(-1))
+            logits.scatter_add_(-1, local_t, -(scale * mine).unsqueeze(-1))
+            g = logits.to(x.dtype)
+            torch.mm(g, weight, out=grad_x[s0 : s0 + rows])
+            if g.dtype == torch.float32:
+                grad_w.addmm_(g.t(), xc)
+            else:
+                grad_w += g.t() @ xc
+        ctx.save_for_backward(grad_x, grad_w)
+        ce, lse_sq = (sums / num_tokens).unbind()
+        z = z_loss * lse_sq if z_loss else torch.zeros_like(ce)
+        ctx.mark_non_differentiable(ce, z)
+        return ce + z, ce, z
+
+    @staticmethod
+    def backward(ctx, grad, _ce, _z):
+        grad_x, grad_w = ctx.saved_tensors
+        if grad.device.type != "cpu" or grad.item() != 1.0:
+            grad_x.mul_(grad.to(grad_x.dtype))
+            grad_w.mul_(grad)
+        return grad_x, grad_w.to(ctx.weight_dtype), *([None] * 7)
+
+
 class VocabParallelLMHead(nn.Module):
     """Column-parallel output projection over the padded vocabulary; returns local logits.
 
@@ -230,7 +304,12 @@ class VocabParallelLMHead(nn.Module):
         return gather_last_dim(local_logits, self.group)[..., : self.vocab_size]
 
     def token_losses(
-        self, local_logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, *, return_lse: bool = False
+        self,
+        local_logits: torch.Tensor,
+        targets: torch.Tensor,
+        ignore_index: int = IGNORE_INDEX,
+        *,
+        return_lse: bool = False,
     ):
         """Cross-entropy per token over a vocab split across tp ranks; 0 where target == ignore_index.
 
@@ -278,3 +357,21 @@ class VocabParallelLMHead(nn.Module):
         ce = losses.sum() / num_tokens
         z = z_loss * lse.square().sum() / num_tokens
         return ce + z, ce.detach(), z.detach()
+
+    def fused_loss_terms(
+        self, hidden: torch.Tensor, targets: torch.Tensor, num_tokens: torch.Tensor, *, z_loss: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`loss_terms(self(hidden), ...)` without the [tokens, vocab] logits: the matmul and the loss run
+        chunk by chunk (_FusedHeadLoss). hidden [b, s(/tp under SP), h], targets [b, s]."""
+        x = gather_seq(hidden, self.group) if self.sequence_parallel else copy_to_tp(hidden, self.group)
+        return _FusedHeadLoss.apply(
+            x.flatten(0, 1),
+            self.weight,
+            targets.flatten(),
+            num_tokens,
+            float(z_loss),
+            self.vocab_start,
+            self.vocab_size,
+            self.group,
+            IGNORE_INDEX,
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -24,10 +25,13 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
+    fn(*args)  # an exception goes to mp.spawn, which fails the caller
+    # every rank is done: leave without interpreter teardown, which with gloo's threads up could
+    # abort a rank (SIGABRT, "terminate called without an active exception") after a passing run
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world_size: int, *args) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from ..tensor_parallel import IGNORE_INDEX
 
 
 def pack_window(window: np.ndarray, doc_starts: np.ndarray, *, document_masking: bool) -> tuple[np.ndarray, ...]:

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..layout import Piece, concat_pieces, set_pieces, shard_range, whole
@@ -142,6 +144,31 @@ def _shift(p: Piece, by: int) -> Piece:
     )
 
 
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up from the fused [..., 2i] gate/up projection.
+
+    Saves only that projection (stock autograd also keeps silu(gate), one more [tokens, i] buffer per
+    layer) and writes both halves' gradients straight into one [..., 2i] buffer, where autograd would
+    make two and concatenate them. The arithmetic is stock's (aten's silu_backward, the same products),
+    so the values are bit for bit those of `act_fn(gate) * up`."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.empty_like(gate_up)
+        d_gate, d_up = out.chunk(2, dim=-1)
+        torch.mul(grad, F.silu(gate), out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        return out
+
+
 class TPMLP(nn.Module):
     """SwiGLU MLP with gate/up fused into one column-parallel projection."""
 
@@ -151,6 +178,7 @@ class TPMLP(nn.Module):
         hidden, inter = stock.hidden_size, stock.intermediate_size
         i0, i1 = shard_range(inter, ctx.size, ctx.rank)
         self.act_fn = stock.act_fn
+        self.fused_silu = type(stock.act_fn) in (SiLUActivation, nn.SiLU)  # other activations: plain autograd
         sp = ctx.sequence_parallel
         self.gate_up_proj = ColumnParallelLinear(
             hidden, 2 * (i1 - i0), bias=bias, group=ctx.group, sequence_parallel=sp, dtype=ctx.dtype
@@ -168,7 +196,10 @@ class TPMLP(nn.Module):
             set_pieces(self.down_proj.bias, whole(f"{prefix}.down_proj.bias", hidden, owner=ctx.rank == 0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_silu:
+            return self.down_proj(_SwiGLU.apply(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
 
 
