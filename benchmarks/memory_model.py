@@ -13,10 +13,14 @@ Memory on one rank = training state + activations + a few buffers:
   a saved_tensors_hooks counts. Per micro-batch alive at once: pp=1 runs one micro-batch's forward
   and backward at a time; afab keeps all m alive, 1f1b at most pp − r on pipeline rank r,
   interleaved-1f1b torch's warm-up (v−1)·pp + 2(pp−1−r) + 1 chunks.
-* loss head (last stage): HEAD_LIVE bytes per token per local vocab column for each live micro-batch
-  (the saved log-softmax / exp) and HEAD_PEAK more while one micro-batch's loss runs backward (logits
-  and their gradients); torch's pipeline schedules also keep every micro-batch's logits (the stage's
-  output_chunks) until the next step and merge them into one more copy at the end of step().
+* loss head (last stage). At pp=1 train_step runs the fused head (tensor_parallel._FusedHeadLoss): no
+  [tokens, vocab] logits, but the weight's gradient (fp32, [vocab/tp, hidden]) and the hidden states'
+  gradient are made in its forward, beside one chunk of logits at a time (HEAD_CHUNK fp32 values per
+  row and local vocab column). Under pp the plain head runs: HEAD_LIVE bytes per token per local vocab
+  column for each live micro-batch (the saved log-softmax / exp) and HEAD_PEAK more while one
+  micro-batch's loss runs backward (logits and their gradients); torch's pipeline schedules also keep
+  every micro-batch's logits (the stage's output_chunks) until the next step and merge them into one
+  more copy at the end of step().
 * pipeline receive buffers: torch's PipelineStage allocates one activation buffer (non-first stage)
   and one gradient buffer (non-last stage) per micro-batch, kept for the model's life.
 
@@ -35,6 +39,7 @@ from types import SimpleNamespace
 
 HEAD_LIVE = 2.0  # fp32 values per token per local vocab column saved per live micro-batch: logits + log-softmax
 HEAD_PEAK = 2.0  # more while one micro-batch's loss runs backward: d(log-softmax) and d(logits)
+HEAD_CHUNK = 1.0  # fp32 values per row per local vocab column of the fused head's one live chunk of logits
 
 
 @dataclass(frozen=True)
@@ -117,8 +122,8 @@ def LAYER_TERMS(s: Shape, tp: int, a: int = 4) -> list[tuple[str, int]]:  # noqa
         ("q, k after rotary (sdpa inputs)", (q + kv) * d * a),
         ("sdpa output [b, s, heads, d] (also the o_proj input)", q * d * a),
         ("sdpa logsumexp (fp32)", q * 4),
-        ("fused gate_up output (silu input, up)", 2 * i * a),
-        ("silu(gate), silu(gate)·up (down_proj input)", 2 * i * a),
+        ("fused gate_up output (the SwiGLU's only saved input)", 2 * i * a),
+        ("silu(gate)·up (down_proj input)", i * a),
     ]
 
 
@@ -178,11 +183,14 @@ def rank_memory(s: Shape, run: Run, rank: int) -> dict[str, float]:
     live = live_chunks(run, rank)
     out["activations"] = live * tokens * (chunk_layers * layer_activation_bytes(s, run.tp, a) + extra)
     head = 0.0
-    if last:
-        live_last = live if run.pp > 1 else 1
-        head = tokens * vocab * 4 * (live_last * HEAD_LIVE + HEAD_PEAK)
-        if run.pp > 1:  # output_chunks: every micro-batch's logits stay until the next step, then one more copy
-            head = max(head + (m - live_last) * tokens * vocab * a, 2 * m * tokens * vocab * a)
+    if last and run.pp == 1:
+        from hf3d.tensor_parallel import LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_MIN_ROWS
+
+        rows = min(tokens, max(LOSS_CHUNK_MIN_ROWS, LOSS_CHUNK_ELEMENTS // vocab))
+        head = 4 * vocab * h + tokens * h * a + HEAD_CHUNK * 4 * rows * vocab
+    elif last:  # the plain head under pp; every micro-batch's logits stay until the next step, then one more copy
+        head = tokens * vocab * 4 * (live * HEAD_LIVE + HEAD_PEAK)
+        head = max(head + (m - live) * tokens * vocab * a, 2 * m * tokens * vocab * a)
     out["loss_head"] = head
     out["pp_buffers"] = 0 if run.pp == 1 else m * tokens * h * a * ((not first) + (not last)) * len(mine)
     out["total"] = sum(out.values())
