@@ -1,10 +1,14 @@
 """Step time: hf3d at tp=pp=dp=1 vs stock transformers + torch.optim.AdamW + clip_grad_norm_.
 
 Both sides live in ONE process, start from the same HF checkpoint, see the same batch and use the
-same optimizer settings. Steps are interleaved (ABBA order) after a warm-up; the table reports the
+same optimizer settings. Steps are interleaved (rotated order) after a warm-up; the table reports the
 median (and quartiles) of the per-step wall time and process CPU time, split into
 forward+backward and the optimizer part (clip + step + zero_grad). A torch.profiler table of one
 step of each side shows where the time goes.
+
+Peak memory needs one process per side: each side then runs MEMORY_STEPS steps alone in a fresh
+process (the same imports on every side, glibc's mmap threshold fixed as in bench_memory_model.py),
+and the table gives VmHWM above the RSS after the imports, after the load and over the steps.
 
     python benchmarks/bench_step_time.py            # full run (~2-4 min on 2 cores)
     python benchmarks/bench_step_time.py --quick    # smoke run
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +27,8 @@ import _common as C
 import torch
 
 LR, WD, BETAS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1.0
+MEMORY_STEPS = 3
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
 def parse_args():
@@ -39,6 +46,8 @@ def parse_args():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     return ap.parse_args()
 
 
@@ -156,8 +165,46 @@ def loss_components(hf3d_side, n_tokens: int, hidden: int, vocab: int, repeats: 
     return {k: C.median(v) for k, v in times.items()}
 
 
+def memory_worker(args) -> None:
+    """One side alone in this process: VmHWM above the post-import RSS, after the load and over the steps."""
+    import transformers  # noqa: F401  (the same imports on every side)
+
+    import hf3d  # noqa: F401
+
+    base = C.proc_status()["VmRSS"]
+    side = {"stock": Stock, "hf3d": HF3D, "hf3d_plain": lambda d: HF3D(d, fused_loss=False)}[args.memory_worker](
+        args.model_dir
+    )
+    loaded = C.proc_status()["VmHWM"] - base
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    for _ in range(MEMORY_STEPS):
+        side.fwd_bwd(ids, ids)
+        side.opt_step()
+    print(json.dumps({"load_peak": loaded, "peak": C.proc_status()["VmHWM"] - base}))
+
+
+def measure_memory(args, model_dir: str) -> dict:
+    out = {}
+    flags = [f"--{k}={getattr(args, k)}" for k in ("vocab", "seq", "batch", "threads")]
+    for name in ("stock", "hf3d", "hf3d_plain"):
+        proc = C.python_subprocess(
+            Path(__file__),
+            [*flags, "--memory-worker", name, "--model-dir", model_dir],
+            env={**MALLOC_ENV, "MASTER_PORT": str(C.free_port())},  # this process holds its own port
+        )
+        if proc.returncode:
+            raise SystemExit(f"memory worker {name} failed:\n{C.tail(proc.stdout + proc.stderr)}")
+        out[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
 def main():
     args = parse_args()
+    if args.memory_worker:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        return memory_worker(args)
     if args.quick:
         args.warmup, args.repeats = 1, 3
         args.layers, args.seq, args.batch = 2, 128, 4
@@ -178,10 +225,11 @@ def main():
     )
     print("shapes:", shapes, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
-        n_params = C.save_model_dir(cfg, Path(tmp), dtype=torch.float32)
-        # hf3d_plain: the same hf3d with the plain head + loss (fused_loss=False), to show what fusing brings
-        sides = {"stock": Stock(tmp), "hf3d": HF3D(tmp), "hf3d_plain": HF3D(tmp, fused_loss=False)}
+    tmp_dir = tempfile.TemporaryDirectory(prefix="bench_step_")
+    tmp = tmp_dir.name
+    n_params = C.save_model_dir(cfg, Path(tmp), dtype=torch.float32)
+    # hf3d_plain: the same hf3d with the plain head + loss (fused_loss=False), to show what fusing brings
+    sides = {"stock": Stock(tmp), "hf3d": HF3D(tmp), "hf3d_plain": HF3D(tmp, fused_loss=False)}
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     labels = ids.clone()
@@ -285,6 +333,26 @@ def main():
     ]
     data = {"env": env, "shapes": shapes, "n_params": n_params, "args": vars(args), "result": result}
     data["samples"] = samples
+    mem = measure_memory(args, tmp)
+    tmp_dir.cleanup()
+    data["memory"] = mem
+    ratio_mem = mem["hf3d"]["peak"] / mem["stock"]["peak"]
+    data["memory_ratio_hf3d_over_stock"] = ratio_mem
+    body.append(
+        f"Peak memory, each side alone in a fresh process ({MEMORY_STEPS} steps, MiB of VmHWM above the RSS "
+        "after the imports):\n\n"
+        + C.md_table(
+            ["", "stock", "hf3d", "hf3d, plain head", "hf3d / stock"],
+            [
+                [label]
+                + [f"{C.mib(mem[n][key]):.1f}" for n in ("stock", "hf3d", "hf3d_plain")]
+                + [f"{mem['hf3d'][key] / mem['stock'][key]:.3f}x"]
+                for label, key in (("peak of the load", "load_peak"), ("peak over the steps", "peak"))
+            ],
+        )
+        + f"\n\n**hf3d / stock peak RSS = {ratio_mem:.3f}x** "
+        f"(target ≤ 1.0x: {'met' if ratio_mem <= 1.0 else 'NOT met'})."
+    )
     if not args.no_profile:
         comp = loss_components(sides["hf3d"], tokens, args.hidden, args.vocab, max(3, args.repeats // 2))
         data["loss_components"] = comp
