@@ -9,8 +9,11 @@ reduce-scatter (or all-reduce, cheaper on gloo) for ZeRO-1, all-reduce for ZeRO-
 
 ZeRO-1: dp rank d owns the d-th 1/dp of every bucket. For the parameter fragments inside its
 shard it keeps fp32 master weights and the wrapped torch optimizer's state, steps them with the
-reduced gradient, and the updated values are all-gathered back into the model's parameters,
-which are views of one flat buffer per bucket when dp > 1 (so the gather lands in place).
+reduced gradient, and the updated values are gathered back into the model's parameters, which
+are views of one flat buffer per bucket when dp > 1 (so the gather lands in place): an all-gather
+after a reduce-scatter; after an all-reduce (gloo), an all-reduce of the buffer with the other
+ranks' shards zeroed, exact (x + 0 = x) and faster on gloo than its all_gather (95 MiB: 68 ms vs
+109 ms), at twice the bytes.
 
 Gradients that one tp rank computes only in part (per-head q/k norms, norms under sequence
 parallelism, replicated KV heads) are summed over tp, and tied embeddings held on two pipeline
@@ -306,7 +309,13 @@ class ParallelOptimizer(torch.optim.Optimizer):
             return
         for b in self.buckets:
             lo, hi = self._my_shard(b)
-            if self.dp_size > 1:
+            if self.dp_collective == "all_reduce":
+                # gloo: an all-reduce of the buffer with every other rank's shard zeroed is faster than its
+                # all_gather, and exact (x + 0 = x)
+                b.param_data[: lo - b.offset].zero_()
+                b.param_data[hi - b.offset :].zero_()
+                dist.all_reduce(b.param_data, group=self.dp_group)
+            else:
                 shard = b.param_data[lo - b.offset : hi - b.offset].clone()
                 dist.all_gather_single(b.param_data, shard, group=self.dp_group)
 
