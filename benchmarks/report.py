@@ -150,6 +150,16 @@ def _zero_d(d: dict) -> str:
     )
 
 
+def _tp(d: dict) -> str:
+    t, m = d["throughput"], d["memory"]
+    step, mem = t["ratio_hf3d_over_transformers"], m["hf3d"]["peak_above"] / m["transformers"]["peak_above"]
+    return (
+        f"step time {step:.2f}x median ({_verdict(step, 0.7)}), {t['ratio_of_fastest']:.2f}x fastest steps, "
+        f"tokens/s {t['tokens_per_s_ratio']:.2f}x; peak RSS above baseline {mem:.2f}x ({_verdict(mem, 0.85)}); "
+        f"first-step losses differ by {d['first_step']['loss_rel_diff']:.1e} (relative)"
+    )
+
+
 def _pipeline(d: dict) -> str:
     parts = []
     for r in d["results"]:
@@ -331,6 +341,13 @@ ROWS: list[Row] = [
         "hf3d dp=2 / accelerate DDP on the same 2-process job",
         "python benchmarks/bench_zero.py --parts d",
         _zero_d,
+    ),
+    (
+        "tp",
+        "hf3d tp=2 / transformers' own tensor parallelism (`DistributedConfig(tp_size=2)`) on the same "
+        "2-process job (Llama, fp32)",
+        "python benchmarks/bench_tp.py",
+        _tp,
     ),
     ("pipeline", "live micro-batches per pipeline rank at pp=4", "python benchmarks/bench_pipeline.py", _pipeline),
     (
