@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     SMOLLM2_135M,
     env_info,
+    leave_distributed,
     llama_config,
     md_table,
     median,
@@ -103,9 +104,7 @@ def worker(model_dir: str, work: str, mesh: str, rounds: int) -> None:
     dist.all_gather_object(everyone, res)
     if rank == 0:
         (Path(work) / f"{mesh}.json").write_text(json.dumps(everyone))
-    # end gloo before the interpreter does: a process group torn down at exit was seen to abort
-    # ("terminate called without an active exception") after all the work was done
-    dist.destroy_process_group()
+    leave_distributed()
 
 
 def main() -> None:

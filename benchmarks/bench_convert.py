@@ -118,7 +118,7 @@ def worker(args) -> None:
 
         rank = dist.get_rank()
         dist.barrier()
-        dist.destroy_process_group()
+        C.leave_distributed()
     else:
         rank = 0
     Path(f"{args.result}.rank{rank}.json").write_text(json.dumps(rec))

@@ -96,7 +96,7 @@ def worker(args) -> None:
         import torch.distributed as dist
 
         dist.barrier()
-        dist.destroy_process_group()
+        C.leave_distributed()
 
 
 def _write(out: str, rank: int, rec: dict) -> None:

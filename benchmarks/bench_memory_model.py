@@ -198,7 +198,7 @@ def worker(spec: dict) -> None:
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps({"ranks": out}, default=str))
     dist.barrier()
-    dist.destroy_process_group()
+    C.leave_distributed()
 
 
 # -- parent -------------------------------------------------------------------------------------------

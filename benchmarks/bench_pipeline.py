@@ -188,6 +188,7 @@ def _worker(rank, world, port, model_dir, args_dict, out_file):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _measure(rank, world, model_dir, argparse.Namespace(**args_dict), out_file)
+        C.leave_distributed()
     finally:
         dist.destroy_process_group()
 

@@ -251,6 +251,7 @@ def run_worker(kind: str, spec: dict) -> None:
         if dist.get_rank() == 0:
             Path(spec["out"]).write_text(json.dumps(result, default=str))
         dist.barrier()
+        C.leave_distributed()
     finally:
         dist.destroy_process_group()
 

@@ -179,8 +179,17 @@ def store_barrier(name: str, _count=[0]) -> None:  # noqa: B006 - one counter pe
 def leave(code: int) -> NoReturn:
     """End this process now with `code` once every rank has arrived: output flushed, then os._exit,
     so no interpreter teardown runs with gloo's threads up (it can abort and turn `code` into 134).
-    Files the run wrote are closed by then; nothing else is left to flush."""
-    store_barrier("leave")
+    Files the run wrote are closed by then; nothing else is left to flush.
+
+    Rank 0 leaves last: without torchrun's agent it hosts the rendezvous store, and the others poll
+    that store until they have seen everyone arrive."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        store_barrier("leave")
+        store = dist.distributed_c10d._get_default_store()
+        store.add("hf3d/left", 1)  # this rank is done with the store
+        if dist.get_rank() == 0:
+            while store.add("hf3d/left", 0) < dist.get_world_size():
+                time.sleep(0.05)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
