@@ -116,12 +116,9 @@ def worker(args) -> None:
     if args.worker == "export":
         import torch.distributed as dist
 
-        rank = dist.get_rank()
-        dist.barrier()
+        Path(f"{args.result}.rank{dist.get_rank()}.json").write_text(json.dumps(rec))
         C.leave_distributed()
-    else:
-        rank = 0
-    Path(f"{args.result}.rank{rank}.json").write_text(json.dumps(rec))
+    Path(f"{args.result}.rank0.json").write_text(json.dumps(rec))
 
 
 # -- orchestration ---------------------------------------------------------------------------------
