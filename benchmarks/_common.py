@@ -26,6 +26,11 @@ if str(REPO) not in sys.path:  # hf3d is used from the working tree, not an inst
     sys.path.insert(0, str(REPO))
 
 
+# glibc's malloc for memory measurements: every block of 64 KiB or more is its own mapping, returned when
+# freed, so RSS follows live memory rather than the allocator's history (benchmarks/README.md)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
 # -- statistics and tables -------------------------------------------------------------------------
 def median(xs):
     return statistics.median(xs) if xs else float("nan")

@@ -52,7 +52,6 @@ MODEL = dict(
     tie_word_embeddings=False,
 )
 QUICK_MODEL = dict(MODEL, hidden_size=128, num_hidden_layers=4, intermediate_size=256, vocab_size=1024)
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 TARGET = 0.10
 
 
@@ -207,7 +206,7 @@ def measure(mesh, spec, tmp: Path, timeout: float) -> tuple[dict | None, str]:
     spec = dict(spec, mesh=mesh, out=str(tmp / f"mm-{tp}{pp}{dp}.json"))
     t0 = time.perf_counter()
     try:
-        proc = C.torchrun(SCRIPT, tp * pp * dp, ["--worker", json.dumps(spec)], timeout=timeout, env=MALLOC_ENV)
+        proc = C.torchrun(SCRIPT, tp * pp * dp, ["--worker", json.dumps(spec)], timeout=timeout, env=C.MALLOC_ENV)
     except Exception as e:  # a hang
         return None, f"{type(e).__name__}: {e}"
     print(f"  mesh {mesh}: {time.perf_counter() - t0:.1f}s, rc {proc.returncode}", flush=True)
@@ -355,7 +354,7 @@ def main(argv=None) -> int:
     shape = MM.Shape.from_config(cfg)
     env = C.env_info()
     env["worker_threads"] = 1
-    env.update(MALLOC_ENV)
+    env.update(C.MALLOC_ENV)
     spec = dict(microbatches=args.microbatches, rows=args.rows, seq=args.seq, steps=args.steps, schedule="1f1b")
     spec["vocab"] = cfg.vocab_size
     data = {"env": env, "args": vars(args), "model": model, "n_params": shape.params(), "rows": [], "failures": {}}

@@ -34,7 +34,6 @@ import _common as C
 
 SCRIPT = Path(__file__).resolve()
 MODES = ("none", "every_2", "full")
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 QUICK_MODEL = dict(
     hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256, vocab_size=1024
 )
@@ -113,7 +112,7 @@ def run_mode(mode: str, cfg_dir: Path, out: Path, args) -> dict:
         "--rounds",
         str(args.rounds),
     ]
-    proc = C.python_subprocess(SCRIPT, cmd, env=MALLOC_ENV, timeout=args.timeout)
+    proc = C.python_subprocess(SCRIPT, cmd, env=C.MALLOC_ENV, timeout=args.timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} worker failed:\n{C.tail(proc.stdout)}\n{C.tail(proc.stderr)}")
     return json.loads(out.read_text())

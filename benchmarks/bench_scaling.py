@@ -36,7 +36,7 @@ from pathlib import Path
 
 import _common as C
 import memory_model as MM
-from bench_memory_model import MALLOC_ENV, reset_peak_rss, trim, warm_up
+from bench_memory_model import reset_peak_rss, trim, warm_up
 
 SCRIPT = Path(__file__).resolve()
 SIZES = [(256, 4), (512, 8), (768, 12), (1024, 16)]  # (hidden, layers)
@@ -216,7 +216,7 @@ def launch(kind: str, nproc: int, spec: dict, out: Path, timeout: float) -> tupl
     t0 = time.perf_counter()
     try:
         proc = C.torchrun(
-            SCRIPT, nproc, ["--worker", kind, "--spec", json.dumps(spec)], timeout=timeout, env=MALLOC_ENV
+            SCRIPT, nproc, ["--worker", kind, "--spec", json.dumps(spec)], timeout=timeout, env=C.MALLOC_ENV
         )
     except Exception as e:  # a hang
         return None, f"{type(e).__name__}: {e}"
@@ -460,7 +460,7 @@ def main(argv=None) -> int:
 
     env = C.env_info()
     env["worker_threads"] = 1
-    env.update(MALLOC_ENV)
+    env.update(C.MALLOC_ENV)
     configs = [size_config(h, n, head_dim=head_dim) for h, n in sizes]
     dp_h, dp_l = (int(x) for x in args.dp_size.split(","))
     dp_cfg = size_config(dp_h, dp_l, head_dim=head_dim)

@@ -28,7 +28,6 @@ import torch
 
 LR, WD, BETAS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1.0
 MEMORY_STEPS = 3
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
 def parse_args():
@@ -191,7 +190,7 @@ def measure_memory(args, model_dir: str) -> dict:
         proc = C.python_subprocess(
             Path(__file__),
             [*flags, "--memory-worker", name, "--model-dir", model_dir],
-            env={**MALLOC_ENV, "MASTER_PORT": str(C.free_port())},  # this process holds its own port
+            env={**C.MALLOC_ENV, "MASTER_PORT": str(C.free_port())},  # this process holds its own port
         )
         if proc.returncode:
             raise SystemExit(f"memory worker {name} failed:\n{C.tail(proc.stdout + proc.stderr)}")

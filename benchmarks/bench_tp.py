@@ -40,7 +40,6 @@ import _common as C
 
 SCRIPT = Path(__file__).resolve()
 LR, WD, BETAS, CLIP = 1e-4, 0.1, (0.9, 0.95), 1.0
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 TARGET_TIME, TARGET_MEM = 0.7, 0.85
 LOSS_RTOL = 1e-5
 SIDES = ("hf3d", "transformers")
@@ -383,7 +382,7 @@ def report_memory(alone: dict, steps: int) -> tuple[str, dict]:
     )
     return (
         f"Peak memory, each side alone in a fresh 2-process job ({steps} steps, "
-        f"{', '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())}):\n\n" + table + "\n\n" + verdict
+        f"{', '.join(f'{k}={v}' for k, v in C.MALLOC_ENV.items())}):\n\n" + table + "\n\n" + verdict
     ), data
 
 
@@ -455,7 +454,7 @@ def main():
         print("peak memory: each side alone in a fresh 2-process job", flush=True)
         for side in SIDES:
             s = dict(spec, mode=side, warmup=0, repeats=args.memory_steps)
-            alone[side], err = launch("tp", 2, s, tmp, side, args.timeout, env=MALLOC_ENV)
+            alone[side], err = launch("tp", 2, s, tmp, side, args.timeout, env=C.MALLOC_ENV)
             if alone[side] is None:
                 print(f"  FAILED:\n{err}", flush=True)
                 data.setdefault("failures", {})[side] = err
