@@ -10,10 +10,10 @@ scaling over dp 1 -> 2 -> 4; and how much of a dp step is communication.
     threshold fixed — see bench_memory_model.py), next to benchmarks/memory_model.py's prediction.
     The exponents are least-squares slopes of log tokens/s and log peak memory against log params.
 (2) dp = 1, 2, 4 with fixed rows per dp rank (weak scaling), ZeRO-1 AdamW, the dp collective hf3d picks
-    on gloo (all_reduce). 4 processes on 2 cores oversubscribe the CPU: dp=4 measures sharing as much
+    on gloo (all_to_all). 4 processes on 2 cores oversubscribe the CPU: dp=4 measures sharing as much
     as scaling. Communication is measured three ways in the same processes, steps interleaved:
     (a) "exposed": wall time inside `opt.finish_grad_sync` (waits for the bucket collectives that
-        overlap the backward) and `opt._write_back` (the ZeRO-1 param all-gather) of a normal step;
+        overlap the backward) and `opt._write_back` (the ZeRO-1 param gather) of a normal step;
     (b) "no-op": the same step with every collective on the dp group replaced by a no-op; real − no-op
         is the whole cost of dp communication, including CPU time gloo's threads take from the backward;
     (c) "sync": a second model built with overlap_grad_reduce=False, where every grad collective runs
@@ -119,7 +119,7 @@ def worker_sizes(spec) -> dict:
 class NoOpDP:
     """While active, collectives on the dp group return at once without communicating."""
 
-    OPS = ("all_reduce", "reduce_scatter_single", "all_gather_single")
+    OPS = ("all_reduce", "reduce_scatter_single", "all_gather_single", "all_to_all_single", "broadcast")
 
     def __init__(self):
         import torch.distributed as dist

@@ -4,9 +4,10 @@
     state) at (tp, pp, dp) = (1,1,1), (1,1,4), (2,1,2) and (2,2,2), bf16 params, next to the
     Megatron accounting: 2 B params + 4 B grads + 12/dp B master+Adam = 6 + 12/dp bytes per param.
 (b) bytes each rank sends per step on the dp group, counted by wrapping torch.distributed's
-    collectives during one step (ring model: all_reduce 2(n-1)/n x bytes; reduce_scatter and
-    all_gather (n-1)/n x the full buffer), next to the bucket arithmetic and to 2(dp-1)/dp x grad bytes.
-(c) step time at dp=2 with overlap_grad_reduce True/False x dp_collective all_reduce/reduce_scatter.
+    collectives during one step (ring model: all_reduce 2(n-1)/n x bytes; reduce_scatter, all_to_all
+    and all_gather (n-1)/n x the full buffer), next to the bucket arithmetic and to 2(dp-1)/dp x grad bytes.
+(c) step time at dp=2 with overlap_grad_reduce True/False x dp_collective all_reduce / reduce_scatter /
+    all_to_all.
 (d) hf3d dp=2 vs accelerate DDP (`accelerator.prepare` on the stock model) on the same 2-process job:
     tokens/s (steps interleaved in the same processes) and peak memory (separate fresh jobs).
 
@@ -51,10 +52,11 @@ class CommTally:
     """Wraps torch.distributed collectives; while active, adds up the bytes each rank sends.
 
     Bytes sent per rank follow the ring algorithms: all_reduce 2(n-1)/n x tensor bytes;
-    reduce_scatter (n-1)/n x input bytes; all_gather (n-1)/n x output bytes; broadcast/send the
-    tensor bytes. Calls are classified by their group's ranks (dp / tp / pp / world); on dp, a
-    collective on the parameters' own storage (ZeRO-1's gather: an all_gather, or on gloo an all_reduce
-    of the zero-padded parameter buffer) is the param gather, any other the gradient reduction.
+    reduce_scatter and all_to_all (n-1)/n x input bytes; all_gather (n-1)/n x output bytes; broadcast
+    (n-1) x the tensor bytes from the source, nothing from the others. Calls are classified by their
+    group's ranks (dp / tp / pp / world); on dp, a collective on the parameters' own storage (ZeRO-1's
+    gather: an all_gather, a broadcast per shard, or an all_reduce of the zero-padded parameter
+    buffer) is the param gather, any other the gradient reduction.
     """
 
     # Point-to-point ops are left alone: batch_isend_irecv (pipeline schedules) checks P2POp.op against
@@ -66,6 +68,7 @@ class CommTally:
         "reduce_scatter_tensor",
         "all_gather_into_tensor",
         "broadcast",
+        "all_to_all_single",
     )
 
     def __init__(self):
@@ -101,18 +104,31 @@ class CommTally:
 
         group = kwargs.get("group")
         if group is None:
-            pos = {"all_reduce": 2, "broadcast": 2, "reduce_scatter_single": 2, "all_gather_single": 2}.get(op)
+            pos = {
+                "all_reduce": 2,
+                "broadcast": 2,
+                "reduce_scatter_single": 2,
+                "all_gather_single": 2,
+                "all_to_all_single": 4,
+            }.get(op)
             if pos is not None and len(args) > pos and not isinstance(args[pos], (int, bool)):
                 group = args[pos]
         n = self.dist.get_world_size(group)
         ranks = tuple(self.dist.get_process_group_ranks(group)) if group is not None else tuple(range(n))
         kind = self.groups.get(ranks, "world" if group is None else "other")
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if op in ("all_reduce", "broadcast"):
+        if op == "all_reduce":
             t = tensors[0]
             nbytes = t.numel() * t.element_size()
-            sent = 2 * (n - 1) / n * nbytes if op == "all_reduce" else float(nbytes)
-        elif op in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            sent = 2 * (n - 1) / n * nbytes
+        elif op == "broadcast":
+            t = tensors[0]
+            nbytes = t.numel() * t.element_size()
+            src = kwargs.get("src", args[1] if len(args) > 1 else None)
+            if kwargs.get("group_src") is not None:
+                src = self.dist.get_global_rank(group, kwargs["group_src"])
+            sent = float((n - 1) * nbytes) if src == self.dist.get_rank() else 0.0
+        elif op in ("reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single"):
             out, inp = tensors[0], tensors[1]
             nbytes = inp.numel() * inp.element_size()
             sent = (n - 1) / n * nbytes
@@ -225,7 +241,12 @@ def worker_mem_comm(spec) -> dict:
     tp, pp, dp = spec["mesh"]
     dtype = torch.bfloat16
     tally = CommTally()
-    variants = [("zero1", 1, "all_reduce"), ("zero1", 1, "reduce_scatter"), ("zero0", 0, "all_reduce")]
+    variants = [
+        ("zero1", 1, "all_to_all"),
+        ("zero1", 1, "all_reduce"),
+        ("zero1", 1, "reduce_scatter"),
+        ("zero0", 0, "all_reduce"),
+    ]
     if dp == 1:
         variants = variants[:1]
     mine = {"variants": {}}
@@ -263,7 +284,7 @@ def worker_overlap(spec) -> dict:
     import torch
     import torch.distributed as dist
 
-    variants = [(ov, coll) for ov in (True, False) for coll in ("all_reduce", "reduce_scatter")]
+    variants = [(ov, coll) for ov in (True, False) for coll in ("all_reduce", "reduce_scatter", "all_to_all")]
     tally = CommTally()
     built = []
     for ov, coll in variants:
@@ -441,7 +462,7 @@ def report_a(results: dict) -> tuple[str, dict]:
         if res is None:
             rows.append([f"({tp},{pp},{dp})", "FAILED", "", "", "", "", "", "", ""])
             continue
-        recs = [r["variants"]["zero1-all_reduce"] for r in res["ranks"]]
+        recs = [r["variants"]["zero1-all_to_all"] for r in res["ranks"]]
         worst = max(recs, key=lambda r: r["memory"]["total"])
         m, p_local, n_full = worst["memory"], worst["local_params"], worst["full_params"]
         theory = {
@@ -505,7 +526,7 @@ def comm_row(label: str, rec: dict, dp: int, collective: str, zero: int, note: s
     scal = comm.get("dp_scalars", {}).get("sent_bytes", 0.0) + comm.get("world_scalars", {}).get("sent_bytes", 0.0)
     f = (dp - 1) / dp
     exp_reduce = sum(4 * b for b in buckets) * (2 * f if collective == "all_reduce" else f)
-    # the param gather: all_gather (n-1)/n, or on gloo (dp_collective all_reduce) an all-reduce, 2(n-1)/n
+    # the param gather: all_gather or one broadcast per shard (n-1)/n, an all-reduce (dp_collective all_reduce) 2(n-1)/n
     exp_gather = 0.0 if zero == 0 else sum(pe * b for b in buckets) * (2 * f if collective == "all_reduce" else f)
     minimum = 2 * f * grad_bytes
     total = reduce_sent + gather_sent
@@ -559,7 +580,7 @@ def report_b(mem_results: dict, overlap_res: dict | None) -> tuple[str, dict]:
             "dp",
             "grad collective",
             "grad reduce MiB sent (bucket arithmetic)",
-            "param all-gather MiB sent (bucket arithmetic)",
+            "param gather MiB sent (bucket arithmetic)",
             "scalar bytes",
             "total MiB sent",
             "2(dp-1)/dp x fp32 grad MiB",
@@ -786,13 +807,14 @@ def main():
         body.append(
             "## (b) Bytes each rank sends per step on the dp group\n\n"
             "Counted by wrapping torch.distributed collectives during one step (ring model: all_reduce "
-            "2(n-1)/n x bytes, reduce_scatter and all_gather (n-1)/n x the full buffer); in brackets what "
+            "2(n-1)/n x bytes, reduce_scatter, all_to_all and all_gather (n-1)/n x the full buffer, a "
+            "broadcast (n-1) x its bytes from the source); in brackets what "
             "the buckets predict. The reference is 2(dp-1)/dp x the fp32 gradient bytes (one all-reduce "
             "of the grads, = reduce-scatter grads + all-gather fp32 params). hf3d reduces fp32 main grads "
             "(4 B/param) and, under ZeRO-1, gathers params in the param dtype: all-gather with "
-            "reduce_scatter; with all_reduce (gloo's default) an all-reduce of the zero-padded parameter "
-            "buffer, twice the bytes of an all-gather but faster on gloo (FACTS: all_reduce 68 ms, "
-            "all_gather 109 ms for 95 MiB).\n\n" + t
+            "reduce_scatter; with all_to_all (gloo's default: all-to-all of the grads and a local sum, "
+            "the same bytes as a reduce-scatter) one broadcast per shard from its owner; with all_reduce "
+            "an all-reduce of the zero-padded parameter buffer, twice the bytes of an all-gather.\n\n" + t
         )
         data["b"] = d
     if "c" in parts:

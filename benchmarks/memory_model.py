@@ -29,8 +29,9 @@ reduce-scatter and all-gather (n−1)/n × the full buffer): tp — per micro-ba
 all-reduces of [tokens, hidden] forward and 2 backward, one for the embedding, one for the lm_head's
 input gradient, 3 [tokens] fp32 vectors for the vocab-parallel loss; pp — the activation forward and
 its gradient backward, [tokens, hidden] per micro-batch per stage boundary; dp — the fp32 grad buffer
-(all-reduce, or reduce-scatter) and, under ZeRO-1, the params gathered: an all-gather after a
-reduce-scatter, an all-reduce of the zero-padded buffer after an all-reduce (gloo).
+(all-reduce, or reduce-scatter — as such or as gloo's all-to-all and local sum) and, under ZeRO-1, the
+params gathered: an all-gather (or one broadcast per shard) after a reduce-scatter, an all-reduce of
+the zero-padded buffer after an all-reduce.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def rank_comm(s: Shape, run: Run, rank: int) -> dict[str, float]:
     dp = 0.0
     if run.dp > 1:
         grads = ring(run.dp) * (1 if run.zero_stage == 0 or run.dp_collective == "all_reduce" else 0.5)
-        gather = ring(run.dp) * (1 if run.dp_collective == "all_reduce" else 0.5)  # all-reduce on gloo
+        gather = ring(run.dp) * (1 if run.dp_collective == "all_reduce" else 0.5)
         dp = grads * 4 * p + (gather * run.param_bytes * p if run.zero_stage == 1 else 0)
     return {"tp": tp, "pp": pp, "dp": dp}
 

@@ -128,16 +128,17 @@ def _zero_a(d: dict) -> str:
 def _zero_b(d: dict) -> str:
     out = []
     for key, label in (
-        ("(1,1,4) bf16 zero1-all_reduce", "all_reduce"),
+        ("(1,1,4) bf16 zero1-all_to_all", "all_to_all (gloo's default)"),
         ("(1,1,4) bf16 zero1-reduce_scatter", "reduce_scatter"),
+        ("(1,1,4) bf16 zero1-all_reduce", "all_reduce"),
     ):
         if key in d["b"]:
             out.append(f"{label} {d['b'][key]['ratio_to_min']:.2f}x")
     return (
         "dp=4, bf16 params: "
         + ", ".join(out)
-        + " of 2(dp−1)/dp × fp32 grad bytes (counted collectives; with all_reduce, gloo's default, the ZeRO-1 "
-        "param gather is an all-reduce too: twice an all-gather's bytes, faster on gloo)"
+        + " of 2(dp−1)/dp × fp32 grad bytes (counted collectives; ZeRO-1 gathers bf16 params after reducing "
+        "fp32 grads, hence below 1; all_reduce also gathers by an all-reduce, twice an all-gather's bytes)"
     )
 
 

@@ -79,6 +79,13 @@ FP32_RUNS = {
         dict(num_microbatches=2),
         dict(dp_collective="all_reduce", overlap_grad_reduce=False),
     ),
+    "dp2-zero1-m2-all_to_all": (2, "llama", dict(num_microbatches=2), dict(dp_collective="all_to_all")),
+    "dp2-zero1-m2-all_to_all-no_overlap": (
+        2,
+        "llama",
+        dict(num_microbatches=2),
+        dict(dp_collective="all_to_all", overlap_grad_reduce=False),
+    ),
     "dp2-zero1-m2-bucket1000": (
         2,
         "llama",
@@ -96,6 +103,12 @@ FP32_RUNS = {
         {},
         dict(zero_stage=1, dp_collective="reduce_scatter", bucket_size=1000),
     ),
+    "dp4-zero1-all_to_all-bucket1000": (
+        4,
+        "llama",
+        {},
+        dict(zero_stage=1, dp_collective="all_to_all", bucket_size=1000),
+    ),
     "tp2-pp2-tied": (4, "llama", dict(tp=2, pp=2, num_microbatches=2), {}),
     "tp2-dp2-kvrep": (4, "llama-kvrep", dict(tp=2), dict(dp_collective="reduce_scatter")),
     "tp2-pp2-dp2": (8, "llama", dict(tp=2, pp=2, num_microbatches=2), dict(zero_stage=1)),
@@ -103,6 +116,7 @@ FP32_RUNS = {
 OVERLAP_PAIRS = [
     ("dp2-zero1-m2-reduce_scatter", "dp2-zero1-m2-reduce_scatter-no_overlap"),
     ("dp2-zero1-m2-all_reduce", "dp2-zero1-m2-all_reduce-no_overlap"),
+    ("dp2-zero1-m2-all_to_all", "dp2-zero1-m2-all_to_all-no_overlap"),
 ]
 NORM_ONCE_RUNS = ["tp2-kvrep", "tp2-pp2-tied", "tp2-dp2-kvrep", "tp2-pp2-dp2"]
 # name: (world size, ParallelConfig kwargs, steps); bf16 params on llama, bucket_size=MEM_BUCKET
