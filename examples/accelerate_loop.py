@@ -61,6 +61,8 @@ def main() -> None:
     acc.save_state(f"{args.output_dir}/state")  # collective, sharded: acc.load_state resumes at any mesh
     pmodel.save_pretrained(f"{args.output_dir}/final")  # a stock HF directory
     acc.print(f"wrote {args.output_dir}/final")
+    acc.end_training()
+    hf3d.finish()  # every rank exits together, without gloo's interpreter-teardown abort
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ def main() -> None:
     if trainer.is_world_process_zero():
         print(f"eval_loss {metrics['eval_loss']:.4f} perplexity {metrics['eval_perplexity']:.1f}")
         print(f"wrote {args.output_dir}")
+    hf3d.finish()  # every rank exits together, without gloo's interpreter-teardown abort
 
 
 if __name__ == "__main__":

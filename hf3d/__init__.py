@@ -3,6 +3,7 @@
 from .accel import prepare
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import ParallelConfig
+from .faults import finish
 from .model import ParallelModel
 from .optim import ParallelOptimizer, build_optimizer
 from .parallelize import parallelize
@@ -15,6 +16,7 @@ __all__ = [
     "ParallelOptimizer",
     "Trainer",
     "build_optimizer",
+    "finish",
     "load_checkpoint",
     "parallelize",
     "prepare",

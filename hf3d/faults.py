@@ -193,3 +193,13 @@ def leave(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
+
+
+def finish(code: int = 0) -> NoReturn:
+    """The last call of a script that trains with hf3d on several processes (an accelerate loop, the
+    Trainer): every rank waits for the others, then exits with `code` without interpreter teardown,
+    which with gloo's threads up can abort a finished run (SIGABRT, exit 134). Close loggers and files
+    first: atexit handlers do not run. Without a process group it is `sys.exit(code)`."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise SystemExit(code)
+    leave(code)

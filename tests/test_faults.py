@@ -272,6 +272,34 @@ def test_a_hung_peer_is_a_collective_timeout_after_timeout_s(tmp_path):
     assert communication and 1.5 < waited < 8  # measured 2.0 s for timeout_s=2
 
 
+FINISH_SCRIPT = """
+import sys, time, torch.distributed as dist, hf3d
+dist.init_process_group("gloo")
+x = __import__("torch").ones(4)
+dist.all_reduce(x)  # gloo's threads are up
+if dist.get_rank() == 0:
+    time.sleep(1.0)  # rank 0 works alone (an export): the others wait for it, no collective timeout
+print(f"rank {dist.get_rank()} done {x.sum().item():.0f}", flush=False)
+hf3d.finish(int(sys.argv[1]))
+print("not reached")
+"""
+
+
+def test_finish_ends_every_rank_together_after_the_slowest(tmp_path):
+    script = tmp_path / "finish.py"
+    script.write_text(FINISH_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+    proc = subprocess.run(
+        [*cmd, str(_free_port()), "--tee", "3", str(script), "0"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rank 0 done 8" in proc.stdout and "rank 1 done 8" in proc.stdout  # flushed before exit
+    assert "not reached" not in proc.stdout
+    with pytest.raises(SystemExit) as e:  # no process group: a plain exit
+        hf3d.finish(2)
+    assert e.value.code == 2
+
+
 def test_collective_timeout_must_be_positive():
     with pytest.raises(ValueError, match="collective timeout must be a number of seconds > 0"):
         hf3d.mesh.init_distributed(timeout_s=0)

@@ -181,6 +181,23 @@ def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
     assert (out / "final" / "config.json").is_file()
 
 
+def test_the_examples_run_as_the_readme_launches_them(tmp_path):
+    """examples/accelerate_loop.py under `accelerate launch` and examples/trainer.py under torchrun, a few
+    steps each: both exit 0 (they end with hf3d.finish) and write a stock HF directory."""
+    acc = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/cpu.yaml"]
+    runs = {
+        "accelerate_loop": [*acc, "examples/accelerate_loop.py", "--steps", "2", "--rows", "2", "--seq-len", "32"],
+        "trainer": [*_torchrun(2), "examples/trainer.py", "--steps", "2", "--rows", "2", "--seq-len", "32"],
+    }
+    for name, cmd in runs.items():
+        out = tmp_path / name
+        proc = subprocess.run([*cmd, "--output-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert "wrote" in proc.stdout
+    assert (tmp_path / "accelerate_loop" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "trainer" / "model.safetensors").is_file()
+
+
 def test_smollm2_135m_continued_config_runs_two_steps_on_a_local_random_checkpoint(tmp_path):
     """The shipped continued-pretraining config, its real shape at tp=3, against a locally saved random
     checkpoint of that shape (no Hub here): the same config with the model, the data source and the
