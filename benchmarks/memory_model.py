@@ -117,8 +117,8 @@ def layer_activation_bytes(s: Shape, tp: int, a: int = 4) -> int:
 def LAYER_TERMS(s: Shape, tp: int, a: int = 4) -> list[tuple[str, int]]:  # noqa: N802 (a table)
     q, kv, h, d, i = *local_heads(s, tp), s.hidden, s.d, s.inter // tp
     return [
-        ("layer input, x·rsqrt, normed (input_layernorm)", 3 * h * a),
-        ("residual, x·rsqrt, normed (post_attention_layernorm)", 3 * h * a),
+        ("layer input and normed (input_layernorm's input, qkv_proj's)", 2 * h * a),
+        ("residual and normed (post_attention_layernorm's input, gate_up_proj's)", 2 * h * a),
         ("rsqrt of both norms (fp32)", 2 * 4),
         ("fused qkv output (v, a view of it, is an sdpa input)", (q + 2 * kv) * d * a),
         ("q, k after rotary (sdpa inputs)", (q + kv) * d * a),
@@ -181,7 +181,7 @@ def rank_memory(s: Shape, run: Run, rank: int) -> dict[str, float]:
     }
     # activations: the layers of the chunks alive at once (chunks of one rank hold similar layer counts)
     chunk_layers = num_layers / len(mine)
-    extra = 2 * s.d * a + (8 if first else 0) + (3 * h * a + 4 if last else 0)  # cos/sin, ids, final norm
+    extra = 2 * s.d * a + (8 if first else 0) + (2 * h * a + 4 if last else 0)  # cos/sin, ids, final norm
     live = live_chunks(run, rank)
     out["activations"] = live * tokens * (chunk_layers * layer_activation_bytes(s, run.tp, a) + extra)
     head = 0.0

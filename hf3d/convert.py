@@ -19,8 +19,10 @@ would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -30,6 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.utils import _create_file_view
+from torch.serialization import StorageType
 
 from . import checkpoint
 from .hf import (
@@ -41,7 +46,6 @@ from .hf import (
     copy_model_files,
     resolve_model_dir,
     write_hf_dir,
-    write_order,
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,8 +80,9 @@ def _single_process():
 def _state_dict_order(config) -> dict[str, tuple[int, ...]]:
     """{name: shape} of the stock model of `config`, in state-dict order (built on the meta device)."""
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
 
-    with torch.device("meta"):
+    with torch.device("meta"), no_init_weights():  # init functions still run on meta tensors: 2/3 of the time
         model = AutoModelForCausalLM.from_config(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
@@ -91,50 +96,89 @@ def _check_out_dir(out: Path, src: Path, keeps: str) -> None:
 
 
 # -- checkpoint -> HF -----------------------------------------------------------------------------
-class _Reader(checkpoint.SafeReader):
-    """Reads the checkpoint's metadata once: DCP would re-read and unpickle it on every per-tensor load."""
+def _rebuilt_layout(storage, offset, size, stride, requires_grad, hooks, dtype=None, *_):
+    """What torch's _rebuild_tensor_v2/_v3 would build, as (dtype, storage key, offset, size, stride)."""
+    _, storage_type, key, _, _ = storage
+    return dtype or StorageType(storage_type).dtype, key, offset, tuple(size), tuple(stride)
 
-    def read_metadata(self, *args, **kwargs):
-        if not hasattr(self, "_metadata"):
-            self._metadata = super().read_metadata(*args, **kwargs)
-        return self._metadata
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads one stored box's data.pkl (DCP torch.saves each box) for its layout, running no code: it
+    takes only the globals torch.save writes for a plain tensor."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _rebuilt_layout
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module in ("torch", "torch.storage") and name.endswith("Storage"):
+            return name
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"a stored tensor refers to {module}.{name}, which torch.save of a tensor never writes; refusing to "
+            "load it (the file may have been crafted to run code)"
+        )
+
+    def persistent_load(self, pid):
+        return pid  # ("storage", storage type, key, location, numel)
+
+
+def _read_box(root: Path, info, box: torch.Tensor) -> None:
+    """Fill `box` with the stored item `info` (a DCP _StorageInfo): its bytes are read from the file straight
+    into `box`, or, when `box` is a strided view (a tp-sharded column block), into one box-sized temporary."""
+    if info.transform_descriptors:
+        raise ValueError(
+            f"{root / info.relative_path}: stored with DCP transforms {info.transform_descriptors}, "
+            "which hf3d does not write"
+        )
+    with open(root / info.relative_path, "rb", buffering=0) as f:
+        item = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
+        try:
+            dtype, key, offset, size, stride = _LayoutUnpickler(io.BytesIO(item.get_record("data.pkl"))).load()
+        except (pickle.UnpicklingError, KeyError) as e:  # KeyError: a storage type torch does not know
+            raise ValueError(f"{root / info.relative_path} at byte {info.offset}: {e}") from None
+        plain = offset == 0 and torch.empty_strided(size, stride, device="meta").is_contiguous()
+        if not plain or dtype != box.dtype or size != tuple(box.shape):
+            raise ValueError(
+                f"{root / info.relative_path} at byte {info.offset}: a {dtype} tensor of shape {size}, strides "
+                f"{stride}, offset {offset} where the metadata says {box.dtype} {tuple(box.shape)}, contiguous"
+            )
+        f.seek(info.offset + item.get_record_offset(f"data/{key}"))
+        into = box if box.is_contiguous() else torch.empty_like(box, memory_format=torch.contiguous_format)
+        view = memoryview(into.view(-1).view(torch.uint8).numpy())
+        while view:  # one read() returns at most 2 GiB on Linux
+            n = f.readinto(view)
+            if not n:
+                raise ValueError(f"{root / info.relative_path} ends inside a stored tensor; the checkpoint is damaged")
+            view = view[n:]
+        if into is not box:
+            box.copy_(into)
 
 
 def _nbytes(info) -> int:
     return math.prod(info.size) * info.properties.dtype.itemsize
 
 
-class _BatchReader:
-    """Hands the writer one tensor at a time, in write order, from one reused buffer the size of the
-    largest tensor. One `dcp.load` fills as many of the next tensors as fit in the buffer: DCP spends
-    about a millisecond planning each call, which tensor-by-tensor reads paid 272 times for a
-    SmolLM2-135M shape. The writer is done with a tensor before it asks for the next one."""
+class _TensorReader:
+    """Hands the writer one full tensor at a time, assembled from the boxes the ranks wrote, in one reused
+    buffer the size of the largest tensor (the writer is done with a tensor before it asks for the next)."""
 
-    def __init__(self, reader, infos: dict, keys: dict[str, str], order: list[str]):
-        self.reader, self.infos, self.keys = reader, infos, keys
-        span = {n: -(-_nbytes(infos[n]) // 64) * 64 for n in order}  # 64-byte aligned slots
-        self.buffer = torch.empty(max(span.values(), default=0), dtype=torch.uint8)
-        self.batches: list[list[str]] = []
-        used = self.buffer.numel()
-        for n in order:
-            if used + span[n] > self.buffer.numel():
-                self.batches.append([])
-                used = 0
-            self.batches[-1].append(n)
-            used += span[n]
-        self.batches.reverse()  # popped from the end
-        self.ready: dict[str, torch.Tensor] = {}
+    def __init__(self, root: Path, metadata, keys: dict[str, str]):
+        self.root, self.metadata, self.keys = root, metadata, keys
+        largest = max((_nbytes(metadata.state_dict_metadata[k]) for k in keys.values()), default=0)
+        self.buffer = torch.empty(largest, dtype=torch.uint8)
 
     def __call__(self, name: str) -> torch.Tensor:
-        if not self.ready:
-            offset, want = 0, {}
-            for n in self.batches.pop():
-                info = self.infos[n]
-                view = self.buffer[offset : offset + _nbytes(info)].view(info.properties.dtype).view(tuple(info.size))
-                want[self.keys[n]] = self.ready[n] = view
-                offset += -(-_nbytes(info) // 64) * 64
-            dcp.load(want, storage_reader=self.reader, no_dist=True)
-        return self.ready.pop(name)
+        key = self.keys[name]
+        info = self.metadata.state_dict_metadata[key]
+        full = self.buffer[: _nbytes(info)].view(info.properties.dtype).view(tuple(info.size))
+        for chunk in info.chunks:
+            box = full
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                box = box.narrow(dim, start, length)
+            _read_box(self.root, self.metadata.storage_data[MetadataIndex(key, chunk.offsets)], box)
+        return full
 
 
 def checkpoint_to_hf(
@@ -163,8 +207,8 @@ def checkpoint_to_hf(
         raise ValueError(f"checkpoint {ckpt} has no config.json; it cannot be converted to an HF model")
     _check_out_dir(out_dir, ckpt, "config.json")
     config = AutoConfig.from_pretrained(ckpt)
-    reader = _Reader(ckpt)
-    stored = reader.read_metadata().state_dict_metadata
+    metadata = checkpoint.SafeReader(ckpt).read_metadata()
+    stored = metadata.state_dict_metadata
     prefix = checkpoint.MODEL_PREFIX
     names = [k[len(prefix) :] for k in stored if k.startswith(prefix)]
     expected = _state_dict_order(config)
@@ -190,12 +234,11 @@ def checkpoint_to_hf(
         keys[n] = key
         specs.append(TensorSpec(n, size, out_dtype))
 
-    produce = _BatchReader(reader, {n: stored[keys[n]] for n in keys}, keys, write_order(specs, max_shard_bytes))
+    produce = _TensorReader(ckpt, metadata, keys)
     config.dtype = out_dtype
-    with _single_process():
-        write_hf_dir(
-            out_dir, specs, lambda n: produce(n).to(out_dtype), config, src_dir=ckpt, max_shard_bytes=max_shard_bytes
-        )
+    write_hf_dir(
+        out_dir, specs, lambda n: produce(n).to(out_dtype), config, src_dir=ckpt, max_shard_bytes=max_shard_bytes
+    )
     return out_dir
 
 

@@ -95,7 +95,7 @@ def parallelize(
     tied = bool(config.tie_word_embeddings)
     base.embed_tokens = adapter.make_embedding(config, ctx) if has_first else None
     if has_last:
-        adapter.swap_final_norm(base.norm, ctx)
+        base.norm = adapter.swap_final_norm(base.norm, ctx)
         shared = base.embed_tokens.weight if (tied and has_first) else None
         hf_model.lm_head = adapter.make_lm_head(config, ctx, tied_weight=shared)
     else:

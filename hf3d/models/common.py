@@ -49,6 +49,76 @@ def mark_tp_partial(param: nn.Parameter, ctx: TPContext) -> None:
         param.hf3d_tp_partial_grad = True
 
 
+class _RMSNorm(torch.autograd.Function):
+    """Stock RMSNorm, `weight * (x * rsqrt(mean(x²) + eps)).to(dtype)` in fp32, with its own backward.
+
+    The forward is stock's ops in stock's order, so the output is bit for bit stock's. Autograd would
+    save x, x·rsqrt (and its fp32 copy under bf16) and run about ten elementwise kernels backward;
+    this saves x and the per-token rsqrt, and backward is the closed-form derivative in six."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.to(torch.float32)
+        rsqrt = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rsqrt)
+        return weight * (x32 * rsqrt).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rsqrt = ctx.saved_tensors
+        normed = x.to(torch.float32) * rsqrt
+        grad_w = (grad * normed.to(x.dtype)).flatten(0, -2).sum(0)
+        g = (grad * weight).to(torch.float32)
+        # d/dx of x·rsqrt(mean(x²)): rsqrt · (g − normed · mean(g · normed))
+        grad_x = (g - normed * (g * normed).mean(-1, keepdim=True)).mul_(rsqrt)
+        return grad_x.to(x.dtype), grad_w, None
+
+
+class RMSNorm(nn.Module):
+    """The stock RMSNorm module's place and Parameter (the same object: its HF name and pieces stay),
+    with the forward of `_RMSNorm`. Llama, Qwen2 and Qwen3 share that norm, line for line."""
+
+    def __init__(self, stock: nn.Module):
+        super().__init__()
+        self.weight, self.variance_epsilon = stock.weight, stock.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNorm.apply(x, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Rotary(torch.autograd.Function):
+    """Stock rotary embedding of q and k, `x * cos + rotate_half(x) * sin` (bit for bit the same),
+    with a backward that writes each gradient in place, where autograd splits, negates, pads and adds
+    the rotate_half's pieces: g·cos, then ± the halves of g·sin swapped. Values are equal too."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        ctx.save_for_backward(cos, sin)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        out = []
+        for g in (grad_q, grad_k):
+            half = g.shape[-1] // 2
+            g_sin = g * sin
+            dx = g * cos
+            dx[..., :half] += g_sin[..., half:]
+            dx[..., half:] -= g_sin[..., :half]
+            out.append(dx)
+        return out[0], out[1], None, None
+
+
 class TPAttention(nn.Module):
     """Attention over this rank's heads; projections fused, everything else HF's own."""
 
@@ -102,7 +172,7 @@ class TPAttention(nn.Module):
             set_pieces(self.o_proj.bias, whole(f"{prefix}.o_proj.bias", config.hidden_size, owner=r == 0))
         self.q_norm = self.k_norm = None
         if hasattr(stock, "q_norm"):  # Qwen3: RMSNorm over head_dim of each head, before RoPE
-            self.q_norm, self.k_norm = stock.q_norm, stock.k_norm
+            self.q_norm, self.k_norm = RMSNorm(stock.q_norm), RMSNorm(stock.k_norm)
             for name in ("q_norm", "k_norm"):
                 w = getattr(self, name).weight
                 set_pieces(w, whole(f"{prefix}.{name}.weight", d, owner=r == 0))
@@ -118,7 +188,10 @@ class TPAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, heads_local, s, d]
         cos, sin = position_embeddings
-        q, k = self._apply_rotary(q, k, cos, sin)
+        if cos.requires_grad or sin.requires_grad or cos.shape[-1] != d:
+            q, k = self._apply_rotary(q, k, cos, sin)
+        else:  # the families here share stock's full-width rotate-half RoPE
+            q, k = _Rotary.apply(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
@@ -237,15 +310,17 @@ class DecoderAdapter:
         layer.self_attn = TPAttention(layer.self_attn, f"{prefix}.self_attn", ctx)
         layer.mlp = TPMLP(layer.mlp, f"{prefix}.mlp", ctx)
         for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, name, RMSNorm(getattr(layer, name)))
             w = getattr(layer, name).weight
             set_pieces(w, whole(f"{prefix}.{name}.weight", w.shape[0], owner=ctx.rank == 0))
             if ctx.sequence_parallel:
                 mark_tp_partial(w, ctx)
 
-    def swap_final_norm(self, norm: nn.Module, ctx: TPContext) -> None:
+    def swap_final_norm(self, norm: nn.Module, ctx: TPContext) -> RMSNorm:
         set_pieces(norm.weight, whole("model.norm.weight", norm.weight.shape[0], owner=ctx.rank == 0))
         if ctx.sequence_parallel:
             mark_tp_partial(norm.weight, ctx)
+        return RMSNorm(norm)
 
     def make_embedding(self, config, ctx: TPContext) -> VocabParallelEmbedding:
         v0, v1 = shard_range(padded_vocab(config.vocab_size, ctx.size), ctx.size, ctx.rank)
