@@ -13,10 +13,11 @@ Memory on one rank = training state + activations + a few buffers:
   a saved_tensors_hooks counts. Per micro-batch alive at once: pp=1 runs one micro-batch's forward
   and backward at a time; afab keeps all m alive, 1f1b at most pp − r on pipeline rank r,
   interleaved-1f1b torch's warm-up (v−1)·pp + 2(pp−1−r) + 1 chunks.
-* loss head (last stage). At pp=1 train_step runs the fused head (tensor_parallel._FusedHeadLoss): no
-  [tokens, vocab] logits, but the weight's gradient (fp32, [vocab/tp, hidden]) and the hidden states'
-  gradient are made in its forward, beside one chunk of logits at a time (HEAD_CHUNK fp32 values per
-  row and local vocab column). Under pp the plain head runs: HEAD_LIVE bytes per token per local vocab
+* loss head (last stage). At pp=1 and under 1f1b train_step runs the fused head
+  (tensor_parallel._FusedHeadLoss): no [tokens, vocab] logits, but the weight's gradient (fp32,
+  [vocab/tp, hidden]) and the hidden states' gradient are made in its forward, beside one chunk of
+  logits at a time (HEAD_CHUNK fp32 values per row and local vocab column); 1f1b's last stage runs
+  each micro-batch's backward right after its forward. Under the other schedules the plain head runs: HEAD_LIVE bytes per token per local vocab
   column for each live micro-batch (the saved log-softmax / exp) and HEAD_PEAK more while one
   micro-batch's loss runs backward (logits and their gradients); torch's pipeline schedules also keep
   every micro-batch's logits (the stage's output_chunks) until the next step and merge them into one
@@ -185,7 +186,7 @@ def rank_memory(s: Shape, run: Run, rank: int) -> dict[str, float]:
     live = live_chunks(run, rank)
     out["activations"] = live * tokens * (chunk_layers * layer_activation_bytes(s, run.tp, a) + extra)
     head = 0.0
-    if last and run.pp == 1:
+    if last and (run.pp == 1 or run.schedule == "1f1b"):  # the fused head (hf3d.pipeline)
         from hf3d.tensor_parallel import LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_MIN_ROWS
 
         rows = min(tokens, max(LOSS_CHUNK_MIN_ROWS, LOSS_CHUNK_ELEMENTS // vocab))

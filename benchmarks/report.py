@@ -99,10 +99,14 @@ def _load_memory(d: dict) -> str:
     s = d["summary"]
     use = s["bf16"]["metrics"]["peak RSS, load + first use (VmHWM)"]["ratio_above_baseline_B_worst_rank"]
     anon = s["bf16"]["metrics"]["private RSS after first use (RssAnon)"]["ratio_above_baseline_B_worst_rank"]
-    only = s["bf16"]["metrics"]["peak RSS during load (VmHWM)"]["ratio_above_baseline_B_worst_rank"]
+    load = s["bf16"]["metrics"]["peak RSS during load (VmHWM)"]
+    only = load["ratio_above_baseline_B_worst_rank"]
+    worst = "hf3d worst of 3 ranks"
+    own = (load["values"][worst] - load["baseline"]) / s["bf16"]["param_bytes"][worst]
     out = (
         f"{use:.2f}x over load + first use (bf16), {anon:.2f}x private memory; load-only peak {only:.2f}x "
-        "(missed: stock keeps same-dtype weights as untouched mmap views until first use)"
+        "(missed: stock keeps same-dtype weights as untouched mmap views until first use), which is "
+        f"{own:.2f}x the rank's own parameter bytes"
     )
     if "fp32" in s:
         fp32 = s["fp32"]["metrics"]["peak RSS during load (VmHWM)"]["ratio_above_baseline_B_worst_rank"]

@@ -49,8 +49,8 @@ class ParallelModel(nn.Module):
         self.grad_sync = None  # set by build_optimizer: receives train_step's start-of-step signal
         self._pipeline = None
         self.last_z_loss: torch.Tensor | None = None  # the z-loss term of the last train_step, global mean
-        # train_step at pp=1: the lm_head matmul and the loss run chunk by chunk, with no [tokens, vocab]
-        # logits (tensor_parallel._FusedHeadLoss); False runs the plain head + loss_terms
+        # train_step at pp=1 and under 1f1b: the lm_head matmul and the loss run chunk by chunk, with no
+        # [tokens, vocab] logits (tensor_parallel._FusedHeadLoss); False runs the plain head + loss_terms
         self.fused_loss = True
 
     # -- mesh coordinates -------------------------------------------------------------------------

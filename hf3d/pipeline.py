@@ -8,12 +8,19 @@ cos/sin and masks from them, so packed sequences work). The schedules are PyTorc
 The loss of each micro-batch is its token-loss sum divided by the token count of the whole
 global batch, and the schedule does not rescale gradients (scale_grads=False): summing over
 micro-batches and dp ranks then gives exactly the global token mean.
+
+Under 1f1b the last stage hands the schedule its final hidden states and the loss function runs the
+fused output head (VocabParallelLMHead.fused_loss_terms): no [tokens, vocab] logits. That head makes
+its weight's gradient in the forward, which is right when each micro-batch's backward follows its
+forward at once, as 1f1b's last stage does; the other schedules keep several of the last stage's
+micro-batches alive (afab all of them) and run the plain head.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -31,14 +38,26 @@ SCHEDULES = {
     "dualpipev": ScheduleDualPipeV,
 }
 SINGLE_STAGE = ("afab", "1f1b")
+FUSED_HEAD_SCHEDULES = ("1f1b",)  # one micro-batch alive at a time on the last stage
+
+
+class _WithoutHead(nn.Module):
+    """The last stage up to its final norm: the schedule's loss function runs the head."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.stage(x, position_ids, head=False)
 
 
 class _Pipeline:
     """PipelineStages and a schedule for one micro-batch shape (rebuilt if the shape changes)."""
 
-    def __init__(self, pmodel, mb_shape: tuple[int, int]):
+    def __init__(self, pmodel, mb_shape: tuple[int, int], fused_head: bool):
         pcfg = pmodel.pcfg
-        self.mb_shape = mb_shape
+        self.mb_shape, self.fused_head = mb_shape, fused_head
         b, s = mb_shape
         s_local = s // pcfg.tp if pcfg.sequence_parallel else s
         dtype, device, cfg = pmodel.param_dtype, pmodel.device, pmodel.config
@@ -50,11 +69,12 @@ class _Pipeline:
         self.stages = []
         for st in pmodel.stages:
             inp = torch.empty(b, s, dtype=torch.long, device="meta") if st.first else hidden
-            vocab_local = st.lm_head.num_local if st.last else 0
-            out = torch.empty(b, s, vocab_local, dtype=dtype, device="meta", requires_grad=True) if st.last else hidden
+            out = hidden
+            if st.last and not fused_head:
+                out = torch.empty(b, s, st.lm_head.num_local, dtype=dtype, device="meta", requires_grad=True)
             self.stages.append(
                 PipelineStage(
-                    st,
+                    _WithoutHead(st) if st.last and fused_head else st,
                     st.stage_index,
                     pcfg.num_stages,
                     device,
@@ -71,10 +91,14 @@ class _Pipeline:
         self.has_first = any(st.first for st in pmodel.stages)
         self.has_last = last is not None
 
-    def _loss(self, local_logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        objective, ce, z = self.lm_head.loss_terms(
-            local_logits.flatten(0, 1), targets.flatten(), self.num_tokens, z_loss=self.z_loss
-        )
+    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """out: the last stage's hidden states (fused head) or its local logits."""
+        if self.fused_head:
+            objective, ce, z = self.lm_head.fused_loss_terms(out, targets, self.num_tokens, z_loss=self.z_loss)
+        else:
+            objective, ce, z = self.lm_head.loss_terms(
+                out.flatten(0, 1), targets.flatten(), self.num_tokens, z_loss=self.z_loss
+            )
         self.parts.append(torch.stack([ce, z]))
         return objective
 
@@ -84,9 +108,10 @@ def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss
     summed over micro-batches, the same on every pipeline rank (the schedule sees their sum)."""
     m = pmodel.pcfg.num_microbatches
     mb_shape = (input_ids.shape[0] // m, input_ids.shape[1])
+    fused_head = pmodel.fused_loss and pmodel.pcfg.pp_schedule in FUSED_HEAD_SCHEDULES
     pipe = pmodel._pipeline
-    if pipe is None or pipe.mb_shape != mb_shape:
-        pipe = pmodel._pipeline = _Pipeline(pmodel, mb_shape)
+    if pipe is None or (pipe.mb_shape, pipe.fused_head) != (mb_shape, fused_head):
+        pipe = pmodel._pipeline = _Pipeline(pmodel, mb_shape, fused_head)
     pipe.num_tokens, pipe.z_loss, pipe.parts = num_tokens, z_loss, []
     losses: list[torch.Tensor] = []
     args = (input_ids,) if pipe.has_first else ()
