@@ -1,12 +1,15 @@
 """`hf3d convert`: HF directory <-> hf3d checkpoint, on one CPU process, one tensor at a time.
 
 A checkpoint stores every weight under `model/<hf name>` in its global HF shape (hf3d/checkpoint.py),
-so conversion needs no mesh and no process group: DCP loads and saves with `no_dist=True`.
+so conversion needs no mesh and no process group (from-hf calls `dcp.save` with `no_dist=True`).
 
-- to-hf: `dcp.load` fills full tensors (DCP assembles each from whatever boxes the ranks wrote) in a
-  buffer the size of the largest tensor, a few at a time in write order (`_BatchReader`); the HF
-  writer (hf3d/hf.py `write_hf_dir`) streams them out one by one. Peak: about two largest tensors
-  (the buffer, and the copy DCP's reader makes of each stored tensor before copying it in).
+- to-hf: reads DCP's files itself, at the offsets in DCP's metadata: `dcp.load` torch.loads each stored
+  box into a fresh tensor, copies it into the target and plans every call, which made to-hf 4.5x a raw
+  safetensors load + save. Each box's data.pkl gives its layout (`_LayoutUnpickler`, which runs no
+  code) and its bytes are mapped, not read (`_stored`). A tensor stored whole (from-hf writes them so)
+  goes to the HF writer (hf3d/hf.py `write_hf_dir`) as that view of the file's pages, so the writer's
+  copy into the output is the only one; a tensor that ranks wrote in boxes is assembled in a buffer
+  the size of the largest such tensor. Peak: about one largest tensor (its pages; plus that buffer).
 - from-hf: DCP's writer asks its planner for each tensor's data just before writing it; the planner
   here reads that one tensor from the safetensors then (`_ReadOnDemand`), so the state dict handed
   to DCP holds only meta tensors. DCP's FileSystemWriter (torch 2.13) keeps a reference to every
@@ -21,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import mmap
 import os
 import pickle
 import re
@@ -96,6 +100,11 @@ def _check_out_dir(out: Path, src: Path, keeps: str) -> None:
 
 
 # -- checkpoint -> HF -----------------------------------------------------------------------------
+# madvise(MADV_POPULATE_READ), Linux 5.14+ (Python has no name for it): maps a range's pages from the page
+# cache in one call, without copying them; faulting them in one at a time costs more than a read() copy
+_MADV_POPULATE_READ = 22
+
+
 def _rebuilt_layout(storage, offset, size, stride, requires_grad, hooks, dtype=None, *_):
     """What torch's _rebuild_tensor_v2/_v3 would build, as (dtype, storage key, offset, size, stride)."""
     _, storage_type, key, _, _ = storage
@@ -124,60 +133,81 @@ class _LayoutUnpickler(pickle.Unpickler):
         return pid  # ("storage", storage type, key, location, numel)
 
 
-def _read_box(root: Path, info, box: torch.Tensor) -> None:
-    """Fill `box` with the stored item `info` (a DCP _StorageInfo): its bytes are read from the file straight
-    into `box`, or, when `box` is a strided view (a tp-sharded column block), into one box-sized temporary."""
+def _stored(root: Path, info, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The box DCP stored as item `info` (a _StorageInfo), as a view of its file's pages: a private
+    mapping, so nothing written to the tensor reaches the file."""
+    path = root / info.relative_path
     if info.transform_descriptors:
-        raise ValueError(
-            f"{root / info.relative_path}: stored with DCP transforms {info.transform_descriptors}, "
-            "which hf3d does not write"
-        )
-    with open(root / info.relative_path, "rb", buffering=0) as f:
+        raise ValueError(f"{path}: stored with DCP transforms {info.transform_descriptors}, which hf3d does not write")
+    with open(path, "rb") as f:
         item = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
         try:
-            dtype, key, offset, size, stride = _LayoutUnpickler(io.BytesIO(item.get_record("data.pkl"))).load()
+            layout = _LayoutUnpickler(io.BytesIO(item.get_record("data.pkl"))).load()
         except (pickle.UnpicklingError, KeyError) as e:  # KeyError: a storage type torch does not know
-            raise ValueError(f"{root / info.relative_path} at byte {info.offset}: {e}") from None
-        plain = offset == 0 and torch.empty_strided(size, stride, device="meta").is_contiguous()
-        if not plain or dtype != box.dtype or size != tuple(box.shape):
+            raise ValueError(f"{path} at byte {info.offset}: {e}") from None
+        stored_dtype, key, offset, size, stride = layout
+        if stored_dtype != dtype or size != shape:
             raise ValueError(
-                f"{root / info.relative_path} at byte {info.offset}: a {dtype} tensor of shape {size}, strides "
-                f"{stride}, offset {offset} where the metadata says {box.dtype} {tuple(box.shape)}, contiguous"
+                f"{path} at byte {info.offset}: a {stored_dtype} tensor of shape {size} where the checkpoint's "
+                f"metadata says {dtype}, {shape}"
             )
-        f.seek(info.offset + item.get_record_offset(f"data/{key}"))
-        into = box if box.is_contiguous() else torch.empty_like(box, memory_format=torch.contiguous_format)
-        view = memoryview(into.view(-1).view(torch.uint8).numpy())
-        while view:  # one read() returns at most 2 GiB on Linux
-            n = f.readinto(view)
-            if not n:
-                raise ValueError(f"{root / info.relative_path} ends inside a stored tensor; the checkpoint is damaged")
-            view = view[n:]
-        if into is not box:
-            box.copy_(into)
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        start = info.offset + item.get_record_offset(f"data/{key}")
+        extent = offset + 1 + sum((n - 1) * step for n, step in zip(size, stride))  # elements up to the last one
+        first_page = start - start % mmap.ALLOCATIONGRANULARITY
+        pages = mmap.mmap(
+            f.fileno(), start + extent * dtype.itemsize - first_page, offset=first_page, access=mmap.ACCESS_COPY
+        )
+    with contextlib.suppress(OSError):  # before Linux 5.14 the pages fault in one by one as they are read
+        pages.madvise(_MADV_POPULATE_READ)
+    return torch.frombuffer(pages, dtype=dtype, count=extent, offset=start - first_page).as_strided(
+        size, stride, offset
+    )
 
 
 def _nbytes(info) -> int:
     return math.prod(info.size) * info.properties.dtype.itemsize
 
 
+def _whole(info) -> bool:
+    """Whether one stored box is the whole tensor (a checkpoint from from-hf, or a weight no rank split)."""
+    return len(info.chunks) == 1 and tuple(info.chunks[0].sizes) == tuple(info.size)
+
+
 class _TensorReader:
-    """Hands the writer one full tensor at a time, assembled from the boxes the ranks wrote, in one reused
-    buffer the size of the largest tensor (the writer is done with a tensor before it asks for the next)."""
+    """Hands the writer one full tensor at a time. A tensor stored whole is a view of the checkpoint's
+    file pages, so its bytes are copied once, by the writer; one stored in boxes (by several ranks) is
+    assembled in a reused buffer the size of the largest such tensor. The writer is done with a tensor
+    before it asks for the next, and the mapping goes with the tensor."""
 
     def __init__(self, root: Path, metadata, keys: dict[str, str]):
         self.root, self.metadata, self.keys = root, metadata, keys
-        largest = max((_nbytes(metadata.state_dict_metadata[k]) for k in keys.values()), default=0)
-        self.buffer = torch.empty(largest, dtype=torch.uint8)
+        infos = [metadata.state_dict_metadata[k] for k in keys.values()]
+        self.buffer = torch.empty(max((_nbytes(i) for i in infos if not _whole(i)), default=0), dtype=torch.uint8)
+
+    def _box(self, key: str, chunk, dtype: torch.dtype) -> torch.Tensor:
+        info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
+        return _stored(self.root, info, dtype, tuple(chunk.sizes))
 
     def __call__(self, name: str) -> torch.Tensor:
         key = self.keys[name]
         info = self.metadata.state_dict_metadata[key]
-        full = self.buffer[: _nbytes(info)].view(info.properties.dtype).view(tuple(info.size))
+        dtype = info.properties.dtype
+        if _whole(info):
+            return self._box(key, info.chunks[0], dtype)
+        stored = sum(math.prod(chunk.sizes) for chunk in info.chunks)
+        if stored < math.prod(info.size):  # the ranks write disjoint boxes that cover every element
+            raise ValueError(
+                f"{self.root}: {name} is stored only in part ({stored} of {math.prod(info.size)} elements); "
+                "the checkpoint is incomplete"
+            )
+        full = self.buffer[: _nbytes(info)].view(dtype).view(tuple(info.size))
         for chunk in info.chunks:
             box = full
             for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 box = box.narrow(dim, start, length)
-            _read_box(self.root, self.metadata.storage_data[MetadataIndex(key, chunk.offsets)], box)
+            box.copy_(self._box(key, chunk, dtype))
         return full
 
 
