@@ -241,8 +241,6 @@ def compare(mesh, res: dict, shape: MM.Shape, spec: dict) -> dict:
             "pp": float(r["pp_sent"]),
         }
         at_rest = mem["params"] + mem["main_grads"] + mem["master_weights"] + mem["optimizer_state"] + mem["pp_buffers"]
-        if pp > 1 and r["coords"]["pp"] == pp - 1:  # the last stage's output_chunks outlive the step
-            at_rest += spec["microbatches"] * run.tokens * MM.vocab_local(shape, tp) * run.param_bytes
         per_rank.append(
             {
                 "coords": r["coords"],

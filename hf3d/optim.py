@@ -329,9 +329,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             for b in self.buckets:
                 for src in range(self.dp_size):
                     lo, hi = shard_range(b.numel, self.dp_size, src)
-                    works.append(
-                        dist.broadcast(b.param_data[lo:hi], group=self.dp_group, group_src=src, async_op=True)
-                    )
+                    works.append(dist.broadcast(b.param_data[lo:hi], group=self.dp_group, group_src=src, async_op=True))
             for w in works:
                 w.wait()
             return
@@ -528,9 +526,10 @@ def build_optimizer(
     bucket. dp_collective (ZeRO-1's gradient reduction and parameter gather): "reduce_scatter"
     (reduce-scatter + all-gather), "all_to_all" (all-to-all + local sum, then one broadcast per
     shard: the same bytes, faster on gloo), "all_reduce" (all-reduce of the gradients and of the
-    zero-padded parameters: twice the bytes) or "auto" (all_to_all on gloo, reduce_scatter elsewhere). exclude_from_weight_decay: True for no decay on norms,
-    biases and embeddings, or a rule `(runtime_name, param) -> bool` picking the parameters without
-    decay (hf3d.Trainer passes transformers' own). Other keyword arguments go to optimizer_cls.
+    zero-padded parameters: twice the bytes) or "auto" (all_to_all on gloo, reduce_scatter elsewhere).
+    exclude_from_weight_decay: True for no decay on norms, biases and embeddings, or a rule
+    `(runtime_name, param) -> bool` picking the parameters without decay (hf3d.Trainer passes
+    transformers' own). Other keyword arguments go to optimizer_cls.
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
