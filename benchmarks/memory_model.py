@@ -12,7 +12,9 @@ Memory on one rank = training state + activations + a few buffers:
   without a mask), fp32 — LAYER_TERMS below; tests/test_benchmarks.py checks it against the storages
   a saved_tensors_hooks counts. Per micro-batch alive at once: pp=1 runs one micro-batch's forward
   and backward at a time; afab keeps all m alive, 1f1b at most pp − r on pipeline rank r,
-  interleaved-1f1b torch's warm-up (v−1)·pp + 2(pp−1−r) + 1 chunks.
+  interleaved-1f1b torch's warm-up (v−1)·pp + 2(pp−1−r) + 1 chunks. At the start of backward, beside
+  them: the last layer's MLP gradients, [tokens, intermediate/tp] for the down_proj input and twice
+  that for the fused gate_up output (backward_transient).
 * loss head (last stage). At pp=1 and under 1f1b train_step runs the fused head
   (tensor_parallel._FusedHeadLoss): no [tokens, vocab] logits, but the weight's gradient (fp32,
   [vocab/tp, hidden]) and the hidden states' gradient are made in its forward, beside one chunk of
@@ -185,6 +187,9 @@ def rank_memory(s: Shape, run: Run, rank: int) -> dict[str, float]:
     extra = 2 * s.d * a + (8 if first else 0) + (2 * h * a + 4 if last else 0)  # cos/sin, ids, final norm
     live = live_chunks(run, rank)
     out["activations"] = live * tokens * (chunk_layers * layer_activation_bytes(s, run.tp, a) + extra)
+    # the last layer's MLP backward, while every other saved tensor is still alive: the gradient of the
+    # down_proj input and the fused gate_up gradient made from it
+    out["backward_transient"] = 3 * tokens * (s.inter // run.tp) * a
     head = 0.0
     if last and (run.pp == 1 or run.schedule == "1f1b"):  # the fused head (hf3d.pipeline)
         from hf3d.tensor_parallel import LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_MIN_ROWS
