@@ -424,8 +424,14 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 covered += dst.numel()
             if covered < view.numel():
                 raise ValueError(f"optimizer state has no {key!r} for part of {name!r} at offsets {off}")
-        for master in self.optimizer.state if keys else ():  # no state yet: the optimizer starts fresh
-            self.optimizer.state[master]["step"] = torch.tensor(float(state_dict["step"]))
+        for group in self.optimizer.param_groups if keys else ():  # no state yet: the optimizer starts fresh
+            # torch's own placement: fused and capturable kernels read the step on the param's device
+            on_device = group.get("fused") or group.get("capturable")
+            for master in group["params"]:
+                if master in self.optimizer.state:
+                    device = master.device if on_device else "cpu"
+                    step = torch.tensor(float(state_dict["step"]), dtype=torch.float32, device=device)
+                    self.optimizer.state[master]["step"] = step
         for group, saved in zip(self.optimizer.param_groups, state_dict.get("param_groups", [])):
             group.update({k: v for k, v in saved.items() if k in group})
         self._write_back()
