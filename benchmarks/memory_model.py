@@ -196,7 +196,7 @@ def rank_memory(s: Shape, run: Run, rank: int) -> dict[str, float]:
 
         rows = min(tokens, max(LOSS_CHUNK_MIN_ROWS, LOSS_CHUNK_ELEMENTS // vocab))
         head = 4 * vocab * h + tokens * h * a + HEAD_CHUNK * 4 * rows * vocab
-    elif last:  # the plain head under pp; every micro-batch's logits stay until the next step, then one more copy
+    elif last:  # the plain head under the other schedules: each live micro-batch's saved softmax, one backward
         head = tokens * vocab * 4 * (live * HEAD_LIVE + HEAD_PEAK)
     out["loss_head"] = head
     out["pp_buffers"] = 0 if run.pp == 1 else m * tokens * h * a * ((not first) + (not last)) * len(mine)

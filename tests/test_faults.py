@@ -273,9 +273,9 @@ def test_a_hung_peer_is_a_collective_timeout_after_timeout_s(tmp_path):
 
 
 FINISH_SCRIPT = """
-import sys, time, torch.distributed as dist, hf3d
+import sys, time, torch, torch.distributed as dist, hf3d
 dist.init_process_group("gloo")
-x = __import__("torch").ones(4)
+x = torch.ones(4)
 dist.all_reduce(x)  # gloo's threads are up
 if dist.get_rank() == 0:
     time.sleep(1.0)  # rank 0 works alone (an export): the others wait for it, no collective timeout
