@@ -89,21 +89,15 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class _Rotary(torch.autograd.Function):
-    """Stock rotary embedding of q and k, `x * cos + rotate_half(x) * sin` (bit for bit the same),
-    with a backward that writes each gradient in place, where autograd splits, negates, pads and adds
-    the rotate_half's pieces: g·cos, then ± the halves of g·sin swapped. Values are equal too."""
+    """Stock rotary embedding of q and k (stock's own function runs the forward), with a backward that
+    writes each gradient in place, where autograd splits, negates, pads and adds the rotate_half's
+    pieces: g·cos, then ± the halves of g·sin swapped. Values are equal too."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        ctx.save_for_backward(cos, sin)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(ctx, q, k, cos, sin, rope):
+        ctx.save_for_backward(cos.unsqueeze(1), sin.unsqueeze(1))
+        return rope(q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
@@ -116,7 +110,7 @@ class _Rotary(torch.autograd.Function):
             dx[..., :half] += g_sin[..., half:]
             dx[..., half:] -= g_sin[..., :half]
             out.append(dx)
-        return out[0], out[1], None, None
+        return out[0], out[1], None, None, None
 
 
 class TPAttention(nn.Module):
@@ -191,7 +185,7 @@ class TPAttention(nn.Module):
         if cos.requires_grad or sin.requires_grad or cos.shape[-1] != d:
             q, k = self._apply_rotary(q, k, cos, sin)
         else:  # the families here share stock's full-width rotate-half RoPE
-            q, k = _Rotary.apply(q, k, cos, sin)
+            q, k = _Rotary.apply(q, k, cos, sin, self._apply_rotary)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
