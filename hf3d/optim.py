@@ -238,28 +238,32 @@ class ParallelOptimizer(torch.optim.Optimizer):
             b.work = None
             return
         flat = self.main_grad[b.offset : b.offset + b.numel]
+        if self.zero_stage != 1 or self.dp_collective == "all_reduce":
+            b.work = (dist.all_reduce(flat, group=self.dp_group, async_op=True), None, 0, 0)
+            return
         lo, hi = self._my_shard(b)
-        if self.zero_stage == 1 and self.dp_collective == "reduce_scatter":
+        if self.dp_collective == "reduce_scatter":
             out = torch.empty(hi - lo, device=self.device)
             b.work = (dist.reduce_scatter_single(out, flat, group=self.dp_group, async_op=True), out, lo, hi)
-        elif self.zero_stage == 1 and self.dp_collective == "all_to_all":
-            # each rank receives every rank's copy of its own shard, and sums them: a reduce-scatter
-            # that gloo runs faster than its reduce_scatter or all_reduce. At most two buckets' receive
-            # buffers are alive: the previous one is summed before this one starts.
-            for other in self.buckets:
-                if other.work is not None and other.work[1] is not None:
-                    self._complete(other)
-            out = torch.empty(self.dp_size, hi - lo, device=self.device)
-            b.work = (dist.all_to_all_single(out, flat, group=self.dp_group, async_op=True), out, lo, hi)
-        else:
-            b.work = (dist.all_reduce(flat, group=self.dp_group, async_op=True), None, 0, 0)
+            return
+        # all_to_all: each rank receives every rank's copy of its own shard, and sums them: a
+        # reduce-scatter that gloo runs faster than its reduce_scatter or all_reduce. At most two buckets'
+        # receive buffers are alive: the previous one is summed before this one starts.
+        for other in self.buckets:
+            if other.work is not None and other.work[1] is not None:
+                self._complete(other)
+        out = torch.empty(self.dp_size, hi - lo, device=self.device)
+        b.work = (dist.all_to_all_single(out, flat, group=self.dp_group, async_op=True), out, lo, hi)
 
     def _complete(self, b: _Bucket) -> None:
         work, out, lo, hi = b.work
         work.wait()
-        if out is not None and out.dim() == 2:
+        if out is None:  # all-reduced in place
+            b.work = None
+            return
+        if self.dp_collective == "all_to_all":
             torch.sum(out, dim=0, out=self.main_grad[lo:hi])
-        elif out is not None:
+        else:
             self.main_grad[lo:hi].copy_(out)
         b.work = None
 
