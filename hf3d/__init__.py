@@ -1,14 +1,30 @@
-"""hf3d: tensor, pipeline and data (ZeRO-1) parallel training of stock transformers models."""
+"""hf3d: tensor, pipeline and data (ZeRO-1) parallel training of stock transformers models.
 
-from .accel import prepare
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import ParallelConfig
-from .faults import finish
-from .model import ParallelModel
-from .optim import ParallelOptimizer, build_optimizer
-from .parallelize import parallelize
+The public names load on first use: `import hf3d` alone imports neither torch nor transformers, so the
+`hf3d` command answers --help at once and reads a config before the slow imports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_SOURCES = {
+    "ParallelConfig": ".config",
+    "ParallelModel": ".model",
+    "ParallelOptimizer": ".optim",
+    "Trainer": ".hf_trainer",
+    "build_optimizer": ".optim",
+    "finish": ".faults",
+    "load_checkpoint": ".checkpoint",
+    "parallelize": ".parallelize",
+    "prepare": ".accel",
+    "save_checkpoint": ".checkpoint",
+}
 
 __all__ = [
     "ParallelConfig",
@@ -23,10 +39,43 @@ __all__ = [
     "save_checkpoint",
 ]
 
+if TYPE_CHECKING:
+    from .accel import prepare
+    from .checkpoint import load_checkpoint, save_checkpoint
+    from .config import ParallelConfig
+    from .faults import finish
+    from .hf_trainer import Trainer
+    from .model import ParallelModel
+    from .optim import ParallelOptimizer, build_optimizer
+    from .parallelize import parallelize
+
 
 def __getattr__(name: str):
-    if name == "Trainer":  # transformers' Trainer takes seconds to import: load it on first use
-        from .hf_trainer import Trainer
+    """A public name from its module, or a submodule (`hf3d.metrics`), imported on first use."""
+    if name in _SOURCES:
+        value = getattr(importlib.import_module(_SOURCES[name], __name__), name)
+    else:
+        try:
+            value = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'hf3d' has no attribute {name!r}") from None
+    globals()[name] = value  # later lookups skip this function
+    return value
 
-        return Trainer
-    raise AttributeError(f"module 'hf3d' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_SOURCES))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # importing the submodule hf3d.parallelize sets the package's `parallelize` to that module; the
+        # public name stays the function, as it was when this file imported everything
+        if name in _SOURCES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

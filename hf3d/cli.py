@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .convert import add_convert_commands
+from .config import DTYPE_NAMES
 
 
 def _is_main_rank() -> bool:
@@ -24,11 +24,13 @@ def _train(args) -> int:
         die_with_parent()
     state = RunState()
     try:
-        from .trainer import TrainConfig, train
+        from .train_config import TrainConfig
 
-        cfg = TrainConfig.from_yaml(args.config, args.set or [])
+        cfg = TrainConfig.from_yaml(args.config, args.set or [])  # a bad config fails before the slow imports
         p = cfg.parallel
         state.place(p.tp, p.pp, int(os.environ.get("WORLD_SIZE", "1")))
+        from .trainer import train
+
         train(cfg, state=state)
     except Exception as e:
         return fail(e, state, "hf3d train")
@@ -54,6 +56,18 @@ def _generate(args) -> None:
         pad_token_id=tok.eos_token_id,
     )
     print(tok.decode(out[0], skip_special_tokens=True))
+
+
+def _to_hf(args) -> None:
+    from .convert import checkpoint_to_hf
+
+    print(f"wrote {checkpoint_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)}")
+
+
+def _from_hf(args) -> None:
+    from .convert import hf_to_checkpoint
+
+    print(f"wrote {hf_to_checkpoint(args.src, args.out)}")
 
 
 def _push(args) -> None:
@@ -86,7 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_generate)
     p = sub.add_parser("convert", help="hf3d checkpoint <-> HF directory, on one CPU process (no torchrun)")
-    add_convert_commands(p)
+    directions = p.add_subparsers(dest="direction", required=True)
+    d = directions.add_parser("to-hf", help="hf3d checkpoint -> HF directory, on one CPU process")
+    d.add_argument("ckpt", help="hf3d checkpoint folder (any mesh; training or weights-only)")
+    d.add_argument("out", help="HF directory to write (replaced if it is one already)")
+    d.add_argument("--dtype", choices=DTYPE_NAMES, help="weights dtype (default: the checkpoint's training dtype)")
+    d.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size: 5GB, 500MB, bytes")
+    d.set_defaults(func=_to_hf)
+    d = directions.add_parser("from-hf", help="HF model -> weights-only hf3d checkpoint")
+    d.add_argument("src", help="HF model directory or Hub id (safetensors weights)")
+    d.add_argument("out", help="checkpoint folder to write (replaced if it is an hf3d checkpoint already)")
+    d.set_defaults(func=_from_hf)
     p = sub.add_parser("push", help="upload an HF model directory to the Hub, with a model card")
     p.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")

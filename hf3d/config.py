@@ -6,6 +6,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the training and export dtypes, torch.<name>
 PP_SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 # ParallelConfig.from_env: field -> environment variable
 ENV_VARS = {

@@ -51,8 +51,8 @@ from .hf import (
     resolve_model_dir,
     write_hf_dir,
 )
+from .train_config import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
@@ -347,33 +347,3 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     checkpoint.write_marker(tmp, meta)
     checkpoint.publish(tmp, final)
     return final
-
-
-# -- command line (`hf3d convert ...` and the scripts in conversion/) ---------------------------------
-def add_to_hf_arguments(p) -> None:
-    p.add_argument("ckpt", help="hf3d checkpoint folder (any mesh; training or weights-only)")
-    p.add_argument("out", help="HF directory to write (replaced if it is one already)")
-    p.add_argument("--dtype", choices=list(DTYPES), help="weights dtype (default: the checkpoint's training dtype)")
-    p.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size: 5GB, 500MB, bytes")
-    p.set_defaults(func=_to_hf_main)
-
-
-def _to_hf_main(a) -> None:
-    print(f"wrote {checkpoint_to_hf(a.ckpt, a.out, dtype=a.dtype, max_shard_size=a.max_shard_size)}")
-
-
-def _from_hf_main(a) -> None:
-    print(f"wrote {hf_to_checkpoint(a.src, a.out)}")
-
-
-def add_from_hf_arguments(p) -> None:
-    p.add_argument("src", help="HF model directory or Hub id (safetensors weights)")
-    p.add_argument("out", help="checkpoint folder to write (replaced if it is an hf3d checkpoint already)")
-    p.set_defaults(func=_from_hf_main)
-
-
-def add_convert_commands(p) -> None:
-    """`convert to-hf` and `convert from-hf` under the parser `p`."""
-    sub = p.add_subparsers(dest="direction", required=True)
-    add_to_hf_arguments(sub.add_parser("to-hf", help="hf3d checkpoint -> HF directory, on one CPU process"))
-    add_from_hf_arguments(sub.add_parser("from-hf", help="HF model -> weights-only hf3d checkpoint"))

@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from .config import ParallelConfig
+from .config import DTYPE_NAMES, ParallelConfig
 from .configfile import build_section
 from .data import DataConfig
 from .schedules import ScheduleConfig, decay_start_step, describe_schedule
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass

@@ -44,6 +44,28 @@ def test_train_tp2_writes_metrics_and_a_stock_loadable_model(tmp_path):
     assert (out / "final" / "tokenizer.json").is_file()
 
 
+def test_import_and_the_command_line_load_torch_only_when_needed():
+    """`import hf3d` imports neither torch nor transformers; the public names and the submodules load on first
+    use; `hf3d --help` and `hf3d convert --help` answer without torch."""
+    probe = (
+        "import sys, hf3d\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+        "import hf3d.parallelize\n"  # the submodule does not hide the function of the same name
+        "assert callable(hf3d.parallelize) and hf3d.parallelize.__module__ == 'hf3d.parallelize'\n"
+        "assert hf3d.ParallelConfig(tp=2).tp == 2 and callable(hf3d.mesh.init_distributed)\n"
+        "assert set(hf3d.__all__) <= set(dir(hf3d)) and all(getattr(hf3d, n) for n in hf3d.__all__)\n"
+        "try:\n    hf3d.nope\nexcept AttributeError as e:\n    print(e)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "module 'hf3d' has no attribute 'nope'"
+    for args in (["--help"], ["convert", "to-hf", "--help"]):
+        code = f"import sys; from hf3d.cli import main\ntry:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
+        code += "assert 'torch' not in sys.modules, 'torch imported'"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "usage: hf3d" in proc.stdout, proc.stderr[-2000:]
+
+
 def test_bad_config_is_one_clear_error_and_nonzero_exit(tmp_path):
     proc = _run(
         ["train", "examples/configs/tiny-smollm.yaml", "--set", "parallel.tp=4", f"run.output_dir={tmp_path / 'x'}"],
