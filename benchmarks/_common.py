@@ -140,6 +140,17 @@ def write_results(name: str, title: str, body_md: str, data: dict, *, quick: boo
     return md
 
 
+def import_hf3d():
+    """hf3d with every public name loaded, as a plain `import hf3d` loaded them before names were loaded on
+    first use: a baseline taken after this call holds hf3d's module imports, and no measured call does."""
+    import hf3d
+
+    for name in hf3d.__all__:
+        if name != "Trainer":  # transformers' Trainer was never imported with hf3d
+            getattr(hf3d, name)
+    return hf3d
+
+
 # -- memory probes ----------------------------------------------------------------------------------
 def proc_status() -> dict[str, int]:
     """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of this process in bytes (Linux /proc)."""

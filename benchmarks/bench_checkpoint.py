@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     SMOLLM2_135M,
     env_info,
+    import_hf3d,
     leave_distributed,
     llama_config,
     md_table,
@@ -49,7 +50,7 @@ def worker(model_dir: str, work: str, mesh: str, rounds: int) -> None:
     import torch
     import torch.distributed as dist
 
-    import hf3d
+    hf3d = import_hf3d()
 
     torch.set_num_threads(1)
     pcfg = hf3d.ParallelConfig(**MESHES[mesh])

@@ -73,6 +73,8 @@ def worker(args) -> None:
     import torch  # noqa: F401
     from safetensors.torch import load_file, save_file
 
+    C.import_hf3d()  # every side: no measured call imports a module
+
     if args.worker == "raw":
 
         def op():
@@ -103,7 +105,7 @@ def worker(args) -> None:
         else:
             op = lambda: hf_to_checkpoint(args.src, args.out)  # noqa: E731
     else:  # export, under torchrun
-        import hf3d
+        hf3d = C.import_hf3d()
 
         pm = hf3d.parallelize(args.src, hf3d.ParallelConfig(tp=args.tp))
         op = lambda: pm.save_pretrained(args.out)  # noqa: E731

@@ -52,7 +52,7 @@ def worker(args) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401  (both sides build this class)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import hf3d
+    hf3d = C.import_hf3d()
     from hf3d.mesh import init_distributed
 
     rank = int(os.environ.get("RANK", "0"))

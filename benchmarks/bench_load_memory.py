@@ -49,7 +49,7 @@ def worker(args) -> None:
     rec = {"kind": args.worker}
     _snap(rec, "import_torch_transformers")  # baseline A: what the issue called the baseline
     if args.worker in ("hf3d", "refuse"):
-        import hf3d
+        hf3d = C.import_hf3d()
     if args.worker == "baseline":  # baseline B: + the modeling code both sides import to build a model
         import torch.distributed  # noqa: F401
         import transformers.modeling_utils  # noqa: F401

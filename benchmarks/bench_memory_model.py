@@ -128,7 +128,7 @@ def warm_up(tiny_dir: str, pcfg) -> None:
     and thread buffers every run loads on first use are then part of the baseline, not of the model."""
     import torch
 
-    import hf3d
+    hf3d = C.import_hf3d()
 
     pmodel = hf3d.parallelize(tiny_dir, pcfg, seed=0)
     opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, lr=1e-4)
@@ -145,7 +145,7 @@ def worker(spec: dict) -> None:
     import torch.distributed as dist
     from bench_zero import CommTally
 
-    import hf3d
+    hf3d = C.import_hf3d()
     from hf3d.mesh import build_mesh
 
     torch.set_num_threads(1)

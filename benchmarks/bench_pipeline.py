@@ -196,7 +196,7 @@ def _worker(rank, world, port, model_dir, args_dict, out_file):
 def _measure(rank, world, model_dir, args, out_file):
     import torch.distributed as dist
 
-    import hf3d
+    hf3d = C.import_hf3d()
 
     install_probes()
     results = []

@@ -47,7 +47,7 @@ def timing_worker(args) -> None:
     """Every mode in one process, rotated per round: train_step wall times."""
     import torch
 
-    import hf3d
+    hf3d = C.import_hf3d()
 
     pm = hf3d.parallelize(args.dir, hf3d.ParallelConfig(), seed=0)
     flags = {m: hf3d.ParallelConfig(recompute=m) for m in MODES}
@@ -69,7 +69,7 @@ def timing_worker(args) -> None:
 def worker(args) -> None:
     import torch
 
-    import hf3d
+    hf3d = C.import_hf3d()
 
     pm = hf3d.parallelize(args.dir, hf3d.ParallelConfig(recompute=args.worker), seed=0)
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-4, weight_decay=0.1, max_grad_norm=1.0)

@@ -83,7 +83,7 @@ def worker_sizes(spec) -> dict:
     import torch
     import torch.distributed as dist
 
-    import hf3d
+    hf3d = C.import_hf3d()
 
     tp, pp, m = spec["tp"], spec["pp"], spec["microbatches"]
 
@@ -146,7 +146,7 @@ def worker_dp(spec) -> dict:
     import torch
     import torch.distributed as dist
 
-    import hf3d
+    hf3d = C.import_hf3d()
 
     noop = NoOpDP()
     built = {}

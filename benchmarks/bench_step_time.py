@@ -77,7 +77,7 @@ class HF3D:
     name = "hf3d"
 
     def __init__(self, model_dir, fused_loss: bool = True):
-        import hf3d
+        hf3d = C.import_hf3d()
 
         self.model = hf3d.parallelize(
             model_dir, hf3d.ParallelConfig(tp=1, pp=1, dp=1), dtype=torch.float32, attn_implementation="sdpa"
@@ -168,7 +168,7 @@ def memory_worker(args) -> None:
     """One side alone in this process: VmHWM above the post-import RSS, after the load and over the steps."""
     import transformers  # noqa: F401  (the same imports on every side)
 
-    import hf3d  # noqa: F401
+    C.import_hf3d()
 
     base = C.proc_status()["VmRSS"]
     side = {"stock": Stock, "hf3d": HF3D, "hf3d_plain": lambda d: HF3D(d, fused_loss=False)}[args.memory_worker](

@@ -133,7 +133,7 @@ def worker_tp(spec) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    import hf3d  # imported in every mode so the baselines match
+    hf3d = C.import_hf3d()  # imported in every mode so the baselines match
 
     mode = spec["mode"]
     mem = {"baseline": C.proc_status()}
