@@ -5,7 +5,7 @@ so conversion needs no mesh and no process group (from-hf calls `dcp.save` with 
 
 - to-hf: reads DCP's files itself, at the offsets in DCP's metadata: `dcp.load` torch.loads each stored
   box into a fresh tensor, copies it into the target and plans every call, which made to-hf 4.5x a raw
-  safetensors load + save. Each box's data.pkl gives its layout (`_LayoutUnpickler`, which runs no
+  safetensors load + save. Each box's data.pkl gives its layout (`_layout_unpickler`, which runs no
   code) and its bytes are mapped, not read (`_stored`). A tensor stored whole (from-hf writes them so)
   goes to the HF writer (hf3d/hf.py `write_hf_dir`) as that view of the file's pages, so the writer's
   copy into the output is the only one; a tensor that ranks wrote in boxes is assembled in a buffer
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.serialization import StorageType
 
 from . import checkpoint
+from .faults import one_line
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     SAFE_INDEX,
@@ -111,41 +112,42 @@ def _rebuilt_layout(storage, offset, size, stride, requires_grad, hooks, dtype=N
     return dtype or StorageType(storage_type).dtype, key, offset, tuple(size), tuple(stride)
 
 
-class _LayoutUnpickler(pickle.Unpickler):
-    """Reads one stored box's data.pkl (DCP torch.saves each box) for its layout, running no code: it
-    takes only the globals torch.save writes for a plain tensor."""
+# the globals torch.save writes for a plain tensor, each mapped to what the layout reader builds instead
+_LAYOUT_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuilt_layout,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuilt_layout,
+    ("collections", "OrderedDict"): dict,
+    **{
+        (m, n): n
+        for m, names in (("torch", dir(torch)), ("torch.storage", dir(torch.storage)))
+        for n in names
+        if n.endswith("Storage")
+    },
+    **checkpoint.TORCH_DTYPES,
+}
 
-    def find_class(self, module: str, name: str):
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-            return _rebuilt_layout
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if module in ("torch", "torch.storage") and name.endswith("Storage"):
-            return name
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"a stored tensor refers to {module}.{name}, which torch.save of a tensor never writes; refusing to "
-            "load it (the file may have been crafted to run code)"
-        )
 
-    def persistent_load(self, pid):
-        return pid  # ("storage", storage type, key, location, numel)
+def _layout_unpickler(data: bytes, what: str) -> checkpoint.AllowListUnpickler:
+    """Reads one stored box's data.pkl (DCP torch.saves each box) for its layout, running no code."""
+    # persistent ids are ("storage", storage type, key, location, numel): kept as they are
+    return checkpoint.AllowListUnpickler(io.BytesIO(data), _LAYOUT_GLOBALS, what, persistent_load=lambda pid: pid)
 
 
 def _stored(root: Path, info, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The box DCP stored as item `info` (a _StorageInfo), as a view of its file's pages: a private
     mapping, so nothing written to the tensor reaches the file."""
-    path = root / info.relative_path
+    path = root / info.relative_path  # SafeReader.read_metadata refused names outside root
     if info.transform_descriptors:
         raise ValueError(f"{path}: stored with DCP transforms {info.transform_descriptors}, which hf3d does not write")
     with open(path, "rb") as f:
         item = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
         try:
-            layout = _LayoutUnpickler(io.BytesIO(item.get_record("data.pkl"))).load()
-        except (pickle.UnpicklingError, KeyError) as e:  # KeyError: a storage type torch does not know
-            raise ValueError(f"{path} at byte {info.offset}: {e}") from None
-        stored_dtype, key, offset, size, stride = layout
+            layout = _layout_unpickler(item.get_record("data.pkl"), f"{path} at byte {info.offset}").load()
+            stored_dtype, key, offset, size, stride = layout
+        except pickle.UnpicklingError as e:
+            raise ValueError(str(e)) from None
+        except (KeyError, TypeError, ValueError) as e:  # a storage type torch does not know, a malformed layout
+            raise ValueError(f"{path} at byte {info.offset} is not a stored tensor ({one_line(e)})") from None
         if stored_dtype != dtype or size != shape:
             raise ValueError(
                 f"{path} at byte {info.offset}: a {stored_dtype} tensor of shape {size} where the checkpoint's "

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from crafted import craft_stored_box, global_pickle, payloads, rewrite_metadata  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
 from reference import batches, hf3d_run  # noqa: E402
@@ -352,3 +353,46 @@ def test_crafted_checkpoint_metadata_is_refused_without_running_code(family_dirs
     (ckpt / ".metadata").write_bytes(honest)  # the honest metadata still reads through the same reader
     assert cli_main(["convert", "to-hf", str(ckpt), str(tmp_path / "out")]) == 0
     _assert_same_model(family_dirs["llama"], tmp_path / "out")
+
+
+def test_crafted_metadata_through_each_allowed_module_is_refused(family_dirs, tmp_path, capsys):
+    """Every payload of tests/crafted.py (a dotted os.system under each module the reader takes names from,
+    and other names of those modules) is refused by `convert to-hf` with one line; none runs."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    ran = tmp_path / "code-ran"
+    for what, payload in payloads(ran).items():
+        (ckpt / ".metadata").write_bytes(payload)
+        msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
+        assert "refusing to load it" in msg and f"{ckpt}/.metadata refers to" in msg, (what, msg)
+        assert not ran.exists() and not (tmp_path / "out").exists(), what
+
+
+def test_crafted_stored_tensor_is_refused_without_running_code(family_dirs, tmp_path, capsys):
+    """A stored box whose data.pkl calls os.system through a dotted name: the layout reader refuses it."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    ran = tmp_path / "code-ran"
+    craft_stored_box(ckpt, global_pickle("torch._utils", "os.system", f"touch {ran}"))
+    msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
+    assert "__crafted.distcp at byte 0 refers to torch._utils.os.system" in msg and "refusing" in msg, msg
+    assert not ran.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_data_file_outside_the_checkpoint_is_refused(family_dirs, tmp_path, capsys, where):
+    """Metadata naming a data file by an absolute path or through '..' is refused before any file is opened
+    (a real data file sits at that place, so a reader that follows the name would convert it)."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    outside = tmp_path / "outside.distcp"
+    first = sorted(ckpt.glob("*.distcp"))[0]
+    shutil.copyfile(first, outside)
+    name = str(outside) if where == "absolute" else "../outside.distcp"
+
+    def edit(metadata) -> None:
+        for info in metadata.storage_data.values():
+            if info.relative_path == first.name:
+                info.relative_path = name
+
+    rewrite_metadata(ckpt, edit)
+    msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
+    assert f"names the data file {name!r}, outside the checkpoint folder" in msg, msg
+    assert not (tmp_path / "out").exists()
