@@ -151,6 +151,16 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+_CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt")
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether `name` is a file of an hf3d checkpoint folder (what `convert from-hf` may replace)."""
+    from .hf import is_export_file
+
+    return name == MARKER or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_export_file(name)
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     return (Path(path) / MARKER).is_file()
 

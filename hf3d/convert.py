@@ -48,7 +48,9 @@ from .hf import (
     SAFE_SINGLE,
     SafetensorsSource,
     TensorSpec,
+    check_output_dir,
     copy_model_files,
+    is_export_file,
     resolve_model_dir,
     write_hf_dir,
 )
@@ -90,14 +92,6 @@ def _state_dict_order(config) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"), no_init_weights():  # init functions still run on meta tensors: 2/3 of the time
         model = AutoModelForCausalLM.from_config(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def _check_out_dir(out: Path, src: Path, keeps: str) -> None:
-    """Refuse to replace the source, or a non-empty folder that is not what this command writes."""
-    if out.resolve() == src.resolve():
-        raise ValueError(f"the output {out} is the input; choose another output path")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / keeps).is_file())):
-        raise ValueError(f"{out} exists and is not a folder this command wrote (no {keeps}); choose a new output path")
 
 
 # -- checkpoint -> HF -----------------------------------------------------------------------------
@@ -237,7 +231,7 @@ def checkpoint_to_hf(
     max_shard_bytes = parse_size(max_shard_size)
     if not (ckpt / "config.json").is_file():
         raise ValueError(f"checkpoint {ckpt} has no config.json; it cannot be converted to an HF model")
-    _check_out_dir(out_dir, ckpt, "config.json")
+    check_output_dir(out_dir, is_export_file, src=ckpt)
     config = AutoConfig.from_pretrained(ckpt)
     metadata = checkpoint.SafeReader(ckpt).read_metadata()
     stored = metadata.state_dict_metadata
@@ -316,7 +310,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     _check_safetensors(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     get_adapter(config.model_type)  # a checkpoint hf3d could not train is refused now, not at `hf3d train`
-    _check_out_dir(final, model_dir, checkpoint.MARKER)
+    check_output_dir(final, checkpoint.is_checkpoint_file, src=model_dir)
     source = SafetensorsSource(model_dir)
     specs = [source.spec(n) for n in source.entries]
     if config.tie_word_embeddings:
@@ -330,6 +324,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     state = {checkpoint.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
     tmp = checkpoint.staging_dir(final)
+    check_output_dir(tmp, checkpoint.is_checkpoint_file)  # an interrupted conversion to this path
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
