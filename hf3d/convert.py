@@ -51,6 +51,7 @@ from .hf import (
     check_output_dir,
     copy_model_files,
     is_export_file,
+    model_files,
     resolve_model_dir,
     write_hf_dir,
 )
@@ -308,6 +309,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     final = Path(out_ckpt)
     model_dir = resolve_model_dir(src)
     _check_safetensors(model_dir)
+    model_files(model_dir)  # refuses a linked file from outside the folder before anything is written
     config = AutoConfig.from_pretrained(model_dir)
     get_adapter(config.model_type)  # a checkpoint hf3d could not train is refused now, not at `hf3d train`
     check_output_dir(final, checkpoint.is_checkpoint_file, src=model_dir)

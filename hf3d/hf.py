@@ -275,14 +275,45 @@ def check_output_dir(out: Path, owns: Callable[[str], bool], *, src: str | os.Pa
             )
 
 
-def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
-    """Copy generation_config.json, the tokenizer files and the chat template from an HF model dir
-    (or a checkpoint) into dst_dir, those that exist; returns the names copied."""
-    copied = []
-    for f in sorted(Path(src_dir).iterdir()):
+def link_outside(path: Path, root: Path) -> Path | None:
+    """Where `path` points when it is a symlink to a place outside `root` and outside the Hub cache; else None.
+
+    The Hub client's downloads are links into its cache (snapshots/<rev>/f -> ../../blobs/<hash>), so those
+    are followed; any other link leaving the folder could pull an unrelated local file (a key, a token) into
+    an export or an upload."""
+    if not path.is_symlink():
+        return None
+    from huggingface_hub import constants
+
+    target = path.resolve()
+    inside = [Path(root).resolve(), Path(constants.HF_HUB_CACHE).resolve()]
+    return None if any(target.is_relative_to(d) for d in inside) else target
+
+
+def model_files(src_dir: str | os.PathLike) -> list[Path]:
+    """generation_config.json, the tokenizer files and the chat template of an HF model dir (or a checkpoint),
+    those that exist. A link to a file outside the folder (and outside the Hub cache) is refused, not skipped:
+    an export without its tokenizer would look complete, and copying it could publish any local file."""
+    src = Path(src_dir)
+    found = []
+    for f in sorted(src.iterdir()):
         if f.is_file() and (f.name == GENERATION_CONFIG or f.name.startswith(_MODEL_FILE_PREFIXES)):
-            shutil.copyfile(f, Path(dst_dir) / f.name)
-            copied.append(f.name)
+            target = link_outside(f, src)
+            if target is not None:
+                raise ValueError(
+                    f"{f} is a link to {target}, outside {src}; hf3d copies no file from outside the model folder "
+                    "into an export (it could be pushed): replace the link by a copy of the file"
+                )
+            found.append(f)
+    return found
+
+
+def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
+    """Copy `model_files(src_dir)` into dst_dir; returns the names copied."""
+    copied = []
+    for f in model_files(src_dir):
+        shutil.copyfile(f, Path(dst_dir) / f.name)
+        copied.append(f.name)
     return copied
 
 

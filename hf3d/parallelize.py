@@ -16,7 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .checkpoint import SHAPE_FIELDS
 from .config import ParallelConfig
-from .hf import SafetensorsSource, StateDictSource, resolve_model_dir
+from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
 from .init import InitSource, has_weights
 from .layout import get_pieces
 from .mesh import build_mesh, device_type, init_distributed
@@ -66,6 +66,8 @@ def parallelize(
         from_scratch = Path(model_or_path).is_dir() and not has_weights(model_dir)  # local dirs only
         source = None if from_scratch else SafetensorsSource(model_dir)
         tokenizer_dir = model_dir
+    if tokenizer_dir is not None:
+        model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
         config = override_config(config, config_overrides, loading_weights=source is not None)
     adapter = get_adapter(config.model_type)

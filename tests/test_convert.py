@@ -441,3 +441,20 @@ def test_every_writer_replaces_only_its_own_output(family_dirs, tmp_path, capsys
     assert "is the input" in _cli_error(
         ["convert", "from-hf", str(family_dirs["llama"]), str(family_dirs["llama"])], capsys
     )
+
+
+def test_a_linked_file_from_outside_the_source_is_not_copied(family_dirs, tmp_path, capsys):
+    """A source folder whose tokenizer.json links to a file elsewhere (a key, a token): from-hf refuses it
+    before writing anything, and so does parallelize, whose exports and checkpoints would copy it."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hf_secret")
+    src = tmp_path / "src"
+    shutil.copytree(family_dirs["llama"], src)
+    (src / "tokenizer.json").symlink_to(secret)
+    msg = _cli_error(["convert", "from-hf", str(src), str(tmp_path / "ckpt")], capsys)
+    assert f"{src}/tokenizer.json is a link to {secret}, outside {src}" in msg, msg
+    assert not list(tmp_path.glob("ckpt*"))
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(src / "config.json")  # a link inside the folder is copied as the file
+    ckpt = hf_to_checkpoint(src, tmp_path / "ckpt")
+    assert (ckpt / "tokenizer.json").read_bytes() == (src / "config.json").read_bytes()
