@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .checkpoint import SHAPE_FIELDS
-from .config import ParallelConfig
+from .config import ParallelConfig, check_attn_implementation
 from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
 from .init import InitSource, has_weights
 from .layout import get_pieces
@@ -52,6 +52,7 @@ def parallelize(
     (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
     """
     pcfg = pcfg or ParallelConfig()
+    check_attn_implementation(attn_implementation)
     init_distributed()
     if isinstance(model_or_path, nn.Module):
         config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
