@@ -19,7 +19,8 @@ def save_hf(pmodel, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAUL
 
     Streams tensor by tensor: every rank walks the HF names in the writer's order; for each one, the
     ranks owning pieces of it (dp rank 0's replica) send them to rank 0, which assembles that one
-    tensor, writes it and drops it. No rank ever holds more than one full tensor."""
+    tensor, writes it and drops it. No rank ever holds more than one full tensor. An existing out_dir is
+    replaced only when it holds nothing but an HF export's files; any other is refused on every rank."""
     rank = dist.get_rank()
     mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
     if pmodel.dp_rank == 0:

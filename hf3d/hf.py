@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -237,14 +238,82 @@ def _safetensors_header(group: list[TensorSpec]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
-    """Copy generation_config.json, the tokenizer files and the chat template from an HF model dir
-    (or a checkpoint) into dst_dir, those that exist; returns the names copied."""
-    copied = []
-    for f in sorted(Path(src_dir).iterdir()):
+# what an HF model folder holds as hf3d writes it (hf3d train adds its record, loss curve and model card), and
+# what transformers' save_pretrained writes: the only files an export may replace
+_EXPORT_FILES = {
+    "config.json",
+    GENERATION_CONFIG,
+    SAFE_SINGLE,
+    SAFE_INDEX,
+    "hf3d_training.json",
+    "loss_curve.png",
+    "README.md",
+}
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_export_file(name: str) -> bool:
+    """Whether `name` is a file an HF export holds (weights, configs, tokenizer files, hf3d's run record)."""
+    return name in _EXPORT_FILES or bool(_SHARD_FILE.fullmatch(name)) or name.startswith(_MODEL_FILE_PREFIXES)
+
+
+def check_output_dir(out: Path, owns: Callable[[str], bool], *, src: str | os.PathLike | None = None) -> None:
+    """The one rule of every hf3d writer (save_pretrained, `convert`, `hf3d train`'s final export,
+    Trainer.save_model): `out` is written when it does not exist, is an empty folder, or is a real folder
+    holding only files of the kind this writer puts there (`owns(name)`: an earlier output, which is
+    replaced). Anything else (a file of the user's, a subfolder, a link) is refused in one line, before
+    anything is written or deleted."""
+    if src is not None and out.resolve() == Path(src).resolve():
+        raise ValueError(f"the output {out} is the input; choose another output path")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"{out} exists and is not a folder (a file or a link); choose a new output path")
+    for entry in sorted(out.iterdir()) if out.exists() else ():
+        if entry.is_symlink() or not entry.is_file() or not owns(entry.name):
+            raise ValueError(
+                f"{out} holds {entry.name!r}, which hf3d does not write there; hf3d replaces only a folder of its "
+                "own output and never deletes other files: move it away or choose a new output path"
+            )
+
+
+def link_outside(path: Path, root: Path) -> Path | None:
+    """Where `path` points when it is a symlink to a place outside `root` and outside the Hub cache; else None.
+
+    The Hub client's downloads are links into its cache (snapshots/<rev>/f -> ../../blobs/<hash>), so those
+    are followed; any other link leaving the folder could pull an unrelated local file (a key, a token) into
+    an export or an upload."""
+    if not path.is_symlink():
+        return None
+    from huggingface_hub import constants
+
+    target = path.resolve()
+    inside = [Path(root).resolve(), Path(constants.HF_HUB_CACHE).resolve()]
+    return None if any(target.is_relative_to(d) for d in inside) else target
+
+
+def model_files(src_dir: str | os.PathLike) -> list[Path]:
+    """generation_config.json, the tokenizer files and the chat template of an HF model dir (or a checkpoint),
+    those that exist. A link to a file outside the folder (and outside the Hub cache) is refused, not skipped:
+    an export without its tokenizer would look complete, and copying it could publish any local file."""
+    src = Path(src_dir)
+    found = []
+    for f in sorted(src.iterdir()):
         if f.is_file() and (f.name == GENERATION_CONFIG or f.name.startswith(_MODEL_FILE_PREFIXES)):
-            shutil.copyfile(f, Path(dst_dir) / f.name)
-            copied.append(f.name)
+            target = link_outside(f, src)
+            if target is not None:
+                raise ValueError(
+                    f"{f} is a link to {target}, outside {src}; hf3d copies no file from outside the model folder "
+                    "into an export (it could be pushed): replace the link by a copy of the file"
+                )
+            found.append(f)
+    return found
+
+
+def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
+    """Copy `model_files(src_dir)` into dst_dir; returns the names copied."""
+    copied = []
+    for f in model_files(src_dir):
+        shutil.copyfile(f, Path(dst_dir) / f.name)
+        copied.append(f.name)
     return copied
 
 
@@ -293,10 +362,13 @@ def write_hf_dir(
     first and the tensors' bytes are streamed after it. Sharded with an index (as transformers names
     them) past max_shard_bytes; config.json; generation_config.json and tokenizer files copied from
     src_dir when it has them. Files go into a temporary sibling directory that replaces out_dir at the
-    end, so an interrupted export never leaves a directory that looks finished.
+    end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
+    replaced only when it holds nothing but an HF export's files (`check_output_dir`).
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp-hf3d")
+    check_output_dir(out_dir, is_export_file)
+    check_output_dir(tmp, is_export_file)  # an interrupted export of this folder
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)

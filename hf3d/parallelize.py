@@ -15,8 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .checkpoint import SHAPE_FIELDS
-from .config import ParallelConfig
-from .hf import SafetensorsSource, StateDictSource, resolve_model_dir
+from .config import ParallelConfig, check_attn_implementation
+from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
 from .init import InitSource, has_weights
 from .layout import get_pieces
 from .mesh import build_mesh, device_type, init_distributed
@@ -52,6 +52,7 @@ def parallelize(
     (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
     """
     pcfg = pcfg or ParallelConfig()
+    check_attn_implementation(attn_implementation)
     init_distributed()
     if isinstance(model_or_path, nn.Module):
         config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
@@ -66,6 +67,8 @@ def parallelize(
         from_scratch = Path(model_or_path).is_dir() and not has_weights(model_dir)  # local dirs only
         source = None if from_scratch else SafetensorsSource(model_dir)
         tokenizer_dir = model_dir
+    if tokenizer_dir is not None:
+        model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
         config = override_config(config, config_overrides, loading_weights=source is not None)
     adapter = get_adapter(config.model_type)
