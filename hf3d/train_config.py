@@ -115,7 +115,8 @@ class RunConfig:
     under <output_dir>; the ones not installed are named in one warning and skipped. metrics.jsonl
     is written either way."""
     collective_timeout_s: float = 600.0
-    """How long a rank waits in a collective for a peer before failing (a hung or dead peer)."""
+    """How long a rank waits in a collective for a peer before failing (a hung or dead peer). Under nccl
+    it is also how long a rank whose peer died can wait before NCCL's watchdog ends it (SIGABRT)."""
     on_nonfinite: str = "skip"
     """A step whose loss or gradient norm is inf/NaN: skip (no update, counted as skipped_steps in
     metrics.jsonl) or stop (at once, naming the step and the first parameter with a non-finite gradient)."""
