@@ -40,8 +40,10 @@ class ModelConfig:
     A directory with config.json but no weights starts from scratch."""
     dtype: str = "float32"
     """Parameter/activation dtype: float32 or bfloat16 (fp32 master weights either way)."""
-    attn_implementation: str = "sdpa"
-    """sdpa, eager, flex_attention, or flash_attention_2 (when installed)."""
+    attn_implementation: str = "auto"
+    """auto, sdpa, eager, flex_attention, or flash_attention_2 (when installed). auto: sdpa on CPU; on
+    CUDA flash_attention_2 when flash-attn is installed (packed documents as varlen boundaries), else
+    flex_attention with data.document_masking (a block mask), else sdpa (hf3d/attention.py)."""
     init_seed: int = 0
     """Seed of the from-scratch initialisation."""
     rope_theta: float | None = None
