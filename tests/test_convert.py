@@ -345,7 +345,23 @@ def _stage_writers_worker(model_dir: str, out: str) -> None:
     hf3d.export.write_shard, dist.recv = recording_write, recording_recv
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(pp=2, tp=2))
     pm.save_pretrained(Path(out) / "pp2-tp2-sharded", max_shard_bytes=SHARD)
-    report({"written": written, "received": received}, Path(out) / "results.pt")
+    res = {"written": written, "received": list(received)}
+
+    calls = []
+
+    def full_disk(path, group, produce):  # the second stage's writer fails after its first file
+        calls.append(path)
+        if dist.get_rank() == 2 and len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write_shard(path, group, produce)
+
+    hf3d.export.write_shard = full_disk
+    try:
+        pm.save_pretrained(Path(out) / "failed", max_shard_bytes=SHARD)
+    except (OSError, ValueError) as e:
+        res["failure"] = f"{type(e).__name__}: {e}"
+    res["failed_exists"] = (Path(out) / "failed").exists()
+    report(res, Path(out) / "results.pt")
 
 
 def test_a_sharded_pp2_export_is_written_by_each_stage(family_dirs, tmp_path):
@@ -367,6 +383,11 @@ def test_a_sharded_pp2_export_is_written_by_each_stage(family_dirs, tmp_path):
     a = AutoModelForCausalLM.from_pretrained(family_dirs["llama"]).state_dict()
     b = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # a writer other than rank 0 failing mid-stream: raised on every rank, nothing published
+    assert res[2]["failure"].startswith("OSError") and "No space left" in res[2]["failure"]
+    for rank in (0, 1, 3):
+        assert res[rank]["failure"].startswith("ValueError: rank 2 could not write the HF directory"), res[rank]
+    assert not any(r["failed_exists"] for r in res)
 
 
 class _RunsCode:
