@@ -365,33 +365,88 @@ def write_hf_dir(
     end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
     replaced only when it holds nothing but an HF export's files (`check_output_dir`).
     """
+    tmp = start_staging(out_dir)
+    plan = plan_shards(list(specs), max_shard_bytes)
+    for fname, group in plan:
+        write_shard(tmp / fname, group, produce)
+    if len(plan) > 1:
+        write_index(tmp, specs, plan)
+    _finish_staging(tmp, out_dir, config, src_dir=src_dir)
+
+
+def staging_dir(out_dir: str | os.PathLike) -> Path:
+    """The temporary sibling folder an HF directory is written into before it replaces out_dir."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp-hf3d")
+    return out_dir.with_name(out_dir.name + ".tmp-hf3d")
+
+
+def start_staging(out_dir: str | os.PathLike) -> Path:
+    """A fresh, empty staging folder for out_dir, after checking that out_dir and a staging folder left by
+    an interrupted export hold nothing but an HF export's files (`check_output_dir`): the one rule of
+    every writer."""
+    out_dir = Path(out_dir)
+    tmp = staging_dir(out_dir)
     check_output_dir(out_dir, is_export_file)
     check_output_dir(tmp, is_export_file)  # an interrupted export of this folder
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    plan = plan_shards(list(specs), max_shard_bytes)
-    for fname, group in plan:
-        with open(tmp / fname, "wb") as f:
-            f.write(_safetensors_header(group))
-            for s in group:
-                t = produce(s.name)
-                assert tuple(t.shape) == s.shape and t.dtype == s.dtype, (s, tuple(t.shape), t.dtype)
-                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
-                del t
-    if len(plan) > 1:
-        index = {
-            "metadata": {
-                "total_parameters": sum(math.prod(s.shape) for s in specs),
-                "total_size": sum(s.nbytes for s in specs),
-            },
-            "weight_map": {s.name: fname for fname, group in plan for s in group},
-        }
-        (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return tmp
+
+
+def _finish_staging(tmp: Path, out_dir: str | os.PathLike, config, *, src_dir) -> None:
+    """The config and the model files from src_dir into the staging folder, which then replaces out_dir."""
     copied = copy_model_files(src_dir, tmp) if src_dir is not None else []
     _save_config(config, tmp, have_generation_config=GENERATION_CONFIG in copied)
+    out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
+
+
+def write_shard(path: Path, group: list[TensorSpec], produce: Callable[[str], torch.Tensor]) -> None:
+    """One safetensors file holding `group` in this order: the header from the specs, then each
+    tensor's bytes as `produce(name)` returns it, one tensor alive at a time."""
+    with open(path, "wb") as f:
+        f.write(_safetensors_header(group))
+        for s in group:
+            t = produce(s.name)
+            assert tuple(t.shape) == s.shape and t.dtype == s.dtype, (s, tuple(t.shape), t.dtype)
+            f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t
+
+
+def write_index(out: Path, specs: list[TensorSpec], plan: list[tuple[str, list[TensorSpec]]]) -> None:
+    """model.safetensors.index.json of a sharded directory, as transformers writes it."""
+    index = {
+        "metadata": {
+            "total_parameters": sum(math.prod(s.shape) for s in specs),
+            "total_size": sum(s.nbytes for s in specs),
+        },
+        "weight_map": {s.name: fname for fname, group in plan for s in group},
+    }
+    (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def plan_writer_shards(
+    per_writer: list[list[TensorSpec]], max_shard_bytes: int
+) -> list[list[tuple[str, list[TensorSpec]]]]:
+    """The shard plan of an HF directory written by several processes, each writing its own files: each
+    writer's tensors (in state-dict order) are cut as `plan_shards` cuts them, and the files are
+    numbered across writers, in writer order, as one sharded directory (model-0000i-of-0000n)."""
+    cut = [[g for _, g in plan_shards(specs, max_shard_bytes)] if specs else [] for specs in per_writer]
+    n = sum(len(groups) for groups in cut)
+    plans, i = [], 0
+    for groups in cut:
+        plans.append([(f"model-{i + k + 1:05d}-of-{n:05d}.safetensors", g) for k, g in enumerate(groups)])
+        i += len(groups)
+    return plans
+
+
+def finish_hf_dir(
+    tmp: Path, out_dir: str | os.PathLike, specs, plan, config, *, src_dir: str | os.PathLike | None = None
+) -> None:
+    """Complete a staging folder whose shard files are written (by any processes): the index, the
+    config and the model files from src_dir; then it replaces out_dir, as `write_hf_dir` ends."""
+    write_index(tmp, specs, plan)
+    _finish_staging(tmp, out_dir, config, src_dir=src_dir)

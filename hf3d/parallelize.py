@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
 from .config import ParallelConfig, check_attn_implementation
 from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
@@ -31,7 +32,7 @@ def parallelize(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = AUTO,
     config_overrides: dict | None = None,
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "tp") mesh.
@@ -42,7 +43,9 @@ def parallelize(
     seed: the seed of that initialisation (ignored when weights are loaded).
     dtype: parameter and activation dtype (fp32 master weights live in the optimizer).
     attn_implementation: any key of HF's attention registry ("sdpa", "eager", "flex_attention",
-    "flash_attention_2" when installed).
+    "flash_attention_2" when installed), or "auto": sdpa on CPU; on CUDA flash_attention_2 when
+    flash-attn is installed, else sdpa (hf3d/attention.py; pass "flex_attention" for packed rows there,
+    as sdpa builds a dense mask from restarting position ids).
     config_overrides: values set on the HF config before the model is built, and exported with it by
     `save_pretrained` (long-context knobs): `rope_theta`; `rope_scaling` or its transformers 5 name
     `rope_parameters` (a dict with `rope_type` and that type's keys, e.g. {"rope_type": "linear",
@@ -54,6 +57,9 @@ def parallelize(
     pcfg = pcfg or ParallelConfig()
     check_attn_implementation(attn_implementation)
     init_distributed()
+    attn_implementation = resolve_attn_implementation(
+        attn_implementation, device_type(), document_masking=False, flash_available=flash_attn_installed()
+    )
     if isinstance(model_or_path, nn.Module):
         config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
         source, tokenizer_dir = StateDictSource(model_or_path.state_dict()), None

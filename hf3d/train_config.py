@@ -40,8 +40,10 @@ class ModelConfig:
     A directory with config.json but no weights starts from scratch."""
     dtype: str = "float32"
     """Parameter/activation dtype: float32 or bfloat16 (fp32 master weights either way)."""
-    attn_implementation: str = "sdpa"
-    """sdpa, eager, flex_attention, or flash_attention_2 (when installed)."""
+    attn_implementation: str = "auto"
+    """auto, sdpa, eager, flex_attention, or flash_attention_2 (when installed). auto: sdpa on CPU; on
+    CUDA flash_attention_2 when flash-attn is installed (packed documents as varlen boundaries), else
+    flex_attention with data.document_masking (a block mask), else sdpa (hf3d/attention.py)."""
     init_seed: int = 0
     """Seed of the from-scratch initialisation."""
     rope_theta: float | None = None
@@ -115,7 +117,8 @@ class RunConfig:
     under <output_dir>; the ones not installed are named in one warning and skipped. metrics.jsonl
     is written either way."""
     collective_timeout_s: float = 600.0
-    """How long a rank waits in a collective for a peer before failing (a hung or dead peer)."""
+    """How long a rank waits in a collective for a peer before failing (a hung or dead peer). Under nccl
+    it is also how long a rank whose peer died can wait before NCCL's watchdog ends it (SIGABRT)."""
     on_nonfinite: str = "skip"
     """A step whose loss or gradient norm is inf/NaN: skip (no update, counted as skipped_steps in
     metrics.jsonl) or stop (at once, naming the step and the first parameter with a non-finite gradient)."""

@@ -344,6 +344,69 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
     assert not all(torch.equal(fp32[k], ref[k].float()) for k in ref)  # the fp32 masters, not an upcast
 
 
+def _stage_writers_worker(model_dir: str, out: str) -> None:
+    import hf3d.export
+
+    start_watchdog(180)
+    written, received = [], []
+    write_shard, recv = hf3d.export.write_shard, dist.recv
+
+    def recording_write(path, group, produce):
+        written.append(Path(path).name)
+        write_shard(path, group, produce)
+
+    def recording_recv(tensor, src=None, group=None, **kw):
+        received.append(src)
+        return recv(tensor, src=src, group=group, **kw)
+
+    hf3d.export.write_shard, dist.recv = recording_write, recording_recv
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(pp=2, tp=2))
+    pm.save_pretrained(Path(out) / "pp2-tp2-sharded", max_shard_bytes=SHARD)
+    res = {"written": written, "received": list(received)}
+
+    calls = []
+
+    def full_disk(path, group, produce):  # the second stage's writer fails after its first file
+        calls.append(path)
+        if dist.get_rank() == 2 and len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write_shard(path, group, produce)
+
+    hf3d.export.write_shard = full_disk
+    try:
+        pm.save_pretrained(Path(out) / "failed", max_shard_bytes=SHARD)
+    except (OSError, ValueError) as e:
+        res["failure"] = f"{type(e).__name__}: {e}"
+    res["failed_exists"] = (Path(out) / "failed").exists()
+    report(res, Path(out) / "results.pt")
+
+
+def test_a_sharded_pp2_export_is_written_by_each_stage(family_dirs, tmp_path):
+    """At pp=2 x tp=2, each stage's first tp rank (global ranks 0 and 2) writes its own stage's shard
+    files from the pieces of its tp peer (ranks 1 and 3); rank 0 receives nothing from the other stage
+    and writes the index. Stock from_pretrained loads the result with the source's weights, bit for bit."""
+    spawn(_stage_writers_worker, 4, str(family_dirs["llama"]), str(tmp_path))
+    res = torch.load(tmp_path / "results.pt", weights_only=True)
+    out = tmp_path / "pp2-tp2-sharded"
+    files = sorted(f.name for f in out.glob("model-*.safetensors"))
+    assert sorted(res[0]["written"] + res[2]["written"]) == files and res[0]["written"] and res[2]["written"]
+    assert not res[1]["written"] and not res[3]["written"]
+    assert set(res[0]["received"]) == {1} and set(res[2]["received"]) == {3}  # within a stage only
+    assert not res[1]["received"] and not res[3]["received"]
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == set(files)
+    stage1 = {name for f in res[2]["written"] for name in load_file(out / f)}
+    assert stage1 and all(".layers.1." in n or n == "model.norm.weight" for n in stage1), sorted(stage1)
+    a = AutoModelForCausalLM.from_pretrained(family_dirs["llama"]).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # a writer other than rank 0 failing mid-stream: raised on every rank, nothing published
+    assert res[2]["failure"].startswith("OSError") and "No space left" in res[2]["failure"]
+    for rank in (0, 1, 3):
+        assert res[rank]["failure"].startswith("ValueError: rank 2 could not write the HF directory"), res[rank]
+    assert not any(r["failed_exists"] for r in res)
+
+
 class _RunsCode:
     """A pickle that calls a function when it is loaded: what a crafted .metadata would hold."""
 
