@@ -71,6 +71,12 @@ def check_training_args(args: TrainingArguments, pmodel: ParallelModel) -> None:
             "TrainingArguments(bf16=True) with an fp32 hf3d model: hf3d does not autocast; parallelize with "
             "dtype=torch.bfloat16 instead (fp32 master weights and gradients are kept)"
         )
+    if args.push_to_hub and args.hub_token:
+        # stock's checkpoint push saves these very args (token included) into the folder it uploads
+        raise ValueError(
+            "TrainingArguments(push_to_hub=True, hub_token=...): the Trainer's checkpoint push would upload the token "
+            "inside training_args.bin; leave hub_token unset and log in with `hf auth login` or set HF_TOKEN"
+        )
     unsupported = {
         "label_smoothing_factor": args.label_smoothing_factor != 0,  # hf3d computes the loss inside its schedule
         "load_best_model_at_end": args.load_best_model_at_end,
