@@ -501,6 +501,27 @@ def test_layout_covers_every_hf_element_once(name):
                 assert (p.hf_name, p.dim, p.hf_start, p.hf_stop) in owned, (tp, p)
 
 
+def test_smollm3_keeps_its_nope_and_sliding_layers():
+    """The tiny smollm3 has both kinds of layer (else the parity tests above could not see a NoPE bug),
+    and each tp attention module takes stock's per-layer RoPE flag and sliding window."""
+    config = tiny_config("smollm3")
+    config._attn_implementation = "sdpa"
+    assert config.no_rope_layers == [1, 0] and config.layer_types == ["full_attention", "sliding_attention"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    stock = [(bool(layer.self_attn.use_rope), layer.self_attn.sliding_window) for layer in model.model.layers]
+    assert stock == [(True, None), (False, 5)]
+    for i, layer in enumerate(model.model.layers):
+        get_adapter("smollm3").swap_layer(layer, f"model.layers.{i}", TPContext(None, 0, 2, False, torch.float32))
+    assert [(layer.self_attn.use_rope, layer.self_attn.sliding_window) for layer in model.model.layers] == stock
+    with torch.device("meta"):  # a family whose attention has no such flag keeps RoPE everywhere
+        llama = AutoModelForCausalLM.from_config(_config("llama"))
+    get_adapter("llama").swap_layer(
+        llama.model.layers[0], "model.layers.0", TPContext(None, 0, 2, False, torch.float32)
+    )
+    assert llama.model.layers[0].self_attn.use_rope
+
+
 # ------------------------------------------------------------------------------------------------
 # last, so that `pytest -x` runs everything above first
 # ------------------------------------------------------------------------------------------------
