@@ -1,8 +1,8 @@
-"""Tensor-parallel rewrite shared by the Llama-style decoders (Llama/SmolLM, Qwen2, Qwen3).
+"""Tensor-parallel rewrite shared by the Llama-style decoders (Llama/SmolLM, Qwen2, Qwen3, SmolLM3).
 
 The stock HF model stays the model: only `self_attn`, `mlp`, `embed_tokens` and `lm_head`
 are swapped for tensor-parallel modules, in place, under their stock names. Each family file
-says what differs (biases, per-head q/k norms); this file owns the head bookkeeping.
+says what differs (biases, per-head q/k norms, NoPE layers); this file owns the head bookkeeping.
 
 Head layout (DESIGN decision 2): rank r of t holds query heads [r*h/t, (r+1)*h/t) and KV
 heads [r*g/t, (r+1)*g/t), fused as [q_r; k_r; v_r]. With HF's grouping (query head i reads KV
