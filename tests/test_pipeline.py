@@ -315,9 +315,13 @@ def _reference_packed(model_dir, data, pos):
     return {"losses": losses, "norms": norms, "state": state, "logits": logits, "unpacked_loss": unpacked_loss}
 
 
+PACKED = {"packed": "llama4", "packed-smollm3": "smollm3_4"}  # job -> model (smollm3: NoPE, sliding window)
+
+
 @pytest.fixture(scope="module")
 def oracle_packed(model_dirs):
-    return _reference_packed(model_dirs["llama4"], batches(STEPS, BATCH, SEQ, VOCAB), packed_positions())
+    data, pos = batches(STEPS, BATCH, SEQ, VOCAB), packed_positions()
+    return {job: _reference_packed(model_dirs[model], data, pos) for job, model in PACKED.items()}
 
 
 def _pp(sched, m, **kw):
@@ -385,12 +389,10 @@ def _parity_jobs(table, model_dirs, workdir):
 def world2(model_dirs, workdir):
     jobs = _parity_jobs(PARITY_W2, model_dirs, workdir)
     jobs += [
-        (
-            "packed",
-            "parity",
-            (model_dirs["llama4"], PACKED_KW, str(workdir / "export" / "packed")),
-            dict(logits=True, packed=True),
-        ),
+        (job, "parity", (model_dirs[model], PACKED_KW, str(workdir / "export" / job)), dict(logits=True, packed=True))
+        for job, model in PACKED.items()
+    ]
+    jobs += [
         ("bad-unknown-schedule", "bad_config", (model_dirs["llama4"], dict(pp=2, pp_schedule="gpipe")), {}),
         (
             "bad-4-stages-2-layers",
@@ -634,18 +636,19 @@ def test_bad_microbatches_not_dividing_batch(spawned, model_dirs):
 
 
 # -- packed sequences ------------------------------------------------------------------------------
-def test_packed_sequences_match_stock(spawned, oracle_packed, oracle, workdir, model_dirs):
+@pytest.mark.parametrize("job", list(PACKED))
+def test_packed_sequences_match_stock(job, spawned, oracle_packed, oracle, workdir, model_dirs):
     """Position ids restarting inside rows select HF's block-diagonal causal mask on every stage:
     losses, logits and exported weights match the stock model given the same position_ids."""
-    recs = _records(spawned, "packed")
-    ref = oracle_packed
+    recs = _records(spawned, job)
+    ref, model = oracle_packed[job], PACKED[job]
     # the packing matters at all: the packed loss is not the plain causal loss
-    assert _rel(ref["losses"][0], oracle["llama4"]["losses"][0]) > 1e-4
+    assert _rel(ref["losses"][0], oracle[model]["losses"][0]) > 1e-4
     _check_losses(recs, ref["losses"], ref["norms"])
     for r in recs:
         diff = (r["logits"] - ref["logits"]).abs().max().item()
         assert diff <= LOGITS_ATOL, f"pp rank {r['pp_rank']}: packed |Δlogits| = {diff:.3g}"
-    _check_export(workdir / "export" / "packed", ref["state"], True, model_dirs["llama4"])
+    _check_export(workdir / "export" / job, ref["state"], TIED[model], model_dirs[model])
 
 
 def test_stock_packing_sanity(model_dirs):
