@@ -12,11 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the test helpers (di
 
 from models import make_model_dir  # noqa: E402
 
-FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")
 
 
 @pytest.fixture(scope="session")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
-    """{family: HF directory} for the four tiny families of tests/models.py (seed 0)."""
+    """{family: HF directory} for the five tiny families of tests/models.py (seed 0)."""
     root = tmp_path_factory.mktemp("families")
     return {f: make_model_dir(root / f, f) for f in FAMILIES}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
 VOCAB = 101  # prime: padded under every tp > 1
 
@@ -23,6 +23,21 @@ FAMILIES = {
     "qwen2": (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
     # heads * head_dim (4 * 16 = 64) != hidden (48); tied; q_norm / k_norm
     "qwen3": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)),
+    # tied, GQA 4/2; every 2nd layer NoPE (no_rope_layers [1, 0, ...]) and, as stock derives layer_types,
+    # sliding-window attention on those NoPE layers (window 5 < the tests' sequence lengths)
+    "smollm3": (
+        SmolLM3Config,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=5,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
 }
 
 

@@ -38,14 +38,20 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH, SEQ, STEPS, SAVE_AT = 4, 16, 6, 3
 MESH_RTOL = 1e-6  # measured 2.1e-7 (fp32, 3 steps after a resume on another mesh)
 
-SAVES = {  # name: ParallelConfig kwargs of the run that saves (world 4)
+SAVES = {  # name: ParallelConfig kwargs of the run that saves (world 4); a smollm3- name: that family
     "tp2-pp2": dict(tp=2, pp=2, num_microbatches=2),
     "pp2-dp2": dict(pp=2, num_microbatches=2),
+    "smollm3-tp2-pp2": dict(tp=2, pp=2, num_microbatches=2),  # stage 0: a RoPE layer, stage 1: a NoPE one
 }
 RESUMES = {  # name: (checkpoint of SAVES, ParallelConfig kwargs, build_optimizer kwargs, dtype) (world 2)
     "tp2-pp2->dp2": ("tp2-pp2", dict(), dict(), torch.float32),
     "pp2-dp2->tp2": ("pp2-dp2", dict(tp=2), dict(), torch.float32),
+    "smollm3-tp2-pp2->dp2": ("smollm3-tp2-pp2", dict(), dict(), torch.float32),
 }
+
+
+def _family(name: str) -> str:
+    return "smollm3" if name.startswith("smollm3") else "llama"
 
 
 def _opt(pm, **kw):
@@ -71,11 +77,11 @@ def _masters(opt) -> list[torch.Tensor]:
 
 
 # -- worker side ----------------------------------------------------------------------------------
-def _save_world(model_dir, out: str) -> None:
+def _save_world(dirs, out: str) -> None:
     start_watchdog(240)
     data, res = batches(STEPS, BATCH, SEQ, 101), {}
     for name, pkw in SAVES.items():
-        pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
+        pm = hf3d.parallelize(dirs[_family(name)], hf3d.ParallelConfig(**pkw))
         opt = _opt(pm)
         first = _train(pm, opt, data[:SAVE_AT])
         hf3d.save_checkpoint(f"{out}/{name}", pm, opt, step=SAVE_AT, extra={"note": name})
@@ -83,15 +89,16 @@ def _save_world(model_dir, out: str) -> None:
     report(res, f"{out}/save.pt")
 
 
-def _resume_world(model_dir, out: str) -> None:
+def _resume_world(dirs, out: str) -> None:
     start_watchdog(240)
     data, res = batches(STEPS, BATCH, SEQ, 101), {}
     for name, (src, pkw, okw, dtype) in RESUMES.items():
-        pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw), dtype=dtype)
+        pm = hf3d.parallelize(dirs[_family(name)], hf3d.ParallelConfig(**pkw), dtype=dtype)
         opt = _opt(pm, **okw)
         extra = {}
         step = hf3d.load_checkpoint(f"{out}/{src}", pm, opt, extra=extra)
         res[name] = dict(step=step, extra=extra, losses=_train(pm, opt, data[step:]))
+    model_dir = dirs["llama"]
 
     # ZeRO-1 <-> ZeRO-0, and bf16 (fp32 masters differ from the bf16 params): same mesh, dp=2
     for name, save_kw, load_kw, dtype in (
@@ -168,9 +175,9 @@ def _mismatch_world(dirs, out: str) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    model_dir = make_model_dir(root / "llama", "llama")
-    spawn(_save_world, 4, model_dir, str(root))
-    spawn(_resume_world, 2, model_dir, str(root))
+    dirs = {f: make_model_dir(root / f, f) for f in ("llama", "smollm3")}
+    spawn(_save_world, 4, dirs, str(root))
+    spawn(_resume_world, 2, dirs, str(root))
     return dict(save=torch.load(root / "save.pt")[0], resume=torch.load(root / "resume.pt")[0], root=root)
 
 

@@ -39,7 +39,7 @@ from hf3d.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa:
 from hf3d.hf import TensorSpec, write_hf_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")
 VOLATILE = {"transformers_version", "_name_or_path"}  # the writing library's version; where it was read from
 SHARD = 20_000  # bytes: several shards for the tiny models, no tensor above it
 

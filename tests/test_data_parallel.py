@@ -93,6 +93,7 @@ FP32_RUNS = {
         dict(bucket_size=1000, dp_collective="reduce_scatter"),
     ),
     "tp2-kvrep": (2, "llama-kvrep", dict(tp=2), {}),
+    "dp2-zero1-smollm3": (2, "smollm3", {}, dict(zero_stage=1)),  # tied; a NoPE + sliding-window layer
     # no decay for 1-D params (norms, biases, fused qkv biases) and embeddings / lm_head
     "dp2-zero1-exclude_from_weight_decay": (2, "llama", {}, dict(exclude_from_weight_decay=True)),
     "tp2-kvrep-exclude_from_weight_decay": (2, "llama-kvrep", dict(tp=2), dict(exclude_from_weight_decay=True)),
@@ -111,14 +112,16 @@ FP32_RUNS = {
     ),
     "tp2-pp2-tied": (4, "llama", dict(tp=2, pp=2, num_microbatches=2), {}),
     "tp2-dp2-kvrep": (4, "llama-kvrep", dict(tp=2), dict(dp_collective="reduce_scatter")),
+    "tp2-dp2-smollm3": (4, "smollm3", dict(tp=2), dict(zero_stage=1)),
     "tp2-pp2-dp2": (8, "llama", dict(tp=2, pp=2, num_microbatches=2), dict(zero_stage=1)),
 }
+TIED = ("llama", "smollm3")
 OVERLAP_PAIRS = [
     ("dp2-zero1-m2-reduce_scatter", "dp2-zero1-m2-reduce_scatter-no_overlap"),
     ("dp2-zero1-m2-all_reduce", "dp2-zero1-m2-all_reduce-no_overlap"),
     ("dp2-zero1-m2-all_to_all", "dp2-zero1-m2-all_to_all-no_overlap"),
 ]
-NORM_ONCE_RUNS = ["tp2-kvrep", "tp2-pp2-tied", "tp2-dp2-kvrep", "tp2-pp2-dp2"]
+NORM_ONCE_RUNS = ["tp2-kvrep", "tp2-pp2-tied", "tp2-dp2-kvrep", "tp2-dp2-smollm3", "tp2-pp2-dp2"]
 # name: (world size, ParallelConfig kwargs, steps); bf16 params on llama, bucket_size=MEM_BUCKET
 MEMORY_RUNS = {
     "mem-dp1": (2, dict(tp=2), 2),  # dp=1 at world 2: tp=2
@@ -317,10 +320,11 @@ def _ref_key(family: str, okw: dict) -> tuple[str, bool]:
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("dp")
-    dirs = {f: str(make_model_dir(root / f, f)) for f in ("llama", "llama-kvrep")}
+    dirs = {f: str(make_model_dir(root / f, f)) for f in ("llama", "llama-kvrep", "smollm3")}
     data = _data()
     refs = {(f, False): reference_run(dirs[f], data) for f in dirs}
-    refs.update({(f, True): reference_run(dirs[f], data, param_groups=_no_decay_groups) for f in dirs})
+    no_decay = ("llama", "llama-kvrep")  # the runs with exclude_from_weight_decay
+    refs.update({(f, True): reference_run(dirs[f], data, param_groups=_no_decay_groups) for f in no_decay})
     return dict(
         root=root,
         dirs=dirs,
@@ -401,7 +405,7 @@ def test_matches_reference(request, env, name):
     _check_losses_norms(runs, ref_losses, ref_norms, range(world))
     assert all(runs[r]["dp_identical"] for r in range(world)), "params differ across dp ranks"
     assert runs[0]["dp_size"] == world // math.prod(FP32_RUNS[name][2].get(k, 1) for k in ("tp", "pp"))
-    _check_weights(res["out"] / name, ref_sd, env["dirs"][family], tied=family == "llama")
+    _check_weights(res["out"] / name, ref_sd, env["dirs"][family], tied=family in TIED)
 
 
 @pytest.mark.parametrize("with_overlap, without", OVERLAP_PAIRS)

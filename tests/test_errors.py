@@ -27,7 +27,7 @@ import hf3d  # noqa: E402
 from hf3d.config import ENV_VARS, PP_SCHEDULES  # noqa: E402
 
 WATCHDOG_S = 300
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,11 +3,11 @@
 What is checked:
 - `hf3d.parallelize(config_only_dir, pcfg, seed=s)` exported with `save_pretrained` equals
   `torch.manual_seed(s); AutoModelForCausalLM.from_config(config)` bit for bit (torch.equal, every
-  tensor; a tied lm_head is not exported), for llama (tied), qwen2 (untied, q/k/v biases) and qwen3
-  (tied, q/k norms) at tp=1 (dp=4), tp=2 (dp=2), pp=2 (dp=2) and tp=2 x pp=2, seeds 0 and 1; the
-  two seeds give different weights; bf16 is the fp32 init cast to bf16; the caller's global RNG
-  state is left as it was; the example model dir (config + tokenizer, no weights) loads and
-  its export carries the tokenizer files.
+  tensor; a tied lm_head is not exported), for llama (tied), qwen2 (untied, q/k/v biases), qwen3
+  (tied, q/k norms) and smollm3 (tied, NoPE and sliding-window layers) at tp=1 (dp=4), tp=2 (dp=2),
+  pp=2 (dp=2) and tp=2 x pp=2, seeds 0 and 1; the two seeds give different weights; bf16 is the
+  fp32 init cast to bf16; the caller's global RNG state is left as it was; the example model dir
+  (config + tokenizer, no weights) loads and its export carries the tokenizer files.
 - tp=3 (6 query / 3 KV heads) exports the same model as tp=1.
 - memory: one tp=3 rank's peak RSS above its own baseline is <= 0.6x stock from_config's (measured
   by rank 3 of the 4-process world before anything else), each in a fresh process, on a 24-layer
@@ -38,7 +38,7 @@ import hf3d  # noqa: E402
 from hf3d.init import has_weights  # noqa: E402
 from hf3d.models import get_adapter  # noqa: E402
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "smollm3")
 MESHES = {"tp1": dict(tp=1), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2pp2": dict(tp=2, pp=2)}
 SEEDS = (0, 1)
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "models" / "tiny-smollm"

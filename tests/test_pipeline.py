@@ -35,13 +35,15 @@ STEPS, BATCH, SEQ = 3, 4, 16
 # ~10-20x the largest error measured over every job of this file (fp32, gloo, 2-core CPU):
 LOSS_RTOL = 3e-6  # per-step loss, relative; measured 2.1e-7 (llama, 5 layers, pp2 and pp3)
 LOGITS_ATOL = 3e-6  # max |Δlogits|, measured 2.4e-7 (stock packed vs unpacked; hf3d 2.1e-7 at tp2-pp2)
-NORM_RTOL = 2e-5  # per-step pre-clip grad norm, relative; measured 1.9e-6 (tp2-pp2-sp, qwen2 1f1b)
+NORM_RTOL = 5e-5  # per-step pre-clip grad norm, relative; measured 3.8e-6 (tp2-pp2-1f1b-llama)
 # Exported weights after 3 AdamW steps. Element-wise, the error is AdamW's: it divides each gradient
 # by its own running magnitude, so float noise in near-zero gradients becomes weight noise near lr
 # times that noise's relative size. The update check sees a small error spread over many elements
 # (a wrong decay, a missing part of a gradient) that the element-wise bound cannot.
-WEIGHT_ATOL = 1e-4  # max |Δw|, measured 9.5e-6 (tp2-pp2-afab-qwen2)
-UPDATE_RTOL = 2e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 1.5e-5 (tp2-pp2 llama)
+# measured 4.0e-5 (tp2-pp2-1f1b-smollm3: one layers.3 o_proj element whose stock gradient is 2.3e-8, near
+# AdamW's eps; stock's own weights move by up to 4.9e-6 when its batch is split in two micro-batches)
+WEIGHT_ATOL = 5e-4  # max |Δw|
+UPDATE_RTOL = 5e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 3.8e-5 (tp2-pp2-1f1b-smollm3)
 SPAWN_DEADLINE_S = 600  # last resort; a job that hangs is stopped by its own watchdog first
 FIRST_JOB_TIMEOUT_S, JOB_TIMEOUT_S = 300, 45  # per job (a warm job takes ~1 s, ~2 s on a loaded CPU)
 
@@ -51,8 +53,10 @@ MODELS = {  # name -> (family, overrides)
     "llama2": ("llama", dict(num_hidden_layers=2)),  # too few layers for pp=3
     "qwen2_4": ("qwen2", dict(num_hidden_layers=4)),  # untied, qkv biases
     "qwen3_4": ("qwen3", dict(num_hidden_layers=4)),  # tied, q/k norms, q width != hidden
+    # tied; layers 1 and 3 NoPE with a sliding window: each pp=2 stage holds both layer types
+    "smollm3_4": ("smollm3", dict(num_hidden_layers=4)),
 }
-TIED = {"llama4": True, "llama5": True, "llama2": True, "qwen2_4": False, "qwen3_4": True}
+TIED = {"llama4": True, "llama5": True, "llama2": True, "qwen2_4": False, "qwen3_4": True, "smollm3_4": True}
 
 
 def packed_positions() -> torch.Tensor:
@@ -279,7 +283,7 @@ def oracle(model_dirs):
 
     data = batches(STEPS, BATCH, SEQ, VOCAB)
     out = {}
-    for name in ("llama4", "llama5", "qwen2_4", "qwen3_4"):
+    for name in ("llama4", "llama5", "qwen2_4", "qwen3_4", "smollm3_4"):
         losses, norms, sd = reference_run(model_dirs[name], data)
         model = AutoModelForCausalLM.from_pretrained(model_dirs[name], dtype=torch.float32)
         with torch.no_grad():
@@ -311,9 +315,13 @@ def _reference_packed(model_dir, data, pos):
     return {"losses": losses, "norms": norms, "state": state, "logits": logits, "unpacked_loss": unpacked_loss}
 
 
+PACKED = {"packed": "llama4", "packed-smollm3": "smollm3_4"}  # job -> model (smollm3: NoPE, sliding window)
+
+
 @pytest.fixture(scope="module")
 def oracle_packed(model_dirs):
-    return _reference_packed(model_dirs["llama4"], batches(STEPS, BATCH, SEQ, VOCAB), packed_positions())
+    data, pos = batches(STEPS, BATCH, SEQ, VOCAB), packed_positions()
+    return {job: _reference_packed(model_dirs[model], data, pos) for job, model in PACKED.items()}
 
 
 def _pp(sched, m, **kw):
@@ -328,6 +336,7 @@ PARITY_W2 = {
     "pp2-1f1b-llama-5layers": ("llama5", _pp("1f1b", 2), dict(tied_check=True)),
     "pp2-1f1b-qwen2-untied": ("qwen2_4", _pp("1f1b", 2), {}),
     "pp2-1f1b-qwen3-tied": ("qwen3_4", _pp("1f1b", 4), dict(tied_check=True)),
+    "pp2-1f1b-smollm3-tied": ("smollm3_4", _pp("1f1b", 2), dict(logits=True, tied_check=True)),
     "pp2-zbv-llama": ("llama4", _pp("zbv", 4), dict(tied_check=True)),
     "pp2-dualpipev-llama": ("llama4", _pp("dualpipev", 4), {}),
     "pp2-dualpipev-qwen2-untied": ("qwen2_4", _pp("dualpipev", 4), {}),
@@ -342,6 +351,7 @@ PARITY_W4 = {
         dict(logits=True, tied_check=True),
     ),
     "tp2-pp2-afab-qwen2": ("qwen2_4", dict(tp=2, pp=2, pp_schedule="afab", num_microbatches=2), {}),
+    "tp2-pp2-1f1b-smollm3": ("smollm3_4", dict(tp=2, pp=2, pp_schedule="1f1b", num_microbatches=2), {}),
     # dp=2 x pp=2: the tied embedding pair is one group per dp replica; each dp rank gets 2 rows
     "pp2-dp2-1f1b-llama": ("llama4", dict(pp=2, dp=2, pp_schedule="1f1b", num_microbatches=2), dict(tied_check=True)),
 }
@@ -379,12 +389,10 @@ def _parity_jobs(table, model_dirs, workdir):
 def world2(model_dirs, workdir):
     jobs = _parity_jobs(PARITY_W2, model_dirs, workdir)
     jobs += [
-        (
-            "packed",
-            "parity",
-            (model_dirs["llama4"], PACKED_KW, str(workdir / "export" / "packed")),
-            dict(logits=True, packed=True),
-        ),
+        (job, "parity", (model_dirs[model], PACKED_KW, str(workdir / "export" / job)), dict(logits=True, packed=True))
+        for job, model in PACKED.items()
+    ]
+    jobs += [
         ("bad-unknown-schedule", "bad_config", (model_dirs["llama4"], dict(pp=2, pp_schedule="gpipe")), {}),
         (
             "bad-4-stages-2-layers",
@@ -486,7 +494,7 @@ def test_training_parity(name, spawned, oracle, workdir, model_dirs):
     _check_export(workdir / "export" / name, ref["state"], TIED[model], model_dirs[model])
 
 
-@pytest.mark.parametrize("name", ["pp2-afab-llama", "tp2-pp2-1f1b-llama"])
+@pytest.mark.parametrize("name", ["pp2-afab-llama", "tp2-pp2-1f1b-llama", "pp2-1f1b-smollm3-tied"])
 def test_full_logits(name, spawned, oracle):
     """pmodel(ids) returns the full-vocab stock logits on every rank."""
     ref = oracle[PARITY[name][0]]["logits"]
@@ -504,6 +512,7 @@ def test_full_logits(name, spawned, oracle):
         "pp2-1f1b-llama",
         "pp2-interleaved-v2-llama",
         "pp2-1f1b-qwen3-tied",
+        "pp2-1f1b-smollm3-tied",
         "tp2-pp2-1f1b-llama",
         "pp2-dp2-1f1b-llama",
         "pp3-1f1b-llama-5layers",
@@ -627,18 +636,19 @@ def test_bad_microbatches_not_dividing_batch(spawned, model_dirs):
 
 
 # -- packed sequences ------------------------------------------------------------------------------
-def test_packed_sequences_match_stock(spawned, oracle_packed, oracle, workdir, model_dirs):
+@pytest.mark.parametrize("job", list(PACKED))
+def test_packed_sequences_match_stock(job, spawned, oracle_packed, oracle, workdir, model_dirs):
     """Position ids restarting inside rows select HF's block-diagonal causal mask on every stage:
     losses, logits and exported weights match the stock model given the same position_ids."""
-    recs = _records(spawned, "packed")
-    ref = oracle_packed
+    recs = _records(spawned, job)
+    ref, model = oracle_packed[job], PACKED[job]
     # the packing matters at all: the packed loss is not the plain causal loss
-    assert _rel(ref["losses"][0], oracle["llama4"]["losses"][0]) > 1e-4
+    assert _rel(ref["losses"][0], oracle[model]["losses"][0]) > 1e-4
     _check_losses(recs, ref["losses"], ref["norms"])
     for r in recs:
         diff = (r["logits"] - ref["logits"]).abs().max().item()
         assert diff <= LOGITS_ATOL, f"pp rank {r['pp_rank']}: packed |Δlogits| = {diff:.3g}"
-    _check_export(workdir / "export" / "packed", ref["state"], True, model_dirs["llama4"])
+    _check_export(workdir / "export" / job, ref["state"], TIED[model], model_dirs[model])
 
 
 def test_stock_packing_sanity(model_dirs):

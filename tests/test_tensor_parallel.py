@@ -4,10 +4,11 @@ What is checked, in fp32 on gloo:
 - logits of `hf3d.parallelize(dir, ParallelConfig(tp=t), attn_implementation=a)(ids)` against
   stock `AutoModelForCausalLM.from_pretrained(dir, attn_implementation=a)(ids).logits`, on every
   rank, for every family of tests/models.py and every valid tp in {1, 2, 3, 4}, with sdpa and
-  eager, and with sequence parallelism; max |Δ| <= LOGITS_ATOL. None of the four families accepts tp=3
+  eager, and with sequence parallelism; max |Δ| <= LOGITS_ATOL. None of the five families accepts tp=3
   (asserted below), so two llama variants (6 query heads over 3 KV heads, and over 1 KV head,
   which tp=3 replicates) cover tp=3 on a world of 3. KV replication: llama-kvrep at tp 2 and 4,
-  qwen2/qwen3 at tp 4, llama-6x1 at tp 3. Vocab padding: 101 is prime, padded at every tp > 1;
+  qwen2/qwen3/smollm3 at tp 4, llama-6x1 at tp 3. smollm3 has a NoPE layer with a sliding window.
+  Vocab padding: 101 is prime, padded at every tp > 1;
   the ids include the pad id 0 and the last real row 100.
 - training: 3 steps of train_step + build_optimizer(AdamW, clipping) against
   tests/reference.reference_run (stock model, torch AdamW, clip_grad_norm_): per-step losses and
@@ -40,7 +41,7 @@ from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir, tiny_config  # noqa: E402
 from reference import batches, hf3d_run, reference_run  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, SmolLM3Config  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d.layout import Piece, concat_pieces, get_pieces  # noqa: E402
@@ -48,7 +49,7 @@ from hf3d.models import TPContext, get_adapter  # noqa: E402
 from hf3d.models.common import padded_vocab, valid_tp_sizes  # noqa: E402
 from hf3d.stage import split_layers  # noqa: E402
 
-FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")
 # tp=3 fits none of FAMILIES; these llama variants (6 query heads) take it
 TP3_VARIANTS = {"llama-6x3": dict(num_key_value_heads=3), "llama-6x1": dict(num_key_value_heads=1)}
 ATTNS = ("sdpa", "eager")
@@ -80,7 +81,7 @@ def _world(tp: int) -> int:
 LOGIT_CASES = [(f, t) for f in FAMILIES for t in (1, 2, 3, 4) if t in valid_tp_sizes(_config(f))]
 LOGIT_CASES += [(v, 3) for v in TP3_VARIANTS]
 # (model, tp, world): training parity runs; world = tp, so dp = 1 and only tensor parallelism differs
-TRAIN_CASES = [("llama", 2, 2), ("qwen3", 2, 2), ("llama-kvrep", 4, 4), ("llama-6x1", 3, 3)]
+TRAIN_CASES = [("llama", 2, 2), ("qwen3", 2, 2), ("smollm3", 2, 2), ("llama-kvrep", 4, 4), ("llama-6x1", 3, 3)]
 
 
 def _logit_ids() -> torch.Tensor:
@@ -172,6 +173,9 @@ def _world2(dirs: dict, ids, data, out: str) -> None:
     try:
         pm = hf3d.parallelize(dirs["qwen3"], hf3d.ParallelConfig(tp=2), attn_implementation="flex_attention")
         res["flex/qwen3/tp2"] = _logits(pm, ids)
+        # smollm3: a sliding-window NoPE layer, so the flex BlockMask of each layer type is exercised
+        pm = hf3d.parallelize(dirs["smollm3"], hf3d.ParallelConfig(tp=2), attn_implementation="flex_attention")
+        res["flex/smollm3/tp2"] = _logits(pm, ids)
     except Exception as e:  # every rank raises the same way: no collective is left waiting
         res["flex/error"] = f"{type(e).__name__}: {e}"
     report(res, Path(out) / "results.pt")
@@ -278,6 +282,7 @@ def test_flex_attention(world2, stock_logits):
         pytest.skip(f"flex_attention does not run on this CPU: {results[0]['flex/error']}")
     # on CPU, flex, eager and sdpa agree to ~2e-7 (FACTS.md), so the sdpa logits are the reference
     _assert_logits(results, "flex/qwen3/tp2", stock_logits["qwen3", "sdpa"])
+    _assert_logits(results, "flex/smollm3/tp2", stock_logits["smollm3", "sdpa"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,6 +353,19 @@ def _smollm2_135m_config():
     )
 
 
+def _smollm3_3b_config():
+    return SmolLM3Config(
+        hidden_size=2048,
+        intermediate_size=11008,
+        num_hidden_layers=36,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6},
+    )
+
+
 def test_valid_tp_sizes():
     # SmolLM2-135M: 9 query / 3 KV heads, intermediate 1536. tp=9 divides the heads but not 1536
     assert valid_tp_sizes(_smollm2_135m_config()) == [1, 3]
@@ -355,9 +373,12 @@ def test_valid_tp_sizes():
     assert valid_tp_sizes(tiny_config("llama-kvrep")) == [1, 2, 4]  # 4/1: replicate
     assert valid_tp_sizes(tiny_config("qwen2")) == [1, 2, 4]
     assert valid_tp_sizes(tiny_config("qwen3")) == [1, 2, 4]
+    assert valid_tp_sizes(tiny_config("smollm3")) == [1, 2, 4]  # 4/2: tp=4 replicates KV heads
     assert valid_tp_sizes(_config("llama-6x3")) == [1, 3, 6]
     assert valid_tp_sizes(_config("llama-6x1")) == [1, 2, 3, 6]
-    # so the logits sweep above covers tp 1, 2, 4 on the four families and tp 3 only on the variants
+    # SmolLM3-3B: 16 query / 4 KV heads, intermediate 11008 = 2^8 * 43 (the README's tp table)
+    assert valid_tp_sizes(_smollm3_3b_config()) == [1, 2, 4, 8, 16]
+    # so the logits sweep above covers tp 1, 2, 4 on the five families and tp 3 only on the variants
     assert {t for _, t in LOGIT_CASES} == {1, 2, 3, 4}
     assert not [(n, t) for n, t in LOGIT_CASES if t == 3 and n in FAMILIES]
     assert padded_vocab(VOCAB, 1) == 101 and padded_vocab(VOCAB, 2) == 102 and padded_vocab(VOCAB, 4) == 104
@@ -478,6 +499,27 @@ def test_layout_covers_every_hf_element_once(name):
         for p in held:
             if not p.owner:
                 assert (p.hf_name, p.dim, p.hf_start, p.hf_stop) in owned, (tp, p)
+
+
+def test_smollm3_keeps_its_nope_and_sliding_layers():
+    """The tiny smollm3 has both kinds of layer (else the parity tests above could not see a NoPE bug),
+    and each tp attention module takes stock's per-layer RoPE flag and sliding window."""
+    config = tiny_config("smollm3")
+    config._attn_implementation = "sdpa"
+    assert config.no_rope_layers == [1, 0] and config.layer_types == ["full_attention", "sliding_attention"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    stock = [(bool(layer.self_attn.use_rope), layer.self_attn.sliding_window) for layer in model.model.layers]
+    assert stock == [(True, None), (False, 5)]
+    for i, layer in enumerate(model.model.layers):
+        get_adapter("smollm3").swap_layer(layer, f"model.layers.{i}", TPContext(None, 0, 2, False, torch.float32))
+    assert [(layer.self_attn.use_rope, layer.self_attn.sliding_window) for layer in model.model.layers] == stock
+    with torch.device("meta"):  # a family whose attention has no such flag keeps RoPE everywhere
+        llama = AutoModelForCausalLM.from_config(_config("llama"))
+    get_adapter("llama").swap_layer(
+        llama.model.layers[0], "model.layers.0", TPContext(None, 0, 2, False, torch.float32)
+    )
+    assert llama.model.layers[0].self_attn.use_rope
 
 
 # ------------------------------------------------------------------------------------------------

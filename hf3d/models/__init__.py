@@ -4,9 +4,10 @@ from .common import DecoderAdapter, TPContext
 from .llama import LlamaAdapter
 from .qwen2 import Qwen2Adapter
 from .qwen3 import Qwen3Adapter
+from .smollm3 import SmolLM3Adapter
 
 ADAPTERS: dict[str, type[DecoderAdapter]] = {
-    t: cls for cls in (LlamaAdapter, Qwen2Adapter, Qwen3Adapter) for t in cls.model_types
+    t: cls for cls in (LlamaAdapter, Qwen2Adapter, Qwen3Adapter, SmolLM3Adapter) for t in cls.model_types
 }
 
 

@@ -1,8 +1,8 @@
-"""Tensor-parallel rewrite shared by the Llama-style decoders (Llama/SmolLM, Qwen2, Qwen3).
+"""Tensor-parallel rewrite shared by the Llama-style decoders (Llama/SmolLM, Qwen2, Qwen3, SmolLM3).
 
 The stock HF model stays the model: only `self_attn`, `mlp`, `embed_tokens` and `lm_head`
 are swapped for tensor-parallel modules, in place, under their stock names. Each family file
-says what differs (biases, per-head q/k norms); this file owns the head bookkeeping.
+says what differs (biases, per-head q/k norms, NoPE layers); this file owns the head bookkeeping.
 
 Head layout (DESIGN decision 2): rank r of t holds query heads [r*h/t, (r+1)*h/t) and KV
 heads [r*g/t, (r+1)*g/t), fused as [q_r; k_r; v_r]. With HF's grouping (query head i reads KV
@@ -124,6 +124,7 @@ class TPAttention(nn.Module):
         self.head_dim, self.scaling = stock.head_dim, stock.scaling
         self.attention_dropout, self.is_causal = stock.attention_dropout, True
         self.sliding_window = getattr(stock, "sliding_window", None)
+        self.use_rope = bool(getattr(stock, "use_rope", True))  # stock's per-layer flag (SmolLM3 NoPE: 0)
         h, g, t, r = config.num_attention_heads, config.num_key_value_heads, ctx.size, ctx.rank
         q0, q1 = shard_range(h, t, r)
         if t <= g:
@@ -182,7 +183,9 @@ class TPAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [b, heads_local, s, d]
         cos, sin = position_embeddings
-        if cos.requires_grad or sin.requires_grad or cos.shape[-1] != d:
+        if not self.use_rope:  # a NoPE layer (SmolLM3): q and k as projected
+            pass
+        elif cos.requires_grad or sin.requires_grad or cos.shape[-1] != d:
             q, k = self._apply_rotary(q, k, cos, sin)
         else:  # the families here share stock's full-width rotate-half RoPE
             q, k = _Rotary.apply(q, k, cos, sin, self._apply_rotary)
