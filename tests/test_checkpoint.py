@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from asserts import assert_close  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
@@ -163,23 +164,19 @@ def saved(tmp_path_factory):
     return dict(save=torch.load(root / "save.pt")[0], resume=torch.load(root / "resume.pt")[0], root=root)
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_resume_on_another_mesh_continues_the_run(saved, name):
     src = RESUMES[name][0]
     got, want = saved["resume"][name], saved["save"][src][SAVE_AT:]
     assert got["step"] == SAVE_AT and got["extra"] == {"note": src}
-    assert max(_rel(a, b) for a, b in zip(got["losses"], want)) <= MESH_RTOL
+    assert_close(got["losses"], want, rtol=MESH_RTOL, what=f"{name} resumed loss")
 
 
 @pytest.mark.parametrize("name", ["zero1->zero0", "zero0->zero1"])
 def test_resume_across_zero_stages(saved, name):
     got = saved["resume"][name]
     assert got["step"] == SAVE_AT and got["params_equal"]
-    assert max(_rel(a, b) for a, b in zip(got["resumed"], got["uninterrupted"])) <= MESH_RTOL
+    assert_close(got["resumed"], got["uninterrupted"], rtol=MESH_RTOL, what=f"{name} resumed loss")
 
 
 def test_bf16_master_weights_are_restored_exactly(saved):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from asserts import assert_close  # noqa: E402
 from dist import spawn  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, hf3d_run, reference_run  # noqa: E402
@@ -374,9 +375,7 @@ def _check_weights(
     sd, init = _exported(path), _exported(Path(source))
     expected = set(ref_sd) - ({"lm_head.weight"} if tied else set())
     assert set(sd) == expected
-    err = {k: (sd[k].float() - ref_sd[k]).abs().max().item() for k in sd}
-    worst = max(err, key=err.get)
-    assert err[worst] <= atol, f"{worst}: max |dw| = {err[worst]:.3g}"
+    assert_close({k: v.float() for k, v in sd.items()}, {k: ref_sd[k] for k in sd}, atol=atol, what="exported")
     num = sum(float((sd[k].float() - ref_sd[k]).square().sum()) for k in sd)
     den = sum(float((ref_sd[k] - init[k].float()).square().sum()) for k in sd)
     assert (num / den) ** 0.5 <= update_rtol, f"the training update is off by {(num / den) ** 0.5:.3g} (relative)"
@@ -384,10 +383,8 @@ def _check_weights(
 
 def _check_losses_norms(res: dict, ref_losses, ref_norms, ranks) -> None:
     for r in ranks:
-        for step, (got, want) in enumerate(zip(res[r]["losses"], ref_losses)):
-            assert _rel(got, want) <= LOSS_RTOL, f"rank {r} step {step}: loss {got} vs {want}"
-        for step, (got, want) in enumerate(zip(res[r]["norms"], ref_norms)):
-            assert _rel(got, want) <= NORM_RTOL, f"rank {r} step {step}: grad norm {got} vs {want}"
+        assert_close(res[r]["losses"], ref_losses, rtol=LOSS_RTOL, what=f"rank {r} loss")
+        assert_close(res[r]["norms"], ref_norms, rtol=NORM_RTOL, what=f"rank {r} grad norm")
 
 
 @pytest.mark.parametrize("name", list(FP32_RUNS))
@@ -463,8 +460,7 @@ def test_bf16_follows_fp32_reference(request, env):
     for r in range(2):
         losses = res[r][BF16_RUN]["losses"]
         assert len(losses) == BF16_STEPS
-        rel = [_rel(a, b) for a, b in zip(losses, ref_losses)]
-        assert max(rel) <= BF16_LOSS_RTOL, rel
+        assert_close(losses, ref_losses, rtol=BF16_LOSS_RTOL, what=f"rank {r} bf16 loss")
     assert res[0][BF16_RUN]["losses"] == res[1][BF16_RUN]["losses"]
     assert {v.dtype for v in _exported(res["out"] / BF16_RUN).values()} == {torch.bfloat16}
     _check_weights(
@@ -495,7 +491,7 @@ def test_nonfinite_grad_norm_skips_the_step(request, env, poison):
         assert run["unchanged"] == [False, True, False]
         # step 1's loss is computed before the poisoned gradient exists
         expected = [skip_losses[0], ref3_losses[1], skip_losses[1]]
-        assert all(_rel(a, b) <= LOSS_RTOL for a, b in zip(run["losses"], expected)), (run["losses"], expected)
+        assert_close(run["losses"], expected, rtol=LOSS_RTOL, what=f"rank {r} loss")
         assert _rel(run["norms"][0], skip_norms[0]) <= NORM_RTOL
         assert _rel(run["norms"][2], skip_norms[1]) <= NORM_RTOL
         assert run["dp_identical"]
@@ -527,7 +523,7 @@ def test_optimizer_state_dict_roundtrip_and_reshard(request):
         assert _rel(sd["norm"][2], sd["norm"][0]) <= NORM_RTOL
     a, b = _exported(res["out"] / "sd-uninterrupted"), _exported(res["out"] / "sd-resharded")
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= RESHARD_WEIGHT_ATOL
+    assert_close(b, a, atol=RESHARD_WEIGHT_ATOL, what="resharded")
 
 
 def test_build_optimizer_rejects_bad_input(request):
