@@ -28,6 +28,9 @@ import hf3d  # noqa: E402
 
 ROWS, SEQ, STEPS, SAVE_AT, EVAL_ROWS = 4, 16, 4, 2, 6
 LOSS_RTOL, EVAL_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-6, 1e-6, 2e-6, 1e-5
+# 10x the other tests' weight decay, so that a wrong weight-decay group (an embedding left undecayed, a
+# norm decayed) moves the saved weights far beyond WEIGHT_ATOL
+WEIGHT_DECAY = 10 * WD
 MESHES = {"tp2": dict(tp=2), "pp2": dict(pp=2, num_microbatches=2), "dp2": dict()}
 SHUFFLED = dict(eval_strategy="no", train_sampling_strategy="random")  # stock's default sampling
 
@@ -57,7 +60,7 @@ def _args(out, *, train_rows: int, eval_rows: int, **overrides):
         max_steps=STEPS,
         learning_rate=LR,
         lr_scheduler_type="cosine",
-        weight_decay=WD,
+        weight_decay=WEIGHT_DECAY,
         adam_beta1=BETAS[0],
         adam_beta2=BETAS[1],
         max_grad_norm=CLIP,
