@@ -27,13 +27,24 @@ import pickle
 import random
 import re
 import shutil
-from pathlib import Path
+from collections import OrderedDict
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from . import optim_state
@@ -56,30 +67,67 @@ def optim_key(state: str, hf_name: str) -> str:
     return f"{OPTIM_PREFIX}{state}/{hf_name}"
 
 
-# -- reading DCP metadata without running code ---------------------------------------------------
-# DCP's own reader unpickles `.metadata` with a plain pickle.load: a checkpoint from an untrusted source
-# could run code when it is opened. The metadata is dataclasses of DCP plus a few torch and pathlib
-# values; this unpickler takes those and refuses every other global.
+# -- reading pickles without running code ----------------------------------------------------------
+# DCP's own reader unpickles `.metadata` with a plain pickle.load, and DCP torch.saves each stored box: a
+# checkpoint from an untrusted source could run code when it is opened. hf3d reads both through
+# AllowListUnpickler, which resolves a global only when its exact (module, name) pair is listed. The table maps
+# each pair to the object itself, taken from hf3d's own imports: nothing named in the file is ever imported
+# or looked up (pickle's default find_class follows dotted names, so "os.system" under any module that
+# imports os would resolve).
+class AllowListUnpickler(pickle.Unpickler):
+    """Unpickles only the globals of `allowed` ({(module, name): object}); `what` names the file in errors."""
+
+    def __init__(self, file, allowed: dict[tuple[str, str], object], what: str, persistent_load=None):
+        super().__init__(file)
+        self.allowed, self.what = allowed, what
+        if persistent_load is not None:
+            self.persistent_load = persistent_load
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.allowed:  # a dotted name is never a key: no attribute chain is followed
+            return self.allowed[(module, name)]
+        raise pickle.UnpicklingError(
+            f"{self.what} refers to {module}.{name}, which hf3d never writes there; refusing to load it "
+            "(the file may have been crafted to run code)"
+        )
+
+
+TORCH_DTYPES = {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
+    **{
+        ("torch.distributed.checkpoint.metadata", c.__name__): c
+        for c in (
+            Metadata,
+            TensorStorageMetadata,
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            TensorProperties,
+            MetadataIndex,
+            StorageMeta,
+            _MEM_FORMAT_ENCODING,
+        )
+    },
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("torch", "Size"): torch.Size,
+    **{  # Python 3.13 pickles paths under pathlib._local
+        (m, c.__name__): c
+        for c in (PosixPath, PurePosixPath, WindowsPath, PureWindowsPath)
+        for m in ("pathlib", c.__module__)
+    },
+    ("collections", "OrderedDict"): OrderedDict,
+    **TORCH_DTYPES,
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        allowed = module == "torch.distributed.checkpoint.metadata" or name in _METADATA_GLOBALS.get(module, ())
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            allowed = True
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"the checkpoint's .metadata refers to {module}.{name}, which DCP metadata never holds; "
-                "refusing to load it (the file may have been crafted to run code)"
-            )
-        return super().find_class(module, name)
+def check_relative(path: Path, rel: str) -> None:
+    """Refuse a file name from a checkpoint's metadata that points outside the checkpoint folder."""
+    parts = Path(rel).parts if isinstance(rel, str) else ()
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise ValueError(
+            f"{path / '.metadata'} names the data file {rel!r}, outside the checkpoint folder (an absolute path "
+            "or '..'); refusing to read it (the metadata may have been crafted)"
+        )
 
 
 class SafeReader(FileSystemReader):
@@ -89,13 +137,29 @@ class SafeReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             try:
-                metadata = _MetadataUnpickler(f).load()
+                metadata = AllowListUnpickler(f, _METADATA_GLOBALS, f"{self.path}/.metadata").load()
             except pickle.UnpicklingError as e:
-                raise ValueError(f"{self.path}: {e}") from None
+                raise ValueError(str(e)) from None
+            except Exception as e:  # truncated, or values the allowed classes do not take
+                raise ValueError(f"{self.path}/.metadata is not readable DCP metadata ({one_line(e)})") from None
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+            raise ValueError(f"{self.path}/.metadata holds a {type(metadata).__name__}, not DCP metadata")
+        for info in metadata.storage_data.values():
+            check_relative(Path(self.path), getattr(info, "relative_path", None))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+_CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt")
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether `name` is a file of an hf3d checkpoint folder (what `convert from-hf` may replace)."""
+    from .hf import is_export_file
+
+    return name == MARKER or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_export_file(name)
 
 
 def is_complete(path: str | os.PathLike) -> bool:

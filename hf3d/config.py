@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,20 @@ ENV_VARS = {
     "pp_schedule": "HF3D_PP_SCHEDULE",
     "num_microbatches": "HF3D_NUM_MICROBATCHES",
 }
+
+# attention backends of transformers' registry that need a package of their own (the `gpu` extra installs it)
+ATTN_PACKAGES = {"flash_attention_2": "flash_attn"}
+
+
+def check_attn_implementation(name: str, key: str = "attn_implementation") -> None:
+    """Refuse a backend whose package is missing, before any model is built (transformers' own refusal comes
+    as a long traceback from inside the model's construction)."""
+    package = ATTN_PACKAGES.get(name)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f'{key}={name!r} needs the {package} package, which is not installed: pip install "hf3d[gpu]" '
+            "(CUDA only), or use sdpa"
+        )
 
 
 RECOMPUTE_FORMS = '"none", "full" or "every_<k>" with k a positive integer (e.g. "every_2")'

@@ -5,7 +5,7 @@ so conversion needs no mesh and no process group (from-hf calls `dcp.save` with 
 
 - to-hf: reads DCP's files itself, at the offsets in DCP's metadata: `dcp.load` torch.loads each stored
   box into a fresh tensor, copies it into the target and plans every call, which made to-hf 4.5x a raw
-  safetensors load + save. Each box's data.pkl gives its layout (`_LayoutUnpickler`, which runs no
+  safetensors load + save. Each box's data.pkl gives its layout (`_layout_unpickler`, which runs no
   code) and its bytes are mapped, not read (`_stored`). A tensor stored whole (from-hf writes them so)
   goes to the HF writer (hf3d/hf.py `write_hf_dir`) as that view of the file's pages, so the writer's
   copy into the output is the only one; a tensor that ranks wrote in boxes is assembled in a buffer
@@ -41,13 +41,17 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.serialization import StorageType
 
 from . import checkpoint
+from .faults import one_line
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     SAFE_INDEX,
     SAFE_SINGLE,
     SafetensorsSource,
     TensorSpec,
+    check_output_dir,
     copy_model_files,
+    is_export_file,
+    model_files,
     resolve_model_dir,
     write_hf_dir,
 )
@@ -91,14 +95,6 @@ def _state_dict_order(config) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
-def _check_out_dir(out: Path, src: Path, keeps: str) -> None:
-    """Refuse to replace the source, or a non-empty folder that is not what this command writes."""
-    if out.resolve() == src.resolve():
-        raise ValueError(f"the output {out} is the input; choose another output path")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / keeps).is_file())):
-        raise ValueError(f"{out} exists and is not a folder this command wrote (no {keeps}); choose a new output path")
-
-
 # -- checkpoint -> HF -----------------------------------------------------------------------------
 # madvise(MADV_POPULATE_READ), Linux 5.14+ (Python has no name for it): maps a range's pages from the page
 # cache in one call, without copying them; faulting them in one at a time costs more than a read() copy
@@ -111,41 +107,42 @@ def _rebuilt_layout(storage, offset, size, stride, requires_grad, hooks, dtype=N
     return dtype or StorageType(storage_type).dtype, key, offset, tuple(size), tuple(stride)
 
 
-class _LayoutUnpickler(pickle.Unpickler):
-    """Reads one stored box's data.pkl (DCP torch.saves each box) for its layout, running no code: it
-    takes only the globals torch.save writes for a plain tensor."""
+# the globals torch.save writes for a plain tensor, each mapped to what the layout reader builds instead
+_LAYOUT_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuilt_layout,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuilt_layout,
+    ("collections", "OrderedDict"): dict,
+    **{
+        (m, n): n
+        for m, names in (("torch", dir(torch)), ("torch.storage", dir(torch.storage)))
+        for n in names
+        if n.endswith("Storage")
+    },
+    **checkpoint.TORCH_DTYPES,
+}
 
-    def find_class(self, module: str, name: str):
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-            return _rebuilt_layout
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if module in ("torch", "torch.storage") and name.endswith("Storage"):
-            return name
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"a stored tensor refers to {module}.{name}, which torch.save of a tensor never writes; refusing to "
-            "load it (the file may have been crafted to run code)"
-        )
 
-    def persistent_load(self, pid):
-        return pid  # ("storage", storage type, key, location, numel)
+def _layout_unpickler(data: bytes, what: str) -> checkpoint.AllowListUnpickler:
+    """Reads one stored box's data.pkl (DCP torch.saves each box) for its layout, running no code."""
+    # persistent ids are ("storage", storage type, key, location, numel): kept as they are
+    return checkpoint.AllowListUnpickler(io.BytesIO(data), _LAYOUT_GLOBALS, what, persistent_load=lambda pid: pid)
 
 
 def _stored(root: Path, info, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The box DCP stored as item `info` (a _StorageInfo), as a view of its file's pages: a private
     mapping, so nothing written to the tensor reaches the file."""
-    path = root / info.relative_path
+    path = root / info.relative_path  # SafeReader.read_metadata refused names outside root
     if info.transform_descriptors:
         raise ValueError(f"{path}: stored with DCP transforms {info.transform_descriptors}, which hf3d does not write")
     with open(path, "rb") as f:
         item = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
         try:
-            layout = _LayoutUnpickler(io.BytesIO(item.get_record("data.pkl"))).load()
-        except (pickle.UnpicklingError, KeyError) as e:  # KeyError: a storage type torch does not know
-            raise ValueError(f"{path} at byte {info.offset}: {e}") from None
-        stored_dtype, key, offset, size, stride = layout
+            layout = _layout_unpickler(item.get_record("data.pkl"), f"{path} at byte {info.offset}").load()
+            stored_dtype, key, offset, size, stride = layout
+        except pickle.UnpicklingError as e:
+            raise ValueError(str(e)) from None
+        except (KeyError, TypeError, ValueError) as e:  # a storage type torch does not know, a malformed layout
+            raise ValueError(f"{path} at byte {info.offset} is not a stored tensor ({one_line(e)})") from None
         if stored_dtype != dtype or size != shape:
             raise ValueError(
                 f"{path} at byte {info.offset}: a {stored_dtype} tensor of shape {size} where the checkpoint's "
@@ -235,7 +232,7 @@ def checkpoint_to_hf(
     max_shard_bytes = parse_size(max_shard_size)
     if not (ckpt / "config.json").is_file():
         raise ValueError(f"checkpoint {ckpt} has no config.json; it cannot be converted to an HF model")
-    _check_out_dir(out_dir, ckpt, "config.json")
+    check_output_dir(out_dir, is_export_file, src=ckpt)
     config = AutoConfig.from_pretrained(ckpt)
     metadata = checkpoint.SafeReader(ckpt).read_metadata()
     stored = metadata.state_dict_metadata
@@ -312,9 +309,10 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     final = Path(out_ckpt)
     model_dir = resolve_model_dir(src)
     _check_safetensors(model_dir)
+    model_files(model_dir)  # refuses a linked file from outside the folder before anything is written
     config = AutoConfig.from_pretrained(model_dir)
     get_adapter(config.model_type)  # a checkpoint hf3d could not train is refused now, not at `hf3d train`
-    _check_out_dir(final, model_dir, checkpoint.MARKER)
+    check_output_dir(final, checkpoint.is_checkpoint_file, src=model_dir)
     source = SafetensorsSource(model_dir)
     specs = [source.spec(n) for n in source.entries]
     if config.tie_word_embeddings:
@@ -328,6 +326,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     state = {checkpoint.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
     tmp = checkpoint.staging_dir(final)
+    check_output_dir(tmp, checkpoint.is_checkpoint_file)  # an interrupted conversion to this path
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)

@@ -1,26 +1,54 @@
-"""`ParallelModel.save_pretrained`: the sharded model written as one stock HF directory."""
+"""`ParallelModel.save_pretrained`: the sharded model written as one stock HF directory.
+
+Who writes. Only dp rank 0's replica takes part; each exported tensor lives on one pipeline stage, split
+over that stage's tp ranks (or whole on one of them).
+
+- One writer, rank 0, when pp = 1 or when the model fits in one file (a single model.safetensors cannot
+  be split between writers): the other ranks send rank 0 their pieces, tensor by tensor, in its write
+  order. The files are byte-identical to transformers' own save of the same weights.
+- One writer per pipeline stage otherwise (a sharded export at pp > 1): the stage's first tp rank
+  assembles its stage's tensors from the pieces its tp group sends it, and writes them into its own
+  shard files, numbered across stages (`hf.plan_writer_shards`); nothing crosses stages, and the stages
+  write at the same time. Rank 0 then writes the index, config and tokenizer files. The shards are cut
+  per stage, so their boundaries differ from those of transformers' save; the tensors do not. This
+  needs the staging folder on a filesystem every writer sees; rank 0 leaves a probe file there, and if
+  any writer cannot see it the export falls back to the single writer.
+
+Either way the files go into a staging folder that replaces out_dir once complete, no rank ever holds
+more than one full tensor, and a writer's failure (a full disk, an unwritable folder) is raised on every
+rank instead of leaving the others waiting in the next collective.
+"""
 
 from __future__ import annotations
 
 import copy
 import os
+import uuid
 
 import torch
 import torch.distributed as dist
 
-from .hf import DEFAULT_MAX_SHARD_BYTES, TensorSpec, write_hf_dir, write_order
+from .hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    TensorSpec,
+    finish_hf_dir,
+    plan_shards,
+    plan_writer_shards,
+    staging_dir,
+    start_staging,
+    write_hf_dir,
+    write_order,
+    write_shard,
+)
 from .layout import get_pieces
 
 
 @torch.no_grad()
 def save_hf(pmodel, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
-    files if known) that stock `AutoModelForCausalLM.from_pretrained` loads.
-
-    Streams tensor by tensor: every rank walks the HF names in the writer's order; for each one, the
-    ranks owning pieces of it (dp rank 0's replica) send them to rank 0, which assembles that one
-    tensor, writes it and drops it. No rank ever holds more than one full tensor."""
-    rank = dist.get_rank()
+    files if known) that stock `AutoModelForCausalLM.from_pretrained` loads (see the module docstring
+    for which ranks write). An existing out_dir
+    is replaced only when it holds nothing but an HF export's files; any other is refused on every rank."""
     mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
     if pmodel.dp_rank == 0:
         for _, param in pmodel.unique_parameters():
@@ -30,58 +58,163 @@ def save_hf(pmodel, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAUL
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, {name: list(ranges) for name, ranges in mine.items()})
     tied = pmodel.config.tie_word_embeddings
-    dtype = pmodel.param_dtype
-    specs = [TensorSpec(n, s, dtype) for n, s in pmodel.hf_shapes.items() if not (tied and n == "lm_head.weight")]
+    specs = [
+        TensorSpec(n, s, pmodel.param_dtype)
+        for n, s in pmodel.hf_shapes.items()
+        if not (tied and n == "lm_head.weight")
+    ]
     sources = export_sources(table, specs)
-
-    error = None
-    if rank != 0:
-        for name in write_order(specs, max_shard_bytes):
-            for src, *key in sources[name]:
-                if src == rank:
-                    dist.send(mine[name][tuple(key)].contiguous(), dst=0)
+    exporter = _Exporter(pmodel, specs, sources, mine)
+    plans = stage_plans(pmodel.mesh.mesh, specs, sources, max_shard_bytes)
+    if plans is not None and _staging_is_shared(out_dir, list(plans)):
+        _raise_everywhere(exporter.write_by_stage(staging_dir(out_dir), plans), out_dir)
+        error = None
+        if dist.get_rank() == 0:
+            plan = [entry for writer in sorted(plans) for entry in plans[writer]]
+            error = _attempt(lambda: exporter.finish(out_dir, plan))
     else:
-        shapes = {s.name: s.shape for s in specs}
-        received = set()
+        error = exporter.write_on_rank0(out_dir, max_shard_bytes) if dist.get_rank() == 0 else None
+        if dist.get_rank() != 0:
+            exporter.send_all(0, write_order(specs, max_shard_bytes), group=None)
+    _raise_everywhere(error, out_dir)
 
-        def piece(name: str, dim: int, start: int, stop: int) -> torch.Size:
-            shape = list(shapes[name])
-            shape[dim] = stop - start
-            return torch.Size(shape)
 
-        def produce(name: str) -> torch.Tensor:
-            full = torch.empty(shapes[name], dtype=dtype)
-            for src, dim, start, stop in sources[name]:
-                region = full.narrow(dim, start, stop - start)
-                if src == 0:
-                    region.copy_(mine[name][(dim, start, stop)])
-                else:
-                    buf = torch.empty(region.shape, dtype=dtype, device=pmodel.device)
-                    dist.recv(buf, src=src)
-                    region.copy_(buf)
-            received.add(name)
-            return full
+def stage_plans(grid: torch.Tensor, specs: list[TensorSpec], sources: dict, max_shard_bytes: int) -> dict | None:
+    """{writer rank: [(file name, tensors)]}, one writer per pipeline stage (its dp 0, tp 0 rank), each
+    writing the tensors its stage owns; None when rank 0 writes everything (pp = 1, or one file).
+    grid: the mesh's tensor of global ranks, pp first."""
+    pp = grid.shape[0]
+    if pp == 1 or len(plan_shards(specs, max_shard_bytes)) == 1:
+        return None
+    stage_of = {r: p for p in range(pp) for r in grid[p].reshape(-1).tolist()}
+    per_stage: list[list[TensorSpec]] = [[] for _ in range(pp)]
+    for s in specs:
+        stages = {stage_of[src] for src, *_ in sources[s.name]}
+        assert len(stages) == 1, f"export: {s.name} is split across pipeline stages {sorted(stages)}"
+        per_stage[stages.pop()].append(s)
+    plans = plan_writer_shards(per_stage, max_shard_bytes)
+    return {int(grid[p].reshape(-1)[0]): plans[p] for p in range(pp)}
 
-        config = copy.deepcopy(pmodel.config)
-        config.dtype = dtype
+
+def _staging_is_shared(out_dir, writers: list[int]) -> bool:
+    """Rank 0 creates the staging folder with a probe file of a fresh name in it; True when every
+    writer sees the probe (one filesystem). False also when rank 0 cannot create it: the single-writer
+    path then meets the same error and reports it."""
+    tmp, probe = staging_dir(out_dir), [None]
+    if dist.get_rank() == 0:
         try:
-            write_hf_dir(out_dir, specs, produce, config, src_dir=pmodel.tokenizer_dir, max_shard_bytes=max_shard_bytes)
-        except (OSError, ValueError) as e:  # the disk, not the peers: take what they still send, then tell them
-            error = e
-            for name in write_order(specs, max_shard_bytes):
-                for src, dim, start, stop in sources[name] if name not in received else ():
-                    if src != 0:
-                        dist.recv(
-                            torch.empty(piece(name, dim, start, stop), dtype=dtype, device=pmodel.device), src=src
-                        )
-    # the end of the export for every rank: rank 0's failure (a full disk, an unwritable folder) is
-    # raised everywhere instead of leaving the senders waiting in the next collective
-    outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(outcome, src=0)
+            start_staging(out_dir)
+            probe[0] = f".hf3d-probe-{uuid.uuid4().hex}"
+            (tmp / probe[0]).touch()
+        except (OSError, ValueError):  # the single-writer path meets the same error and reports it
+            probe[0] = None
+    dist.broadcast_object_list(probe, src=0)
+    sees = [None] * dist.get_world_size()
+    seen = probe[0] is not None and (dist.get_rank() not in writers or (tmp / probe[0]).exists())
+    dist.all_gather_object(sees, seen)
+    if dist.get_rank() == 0 and probe[0] is not None:
+        (tmp / probe[0]).unlink()
+    return all(sees)
+
+
+def _attempt(fn) -> BaseException | None:
+    try:
+        fn()
+    except (OSError, ValueError) as e:
+        return e
+    return None
+
+
+def _raise_everywhere(error: BaseException | None, out_dir) -> None:
+    """Every rank learns every writer's failure: the failing rank raises its own error, the others a
+    ValueError naming it."""
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
-    if outcome[0] is not None:
-        raise ValueError(f"rank 0 could not write the HF directory {out_dir}: {outcome[0]}")
+    failed = [(rank, msg) for rank, msg in enumerate(outcomes) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise ValueError(f"rank {rank} could not write the HF directory {out_dir}: {msg}")
+
+
+class _Exporter:
+    """The pieces this rank owns and how to assemble whole tensors from the pieces of several ranks."""
+
+    def __init__(self, pmodel, specs: list[TensorSpec], sources: dict, mine: dict):
+        self.pmodel, self.specs, self.sources, self.mine = pmodel, specs, sources, mine
+        self.shapes = {s.name: s.shape for s in specs}
+        self.dtype, self.device, self.rank = pmodel.param_dtype, pmodel.device, dist.get_rank()
+        self.received: set[str] = set()
+
+    def send_all(self, writer: int, names: list[str], group) -> None:
+        """Send `writer` this rank's pieces of `names`, in that order."""
+        for name in names:
+            for src, *key in self.sources[name]:
+                if src == self.rank:
+                    dist.send(self.mine[name][tuple(key)].contiguous(), dst=writer, group=group)
+
+    def produce(self, name: str, group=None) -> torch.Tensor:
+        """The whole tensor `name`, from this rank's pieces and those received from its owners."""
+        full = torch.empty(self.shapes[name], dtype=self.dtype)
+        for src, dim, start, stop in self.sources[name]:
+            region = full.narrow(dim, start, stop - start)
+            if src == self.rank:
+                region.copy_(self.mine[name][(dim, start, stop)])
+            else:
+                buf = torch.empty(region.shape, dtype=self.dtype, device=self.device)
+                dist.recv(buf, src=src, group=group)
+                region.copy_(buf)
+        self.received.add(name)
+        return full
+
+    def drain(self, names: list[str], group=None) -> None:
+        """After a failed write: take what the senders still send, so none is left waiting."""
+        for name in names:
+            for src, dim, start, stop in self.sources[name] if name not in self.received else ():
+                if src != self.rank:
+                    shape = list(self.shapes[name])
+                    shape[dim] = stop - start
+                    dist.recv(torch.empty(shape, dtype=self.dtype, device=self.device), src=src, group=group)
+
+    def write_on_rank0(self, out_dir, max_shard_bytes: int) -> BaseException | None:
+        config = copy.deepcopy(self.pmodel.config)
+        config.dtype = self.dtype
+        error = _attempt(
+            lambda: write_hf_dir(
+                out_dir,
+                self.specs,
+                self.produce,
+                config,
+                src_dir=self.pmodel.tokenizer_dir,
+                max_shard_bytes=max_shard_bytes,
+            )
+        )
+        if error is not None:  # the disk, not the peers: take what they still send, then tell them
+            self.drain(write_order(self.specs, max_shard_bytes))
+        return error
+
+    def write_by_stage(self, tmp, plans: dict) -> BaseException | None:
+        """This rank's part of a per-stage export into the staging folder `tmp`: a writer writes its
+        files, the other ranks of its tp group send it their pieces; tp groups never reach past a stage."""
+        group = self.pmodel.mesh.get_group("tp")
+        produce = lambda name: self.produce(name, group)  # noqa: E731 - pieces from this stage's tp ranks
+        error = None
+        for writer, plan in plans.items():
+            names = [s.name for _, g in plan for s in g]
+            if self.rank != writer:
+                self.send_all(writer, names, group)
+                continue
+            for fname, g in plan:
+                error = error or _attempt(lambda fname=fname, g=g: write_shard(tmp / fname, g, produce))
+            if error is not None:
+                self.drain(names, group)
+        return error
+
+    def finish(self, out_dir, plan: list) -> None:
+        config = copy.deepcopy(self.pmodel.config)
+        config.dtype = self.dtype
+        finish_hf_dir(staging_dir(out_dir), out_dir, self.specs, plan, config, src_dir=self.pmodel.tokenizer_dir)
 
 
 def export_sources(table: list[dict], specs: list[TensorSpec]) -> dict[str, list[tuple[int, int, int, int]]]:

@@ -9,6 +9,8 @@ error that stopped the run is printed once, with the rank's mesh coordinates and
   peers that are themselves waiting. Its closed sockets break the peers' pending collectives (gloo
   reports "Connection closed by peer" within milliseconds), their own `fail` runs, and the job is
   down in about a second. A peer that hangs without dying is caught by the collective timeout.
+  Under nccl a dead peer is not reported: the survivors stay in their collective until torchrun kills
+  them, or NCCL's watchdog ends them after the timeout (SIGABRT; `mesh.backend_environment`).
 - One line, not one per rank. The first rank to fail takes a key in the job's rendezvous store and
   prints; ranks that fail after it (a broken collective, or the same ValueError raised on every rank)
   stay silent. torchrun's own summary names every rank's exit code.

@@ -6,6 +6,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -237,14 +238,82 @@ def _safetensors_header(group: list[TensorSpec]) -> bytes:
     return len(text).to_bytes(8, "little") + text
 
 
-def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
-    """Copy generation_config.json, the tokenizer files and the chat template from an HF model dir
-    (or a checkpoint) into dst_dir, those that exist; returns the names copied."""
-    copied = []
-    for f in sorted(Path(src_dir).iterdir()):
+# what an HF model folder holds as hf3d writes it (hf3d train adds its record, loss curve and model card), and
+# what transformers' save_pretrained writes: the only files an export may replace
+_EXPORT_FILES = {
+    "config.json",
+    GENERATION_CONFIG,
+    SAFE_SINGLE,
+    SAFE_INDEX,
+    "hf3d_training.json",
+    "loss_curve.png",
+    "README.md",
+}
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def is_export_file(name: str) -> bool:
+    """Whether `name` is a file an HF export holds (weights, configs, tokenizer files, hf3d's run record)."""
+    return name in _EXPORT_FILES or bool(_SHARD_FILE.fullmatch(name)) or name.startswith(_MODEL_FILE_PREFIXES)
+
+
+def check_output_dir(out: Path, owns: Callable[[str], bool], *, src: str | os.PathLike | None = None) -> None:
+    """The one rule of every hf3d writer (save_pretrained, `convert`, `hf3d train`'s final export,
+    Trainer.save_model): `out` is written when it does not exist, is an empty folder, or is a real folder
+    holding only files of the kind this writer puts there (`owns(name)`: an earlier output, which is
+    replaced). Anything else (a file of the user's, a subfolder, a link) is refused in one line, before
+    anything is written or deleted."""
+    if src is not None and out.resolve() == Path(src).resolve():
+        raise ValueError(f"the output {out} is the input; choose another output path")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ValueError(f"{out} exists and is not a folder (a file or a link); choose a new output path")
+    for entry in sorted(out.iterdir()) if out.exists() else ():
+        if entry.is_symlink() or not entry.is_file() or not owns(entry.name):
+            raise ValueError(
+                f"{out} holds {entry.name!r}, which hf3d does not write there; hf3d replaces only a folder of its "
+                "own output and never deletes other files: move it away or choose a new output path"
+            )
+
+
+def link_outside(path: Path, root: Path) -> Path | None:
+    """Where `path` points when it is a symlink to a place outside `root` and outside the Hub cache; else None.
+
+    The Hub client's downloads are links into its cache (snapshots/<rev>/f -> ../../blobs/<hash>), so those
+    are followed; any other link leaving the folder could pull an unrelated local file (a key, a token) into
+    an export or an upload."""
+    if not path.is_symlink():
+        return None
+    from huggingface_hub import constants
+
+    target = path.resolve()
+    inside = [Path(root).resolve(), Path(constants.HF_HUB_CACHE).resolve()]
+    return None if any(target.is_relative_to(d) for d in inside) else target
+
+
+def model_files(src_dir: str | os.PathLike) -> list[Path]:
+    """generation_config.json, the tokenizer files and the chat template of an HF model dir (or a checkpoint),
+    those that exist. A link to a file outside the folder (and outside the Hub cache) is refused, not skipped:
+    an export without its tokenizer would look complete, and copying it could publish any local file."""
+    src = Path(src_dir)
+    found = []
+    for f in sorted(src.iterdir()):
         if f.is_file() and (f.name == GENERATION_CONFIG or f.name.startswith(_MODEL_FILE_PREFIXES)):
-            shutil.copyfile(f, Path(dst_dir) / f.name)
-            copied.append(f.name)
+            target = link_outside(f, src)
+            if target is not None:
+                raise ValueError(
+                    f"{f} is a link to {target}, outside {src}; hf3d copies no file from outside the model folder "
+                    "into an export (it could be pushed): replace the link by a copy of the file"
+                )
+            found.append(f)
+    return found
+
+
+def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
+    """Copy `model_files(src_dir)` into dst_dir; returns the names copied."""
+    copied = []
+    for f in model_files(src_dir):
+        shutil.copyfile(f, Path(dst_dir) / f.name)
+        copied.append(f.name)
     return copied
 
 
@@ -293,33 +362,91 @@ def write_hf_dir(
     first and the tensors' bytes are streamed after it. Sharded with an index (as transformers names
     them) past max_shard_bytes; config.json; generation_config.json and tokenizer files copied from
     src_dir when it has them. Files go into a temporary sibling directory that replaces out_dir at the
-    end, so an interrupted export never leaves a directory that looks finished.
+    end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
+    replaced only when it holds nothing but an HF export's files (`check_output_dir`).
     """
+    tmp = start_staging(out_dir)
+    plan = plan_shards(list(specs), max_shard_bytes)
+    for fname, group in plan:
+        write_shard(tmp / fname, group, produce)
+    if len(plan) > 1:
+        write_index(tmp, specs, plan)
+    _finish_staging(tmp, out_dir, config, src_dir=src_dir)
+
+
+def staging_dir(out_dir: str | os.PathLike) -> Path:
+    """The temporary sibling folder an HF directory is written into before it replaces out_dir."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp-hf3d")
+    return out_dir.with_name(out_dir.name + ".tmp-hf3d")
+
+
+def start_staging(out_dir: str | os.PathLike) -> Path:
+    """A fresh, empty staging folder for out_dir, after checking that out_dir and a staging folder left by
+    an interrupted export hold nothing but an HF export's files (`check_output_dir`): the one rule of
+    every writer."""
+    out_dir = Path(out_dir)
+    tmp = staging_dir(out_dir)
+    check_output_dir(out_dir, is_export_file)
+    check_output_dir(tmp, is_export_file)  # an interrupted export of this folder
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    plan = plan_shards(list(specs), max_shard_bytes)
-    for fname, group in plan:
-        with open(tmp / fname, "wb") as f:
-            f.write(_safetensors_header(group))
-            for s in group:
-                t = produce(s.name)
-                assert tuple(t.shape) == s.shape and t.dtype == s.dtype, (s, tuple(t.shape), t.dtype)
-                f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
-                del t
-    if len(plan) > 1:
-        index = {
-            "metadata": {
-                "total_parameters": sum(math.prod(s.shape) for s in specs),
-                "total_size": sum(s.nbytes for s in specs),
-            },
-            "weight_map": {s.name: fname for fname, group in plan for s in group},
-        }
-        (tmp / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return tmp
+
+
+def _finish_staging(tmp: Path, out_dir: str | os.PathLike, config, *, src_dir) -> None:
+    """The config and the model files from src_dir into the staging folder, which then replaces out_dir."""
     copied = copy_model_files(src_dir, tmp) if src_dir is not None else []
     _save_config(config, tmp, have_generation_config=GENERATION_CONFIG in copied)
+    out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
+
+
+def write_shard(path: Path, group: list[TensorSpec], produce: Callable[[str], torch.Tensor]) -> None:
+    """One safetensors file holding `group` in this order: the header from the specs, then each
+    tensor's bytes as `produce(name)` returns it, one tensor alive at a time."""
+    with open(path, "wb") as f:
+        f.write(_safetensors_header(group))
+        for s in group:
+            t = produce(s.name)
+            assert tuple(t.shape) == s.shape and t.dtype == s.dtype, (s, tuple(t.shape), t.dtype)
+            f.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            del t
+
+
+def write_index(out: Path, specs: list[TensorSpec], plan: list[tuple[str, list[TensorSpec]]]) -> None:
+    """model.safetensors.index.json of a sharded directory, as transformers writes it."""
+    index = {
+        "metadata": {
+            "total_parameters": sum(math.prod(s.shape) for s in specs),
+            "total_size": sum(s.nbytes for s in specs),
+        },
+        "weight_map": {s.name: fname for fname, group in plan for s in group},
+    }
+    (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def plan_writer_shards(
+    per_writer: list[list[TensorSpec]], max_shard_bytes: int
+) -> list[list[tuple[str, list[TensorSpec]]]]:
+    """The shard plan of an HF directory written by several processes, each writing its own files: each
+    writer's tensors (in state-dict order) are cut as `plan_shards` cuts them, and the files are
+    numbered across writers, in writer order, as one sharded directory (model-0000i-of-0000n)."""
+    cut = [[g for _, g in plan_shards(specs, max_shard_bytes)] if specs else [] for specs in per_writer]
+    n = sum(len(groups) for groups in cut)
+    plans, i = [], 0
+    for groups in cut:
+        plans.append([(f"model-{i + k + 1:05d}-of-{n:05d}.safetensors", g) for k, g in enumerate(groups)])
+        i += len(groups)
+    return plans
+
+
+def finish_hf_dir(
+    tmp: Path, out_dir: str | os.PathLike, specs, plan, config, *, src_dir: str | os.PathLike | None = None
+) -> None:
+    """Complete a staging folder whose shard files are written (by any processes): the index, the
+    config and the model files from src_dir; then it replaces out_dir, as `write_hf_dir` ends."""
+    write_index(tmp, specs, plan)
+    _finish_staging(tmp, out_dir, config, src_dir=src_dir)

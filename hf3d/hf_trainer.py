@@ -20,6 +20,8 @@ calls `optimizer.zero_grad()`. This subclass changes exactly those places and ke
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 from itertools import islice
@@ -80,6 +82,16 @@ def check_training_args(args: TrainingArguments, pmodel: ParallelModel) -> None:
     named = [k for k, on in unsupported.items() if on]
     if named:
         raise ValueError(f"hf3d.Trainer does not support {', '.join(named)} yet")
+
+
+def without_secrets(args: TrainingArguments) -> TrainingArguments:
+    """A copy of args to save beside an export, whose `*_token` fields (hub_token) are None: the fields stock's
+    own `to_dict` masks. training_args.bin travels with every export and checkpoint, and may be pushed."""
+    clean = copy.copy(args)
+    for f in dataclasses.fields(args):
+        if f.name.endswith("_token"):
+            setattr(clean, f.name, None)
+    return clean
 
 
 class _EveryNth:
@@ -283,7 +295,7 @@ class Trainer(HFTrainer):
             staging.rmdir()
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(out)
-            torch.save(self.args, out / TRAINING_ARGS_NAME)
+            torch.save(without_secrets(self.args), out / TRAINING_ARGS_NAME)
         dist.barrier()  # the folder is complete when save_model returns on any rank
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

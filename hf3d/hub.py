@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Callable
@@ -287,14 +288,36 @@ def push_to_hub(
 
 
 def _model_files(model_dir: Path) -> list[str]:
-    """The files to upload (relative POSIX paths; hidden files and folders such as .cache are skipped)."""
+    """The files to upload (relative POSIX paths; hidden files and folders such as .cache are skipped).
+
+    Links are not followed blindly: a crafted folder could link any local file into an upload. A link to a
+    file inside the folder or in the Hub cache (a downloaded snapshot) is uploaded as that file; a link
+    leaving them, and any link to a folder, is refused with one line before anything is sent."""
+    from .hf import link_outside
+
     if not model_dir.is_dir():
         raise HubError(f"{model_dir} is not a directory: give the HF model directory to push")
-    files = sorted(
-        p.relative_to(model_dir).as_posix()
-        for p in model_dir.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(model_dir).parts)
-    )
+    files = []
+    for folder, dirs, names in os.walk(model_dir):  # followlinks=False: a linked folder is listed, not entered
+        rel_folder = Path(folder).relative_to(model_dir)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for d in dirs:
+            if (Path(folder) / d).is_symlink():
+                raise HubError(
+                    f"{Path(folder) / d} is a link to a folder; hf3d does not upload linked folders: copy it in"
+                )
+        for name in names:
+            path = Path(folder) / name
+            if name.startswith(".") or not path.is_file():
+                continue
+            target = link_outside(path, model_dir)
+            if target is not None:
+                raise HubError(
+                    f"{path} is a link to {target}, outside {model_dir}; hf3d uploads no file from outside the "
+                    "folder: replace the link by a copy of the file, or remove it"
+                )
+            files.append((rel_folder / name).as_posix())
+    files.sort()
     missing = [] if "config.json" in files else ["config.json"]
     if not any(f.endswith(".safetensors") for f in files):
         missing.append("*.safetensors")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,28 @@ def device_type() -> str:
 
 DEFAULT_TIMEOUT_S = 600.0
 
+# NCCL's error handling, by its variable, with the older alias torch still reads. 3 (SkipCleanUp): when a
+# collective fails or outlives the process group's timeout, NCCL's watchdog thread ends the process
+# (SIGABRT) without first calling ncclCommAbort, which can itself hang once a peer is gone. Unset, torch
+# 2.13 defaults to 3 as well (its ProcessGroupNCCL.hpp says so), but torchrun exports 1 (TearDown: abort,
+# then end) when its own environment lacks it; either value bounds a survivor's wait by the timeout.
+# TORCH_NCCL_BLOCKING_WAIT is left alone: it would turn the timeout into a Python exception (so
+# `faults.fail` prints its line), but it makes the host wait for every collective to finish, so the
+# host could no longer run ahead of the GPU.
+NCCL_FAIL_FAST = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": ("3", "NCCL_ASYNC_ERROR_HANDLING")}
+
+
+def backend_environment(backend: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables `init_distributed` adds to `environ` before it starts a process group on `backend`:
+    for nccl, the error handling that ends a rank whose collective can never complete (a peer died)
+    after the timeout instead of letting it wait; none for gloo, which reports a closed peer at once.
+    A variable the user set (under either of its names) is kept as it is."""
+    if backend != "nccl":
+        return {}
+    return {
+        name: value for name, (value, alias) in NCCL_FAIL_FAST.items() if name not in environ and alias not in environ
+    }
+
 
 def init_distributed(timeout_s: float | None = None) -> None:
     """Start the default process group from the launcher's environment (torchrun, accelerate).
@@ -26,7 +49,8 @@ def init_distributed(timeout_s: float | None = None) -> None:
     A plain `python script.py` with no launcher runs as a world of one process. Under torchrun every
     worker is made to die with the launcher (a SIGKILLed torchrun leaves no worker behind); a process
     started any other way keeps its parent's rules. timeout_s bounds every collective (default 10
-    minutes): a rank whose peer hangs without dying raises after that long instead of waiting forever.
+    minutes): a rank whose peer hangs without dying raises after that long instead of waiting forever
+    (gloo); under nccl the watchdog ends such a rank after that long (`backend_environment`).
     """
     if dist.is_initialized():
         return
@@ -39,6 +63,7 @@ def init_distributed(timeout_s: float | None = None) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    os.environ.update(backend_environment(backend, os.environ))  # read when the process group starts
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)

@@ -289,7 +289,9 @@ class ParallelModel(nn.Module):
     # -- export -----------------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
-        files if known) that stock `AutoModelForCausalLM.from_pretrained` loads (hf3d/export.py)."""
+        files if known) that stock `AutoModelForCausalLM.from_pretrained` loads (hf3d/export.py). An existing
+        out_dir is replaced only when it holds nothing but an HF export's files; any other is refused on every
+        rank."""
         from .export import save_hf
 
         save_hf(self, out_dir, max_shard_bytes=max_shard_bytes)

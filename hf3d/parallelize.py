@@ -14,9 +14,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
-from .config import ParallelConfig
-from .hf import SafetensorsSource, StateDictSource, resolve_model_dir
+from .config import ParallelConfig, check_attn_implementation
+from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
 from .init import InitSource, has_weights
 from .layout import get_pieces
 from .mesh import build_mesh, device_type, init_distributed
@@ -31,7 +32,7 @@ def parallelize(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = AUTO,
     config_overrides: dict | None = None,
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "tp") mesh.
@@ -42,7 +43,9 @@ def parallelize(
     seed: the seed of that initialisation (ignored when weights are loaded).
     dtype: parameter and activation dtype (fp32 master weights live in the optimizer).
     attn_implementation: any key of HF's attention registry ("sdpa", "eager", "flex_attention",
-    "flash_attention_2" when installed).
+    "flash_attention_2" when installed), or "auto": sdpa on CPU; on CUDA flash_attention_2 when
+    flash-attn is installed, else sdpa (hf3d/attention.py; pass "flex_attention" for packed rows there,
+    as sdpa builds a dense mask from restarting position ids).
     config_overrides: values set on the HF config before the model is built, and exported with it by
     `save_pretrained` (long-context knobs): `rope_theta`; `rope_scaling` or its transformers 5 name
     `rope_parameters` (a dict with `rope_type` and that type's keys, e.g. {"rope_type": "linear",
@@ -52,7 +55,11 @@ def parallelize(
     (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
     """
     pcfg = pcfg or ParallelConfig()
+    check_attn_implementation(attn_implementation)
     init_distributed()
+    attn_implementation = resolve_attn_implementation(
+        attn_implementation, device_type(), document_masking=False, flash_available=flash_attn_installed()
+    )
     if isinstance(model_or_path, nn.Module):
         config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
         source, tokenizer_dir = StateDictSource(model_or_path.state_dict()), None
@@ -66,6 +73,8 @@ def parallelize(
         from_scratch = Path(model_or_path).is_dir() and not has_weights(model_dir)  # local dirs only
         source = None if from_scratch else SafetensorsSource(model_dir)
         tokenizer_dir = model_dir
+    if tokenizer_dir is not None:
+        model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
         config = override_config(config, config_overrides, loading_weights=source is not None)
     adapter = get_adapter(config.model_type)

@@ -18,6 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from .attention import is_flash, varlen_kwargs
+
 
 class StageModule(nn.Module):
     def __init__(
@@ -64,8 +66,10 @@ class StageModule(nn.Module):
                 position_ids=position_ids,
             )
         position_embeddings = self.rotary_emb(shape_probe, position_ids=position_ids)
+        # flash builds no mask (masks are None): the documents reach the kernel as varlen boundaries
+        varlen = varlen_kwargs(position_ids) if is_flash(self.config._attn_implementation) else {}
         for layer, kind, again in zip(self.layers, self.layer_types, self.recompute):
-            kwargs = dict(attention_mask=masks[kind], position_ids=position_ids)
+            kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **varlen)
             kwargs["position_embeddings"] = position_embeddings
             if again and torch.is_grad_enabled():
                 hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .config import DTYPE_NAMES, ParallelConfig
+from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation
 from .configfile import build_section
 from .data import DataConfig
 from .schedules import ScheduleConfig, decay_start_step, describe_schedule
@@ -40,8 +40,10 @@ class ModelConfig:
     A directory with config.json but no weights starts from scratch."""
     dtype: str = "float32"
     """Parameter/activation dtype: float32 or bfloat16 (fp32 master weights either way)."""
-    attn_implementation: str = "sdpa"
-    """sdpa, eager, flex_attention, or flash_attention_2 (when installed)."""
+    attn_implementation: str = "auto"
+    """auto, sdpa, eager, flex_attention, or flash_attention_2 (when installed). auto: sdpa on CPU; on
+    CUDA flash_attention_2 when flash-attn is installed (packed documents as varlen boundaries), else
+    flex_attention with data.document_masking (a block mask), else sdpa (hf3d/attention.py)."""
     init_seed: int = 0
     """Seed of the from-scratch initialisation."""
     rope_theta: float | None = None
@@ -117,7 +119,8 @@ class RunConfig:
     under <output_dir>; the ones not installed are named in one warning and skipped. metrics.jsonl
     is written either way."""
     collective_timeout_s: float = 600.0
-    """How long a rank waits in a collective for a peer before failing (a hung or dead peer)."""
+    """How long a rank waits in a collective for a peer before failing (a hung or dead peer). Under nccl
+    it is also how long a rank whose peer died can wait before NCCL's watchdog ends it (SIGABRT)."""
     on_nonfinite: str = "skip"
     """A step whose loss or gradient norm is inf/NaN: skip (no update, counted as skipped_steps in
     metrics.jsonl) or stop (at once, naming the step and the first parameter with a non-finite gradient)."""
@@ -253,6 +256,17 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     """Checks across sections, before anything is loaded or written; returns the derived values to
     print at start (tokens per step and in all, the lr decay window, data stages against it)."""
     p, r = cfg.parallel, cfg.run
+    check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
+    try:  # before the world size: launching another number of processes would not help
+        from .models import get_adapter
+
+        get_adapter(model_config.model_type).check_tp(model_config, p.tp)
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}" if str(e).startswith("tp=") else str(e)) from None
+    if r.save_final:  # the export at the end replaces only an earlier export there
+        from .hf import check_output_dir, is_export_file
+
+        check_output_dir(Path(r.output_dir) / "final", is_export_file)
     tp_pp = p.tp * p.pp
     if world_size % tp_pp or (p.dp is not None and p.dp * tp_pp != world_size):
         dp = "dp" if p.dp is None else f"dp={p.dp}"

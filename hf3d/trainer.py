@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from .attention import flash_attn_installed, resolve_attn_implementation
 from .checkpoint import finish_save, is_complete, load_checkpoint, resolve_resume, save_checkpoint
 from .faults import RunState, leave, store_barrier
-from .mesh import on_rank0
+from .mesh import device_type, on_rank0
 from .metrics import (
     MetricsWriter,
     available_trackers,
@@ -41,7 +42,7 @@ from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 __all__ = ["TrainConfig", "train"]
 
 
-def _load_model(cfg: ModelConfig, pcfg):
+def _load_model(cfg: ModelConfig, pcfg, document_masking: bool):
     """The parallel model. A weightless HF directory is initialised from its config by `parallelize`
     itself: every rank draws the stock init in stock order and keeps only its own slices, so the
     model equals `torch.manual_seed(init_seed); from_config(config, dtype=torch.float32)` (then cast
@@ -53,7 +54,12 @@ def _load_model(cfg: ModelConfig, pcfg):
         pcfg,
         seed=cfg.init_seed,
         dtype=DTYPES[cfg.dtype],
-        attn_implementation=cfg.attn_implementation,
+        attn_implementation=resolve_attn_implementation(
+            cfg.attn_implementation,
+            device_type(),
+            document_masking=document_masking,
+            flash_available=flash_attn_installed(),
+        ),
         config_overrides=cfg.overrides() or None,
     )
     if is_complete(cfg.path):  # start from a checkpoint's weights: step 0, fresh optimizer
@@ -173,7 +179,7 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
         torch.use_deterministic_algorithms(True)
     init_distributed(cfg.run.collective_timeout_s)
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=_model_config(cfg.model))
-    pmodel = _load_model(cfg.model, cfg.parallel)
+    pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer
 

@@ -225,6 +225,32 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     (ck / "not-hf").mkdir()
     (ck / "not-hf" / "notes.txt").write_text("keep me\n")
     fx["not_hf"] = str(ck / "not-hf")
+    # crafted checkpoints: a .metadata that would run `touch <tmp>/code-ran`, a data file named outside the folder
+    from crafted import global_pickle, rewrite_metadata
+
+    from hf3d.convert import hf_to_checkpoint
+
+    honest = hf_to_checkpoint(fx["llama"], ck / "honest")
+    shutil.copytree(honest, ck / "crafted")
+    payload = global_pickle("torch.distributed.checkpoint.metadata", "os.system", f"touch {tmp}/code-ran")
+    (ck / "crafted" / ".metadata").write_bytes(payload)
+    fx["crafted"], fx["code_ran"] = str(ck / "crafted"), str(tmp / "code-ran")
+    shutil.copytree(honest, ck / "outside")
+
+    def outside(metadata) -> None:
+        for info in metadata.storage_data.values():
+            info.relative_path = "../" + info.relative_path
+
+    rewrite_metadata(ck / "outside", outside)
+    fx["outside"] = str(ck / "outside")
+    (tmp / "foreign-run" / "final").mkdir(parents=True)  # an earlier export, and the user's notes in it
+    shutil.copy(Path(fx["llama"]) / "config.json", tmp / "foreign-run" / "final")
+    (tmp / "foreign-run" / "final" / "my_notes.txt").write_text("keep me\n")
+    fx["foreign_run"] = str(tmp / "foreign-run")
+    shutil.copytree(fx["llama"], tmp / "models" / "linked")  # its tokenizer.json links to a file elsewhere
+    (tmp / "secret.txt").write_text("not for upload\n")
+    (tmp / "models" / "linked" / "tokenizer.json").symlink_to(tmp / "secret.txt")
+    fx["linked"] = str(tmp / "models" / "linked")
     fx["run"] = str(tmp / "run")  # the spawned process saves a checkpoint of the tiny SmolLM here
     fx["hf_home"] = str(tmp / "hf-home")
     return fx
@@ -407,6 +433,15 @@ def _train_shards(ctx):
     pipe = DataPipeline(cfg, _tokenizer(), global_batch=2, dp_rank=0, dp_size=1, total_steps=2)
     batch = pipe.next_batch(0)
     return ctx["pm"].train_step(batch["input_ids"], shift_labels=batch["shift_labels"])
+
+
+def _load_crafted(ctx):
+    import hf3d
+
+    try:
+        return hf3d.load_checkpoint(ctx["fx"]["crafted"], ctx["pm"], ctx["opt"])
+    finally:
+        assert not Path(ctx["fx"]["code_ran"]).exists(), "the crafted .metadata ran its command"
 
 
 def _load_other_shape(ctx):
@@ -753,10 +788,51 @@ CASES: list[Case] = [
         SET,
         "`hf3d convert to-hf` into a folder holding other files",
         lambda fx: ["convert", "to-hf", _ckpt(fx), fx["not_hf"]],
-        ["hf3d convert: error: <tmp>/ckpt/not-hf exists and is not a folder this command wrote"],
+        ["hf3d convert: error: <tmp>/ckpt/not-hf holds 'notes.txt', which hf3d does not write there", "move it away"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-crafted-metadata",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose .metadata would run a command (os.system as a dotted name)",
+        lambda fx: ["convert", "to-hf", fx["crafted"], f"{fx['tmp']}/hf-crafted"],
+        [
+            "hf3d convert: error: <tmp>/ckpt/crafted/.metadata refers to torch.distributed.checkpoint.metadata."
+            "os.system",
+            "refusing to load it",
+        ],
+        how="main",
+    ),
+    _c(
+        "cli-convert-data-outside",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose metadata names data files under '..'",
+        lambda fx: ["convert", "to-hf", fx["outside"], f"{fx['tmp']}/hf-outside"],
+        ["hf3d convert: error: <tmp>/ckpt/outside/.metadata names the data file '../__0_", "outside the checkpoint"],
         how="main",
     ),
     # --- launch: the world vs the config ---------------------------------------------------------------
+    _c(
+        "launch-tp-does-not-fit",
+        LAUNCH,
+        "`parallel.tp: 3` for a model of 6 query and 2 KV heads, on 1 process",
+        lambda fx: _check_run("parallel.tp=3", world_size=1),
+        ["parallel.tp=3 does not fit this llama model: 6 query heads, 2 KV heads", "Valid tp values: 1, 2"],
+    ),
+    _c(
+        "launch-flash-attention",
+        LAUNCH,
+        "`model.attn_implementation: flash_attention_2` without the flash-attn package",
+        lambda fx: _check_run("model.attn_implementation=flash_attention_2"),
+        ["model.attn_implementation='flash_attention_2' needs the flash_attn package", 'pip install "hf3d[gpu]"'],
+    ),
+    _c(
+        "launch-final-foreign",
+        LAUNCH,
+        "`run.output_dir` whose final/ holds a file of the user's beside an earlier export",
+        lambda fx: _check_run(f"run.output_dir={fx['foreign_run']}"),
+        ["<tmp>/foreign-run/final holds 'my_notes.txt', which hf3d does not write there", "choose a new output path"],
+    ),
     _c(
         "launch-world-size",
         LAUNCH,
@@ -1069,6 +1145,14 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "ckpt-load-crafted",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose .metadata would run a command",
+        _load_crafted,
+        ["<tmp>/ckpt/crafted/.metadata refers to torch.distributed.checkpoint.metadata.os.system", "refusing"],
+        how="dist",
+    ),
+    _c(
         "ckpt-save-unwritable",
         CKPT,
         "`hf3d.save_checkpoint` under a path that is a file",
@@ -1099,6 +1183,38 @@ CASES: list[Case] = [
         "`hf3d.parallelize` of a path that does not exist",
         lambda ctx: __import__("hf3d").parallelize("./does/not/exist", __import__("hf3d").ParallelConfig()),
         ["'./does/not/exist'", "neither", "Hub model id"],
+        how="dist",
+    ),
+    _c(
+        "api-parallelize-tp",
+        API,
+        "`hf3d.parallelize(..., ParallelConfig(tp=3))` of a 6-head model, on 1 process",
+        lambda ctx: __import__("hf3d").parallelize(str(TINY_SMOLLM), __import__("hf3d").ParallelConfig(tp=3)),
+        ["tp=3 does not fit this llama model", "Valid tp values: 1, 2"],
+        how="dist",
+    ),
+    _c(
+        "api-parallelize-flash-attention",
+        API,
+        "`hf3d.parallelize(..., attn_implementation='flash_attention_2')` without the package",
+        lambda ctx: __import__("hf3d").parallelize(ctx["fx"]["llama"], attn_implementation="flash_attention_2"),
+        ["attn_implementation='flash_attention_2' needs the flash_attn package", 'pip install "hf3d[gpu]"'],
+        how="dist",
+    ),
+    _c(
+        "api-parallelize-linked-file",
+        API,
+        "`hf3d.parallelize` of a folder whose tokenizer.json links to a file elsewhere",
+        lambda ctx: __import__("hf3d").parallelize(ctx["fx"]["linked"]),
+        ["<tmp>/models/linked/tokenizer.json is a link to <tmp>/secret.txt, outside <tmp>/models/linked"],
+        how="dist",
+    ),
+    _c(
+        "api-save-pretrained-foreign",
+        API,
+        "`save_pretrained` into a folder holding a file of the user's",
+        lambda ctx: ctx["pm"].save_pretrained(ctx["fx"]["not_hf"]),
+        ["<tmp>/ckpt/not-hf holds 'notes.txt', which hf3d does not write there", "never deletes other files"],
         how="dist",
     ),
     _c(
@@ -1160,6 +1276,13 @@ CASES: list[Case] = [
         "`next_batch` of a step already taken",
         _step_taken,
         ["the batch of step 2 was already taken (the next is step 4)"],
+    ),
+    _c(
+        "api-push-linked-file",
+        API,
+        "`push_to_hub` of a folder whose tokenizer.json links to a file elsewhere",
+        lambda fx: __import__("hf3d.hub").hub.push_to_hub(fx["linked"], "me/model", token="hf_not_used"),
+        ["<tmp>/models/linked/tokenizer.json is a link to <tmp>/secret.txt", "hf3d uploads no file from outside"],
     ),
     _c(
         "api-push-repo-id",

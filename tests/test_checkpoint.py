@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
+from crafted import payloads  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
@@ -181,7 +183,16 @@ def _mismatch_world(dirs, out: str) -> None:
         hf3d.load_checkpoint(f"{out}/nothing-here", pm)
     except ValueError as e:
         errors["missing"] = str(e)
-    report(errors, f"{out}/mismatch.pt")
+    crafted = {}  # load_checkpoint of the llama checkpoint with each crafted .metadata of tests/crafted.py
+    for i, (what, payload) in enumerate(payloads(Path(out) / "code-ran").items()):
+        shutil.copytree(f"{out}/llama", f"{out}/crafted-{i}")
+        Path(f"{out}/crafted-{i}/.metadata").write_bytes(payload)
+        try:
+            hf3d.load_checkpoint(f"{out}/crafted-{i}", pm, _opt(pm))
+            crafted[what] = "loaded"
+        except Exception as e:  # noqa: BLE001 - asserted on in the parent
+            crafted[what] = f"{type(e).__name__}: {e}"
+    report({"errors": errors, "crafted": crafted}, f"{out}/mismatch.pt")
 
 
 # -- parent side ----------------------------------------------------------------------------------
@@ -259,7 +270,9 @@ def test_every_owned_element_is_written_once_under_hf_names(saved):
     assert not any(k.startswith("optim/master/") for k in md)  # fp32 params are their own masters
 
 
-def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
+@pytest.fixture(scope="module")
+def mismatch(tmp_path_factory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("mismatch")
     dirs = {
         "llama": make_model_dir(tmp_path / "a", "llama"),
         "llama-3layers": make_model_dir(tmp_path / "b", "llama", num_hidden_layers=3),
@@ -267,12 +280,25 @@ def test_a_checkpoint_of_another_shape_is_refused(tmp_path):
         "qwen2": make_model_dir(tmp_path / "d", "qwen2"),
     }
     spawn(_mismatch_world, 1, dirs, str(tmp_path))
-    errors = torch.load(tmp_path / "mismatch.pt")[0]
+    return {"root": tmp_path, **torch.load(tmp_path / "mismatch.pt")[0]}
+
+
+def test_a_checkpoint_of_another_shape_is_refused(mismatch):
+    errors = mismatch["errors"]
     assert "num_hidden_layers=2 (model has 3)" in errors["llama-3layers"]
     assert "vocab_size=101 (model has 103)" in errors["llama-vocab103"]
     assert "model_type='llama' (model has 'qwen2')" in errors["qwen2"]
     assert all("\n" not in e for e in errors.values())
     assert "is not a directory" in errors["missing"]
+
+
+def test_crafted_metadata_is_refused_by_load_checkpoint(mismatch):
+    """What `hf3d train` with model.path or checkpoint.resume at a crafted folder reads: refused, nothing runs."""
+    assert mismatch["crafted"].keys() == payloads(Path("x")).keys()
+    for what, error in mismatch["crafted"].items():
+        assert error.startswith("ValueError: ") and "\n" not in error, (what, error)
+        assert "/.metadata refers to" in error and "refusing to load it" in error, (what, error)
+    assert not (mismatch["root"] / "code-ran").exists()
 
 
 def test_resume_picks_only_complete_checkpoints(tmp_path):

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from crafted import craft_stored_box, global_pickle, payloads, rewrite_metadata  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
 from reference import batches, hf3d_run  # noqa: E402
@@ -281,6 +282,12 @@ def _export_worker(dirs: dict, out: str) -> None:
     for name, family, pkw in cases:
         pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**pkw))
         pm.save_pretrained(Path(out) / name, max_shard_bytes=SHARD if "sharded" in name else 5 * 10**9)
+    pm.save_pretrained(Path(out) / "tp2-qwen3-sharded", max_shard_bytes=SHARD)  # an export replaces its own
+    try:  # an old export with a user's notes beside it: refused on every rank, nothing deleted
+        pm.save_pretrained(dirs["export-with-notes"])
+        res["notes_error"] = None
+    except ValueError as e:
+        res["notes_error"] = str(e)
     try:  # the lead's load_checkpoint reading a from-hf checkpoint into other weights
         pm = hf3d.parallelize(dirs["other-llama"], hf3d.ParallelConfig(tp=2))
         res["load_step"] = hf3d.load_checkpoint(dirs["llama-ckpt"], pm)
@@ -304,7 +311,18 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
     dirs = {k: str(v) for k, v in family_dirs.items()}
     dirs["other-llama"] = str(make_model_dir(tmp_path / "other", "llama", seed=1))
     dirs["llama-ckpt"] = str(hf_to_checkpoint(family_dirs["llama"], tmp_path / "llama-ckpt"))
+    notes = tmp_path / "export-with-notes"
+    shutil.copytree(family_dirs["llama"], notes)
+    (notes / "my_notes.txt").write_text("keep me")
+    dirs["export-with-notes"] = str(notes)
     spawn(_export_worker, 2, dirs, str(tmp_path))
+    res = torch.load(tmp_path / "results.pt", weights_only=True)
+    for r in res:  # rank 0 refuses; rank 1 hears it from rank 0
+        assert f"{notes} holds 'my_notes.txt', which hf3d does not write there" in r["notes_error"], r
+        assert "\n" not in r["notes_error"]
+    assert (notes / "my_notes.txt").read_text() == "keep me"
+    _assert_same_model(family_dirs["llama"], notes)
+    assert not (tmp_path / "export-with-notes.tmp-hf3d").exists()
     for name, src in [
         ("tp2-llama", family_dirs["llama"]),
         ("tp2-kvrep", family_dirs["llama-kvrep"]),
@@ -312,7 +330,6 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
         ("tp2-qwen3-sharded", sharded),
     ]:
         _assert_same_model(src, tmp_path / name)
-    res = torch.load(tmp_path / "results.pt", weights_only=True)
     assert "load_error" not in res[0], res[0]["load_error"]
     assert res[0]["load_step"] == 0
     _assert_same_model(family_dirs["llama"], tmp_path / "loaded-llama")
@@ -325,6 +342,69 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
     ref = _tensors(export)
     assert all(fp32[k].dtype == torch.float32 and torch.equal(fp32[k].to(torch.bfloat16), ref[k]) for k in ref)
     assert not all(torch.equal(fp32[k], ref[k].float()) for k in ref)  # the fp32 masters, not an upcast
+
+
+def _stage_writers_worker(model_dir: str, out: str) -> None:
+    import hf3d.export
+
+    start_watchdog(180)
+    written, received = [], []
+    write_shard, recv = hf3d.export.write_shard, dist.recv
+
+    def recording_write(path, group, produce):
+        written.append(Path(path).name)
+        write_shard(path, group, produce)
+
+    def recording_recv(tensor, src=None, group=None, **kw):
+        received.append(src)
+        return recv(tensor, src=src, group=group, **kw)
+
+    hf3d.export.write_shard, dist.recv = recording_write, recording_recv
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(pp=2, tp=2))
+    pm.save_pretrained(Path(out) / "pp2-tp2-sharded", max_shard_bytes=SHARD)
+    res = {"written": written, "received": list(received)}
+
+    calls = []
+
+    def full_disk(path, group, produce):  # the second stage's writer fails after its first file
+        calls.append(path)
+        if dist.get_rank() == 2 and len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        write_shard(path, group, produce)
+
+    hf3d.export.write_shard = full_disk
+    try:
+        pm.save_pretrained(Path(out) / "failed", max_shard_bytes=SHARD)
+    except (OSError, ValueError) as e:
+        res["failure"] = f"{type(e).__name__}: {e}"
+    res["failed_exists"] = (Path(out) / "failed").exists()
+    report(res, Path(out) / "results.pt")
+
+
+def test_a_sharded_pp2_export_is_written_by_each_stage(family_dirs, tmp_path):
+    """At pp=2 x tp=2, each stage's first tp rank (global ranks 0 and 2) writes its own stage's shard
+    files from the pieces of its tp peer (ranks 1 and 3); rank 0 receives nothing from the other stage
+    and writes the index. Stock from_pretrained loads the result with the source's weights, bit for bit."""
+    spawn(_stage_writers_worker, 4, str(family_dirs["llama"]), str(tmp_path))
+    res = torch.load(tmp_path / "results.pt", weights_only=True)
+    out = tmp_path / "pp2-tp2-sharded"
+    files = sorted(f.name for f in out.glob("model-*.safetensors"))
+    assert sorted(res[0]["written"] + res[2]["written"]) == files and res[0]["written"] and res[2]["written"]
+    assert not res[1]["written"] and not res[3]["written"]
+    assert set(res[0]["received"]) == {1} and set(res[2]["received"]) == {3}  # within a stage only
+    assert not res[1]["received"] and not res[3]["received"]
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(weight_map.values()) == set(files)
+    stage1 = {name for f in res[2]["written"] for name in load_file(out / f)}
+    assert stage1 and all(".layers.1." in n or n == "model.norm.weight" for n in stage1), sorted(stage1)
+    a = AutoModelForCausalLM.from_pretrained(family_dirs["llama"]).state_dict()
+    b = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # a writer other than rank 0 failing mid-stream: raised on every rank, nothing published
+    assert res[2]["failure"].startswith("OSError") and "No space left" in res[2]["failure"]
+    for rank in (0, 1, 3):
+        assert res[rank]["failure"].startswith("ValueError: rank 2 could not write the HF directory"), res[rank]
+    assert not any(r["failed_exists"] for r in res)
 
 
 class _RunsCode:
@@ -352,3 +432,92 @@ def test_crafted_checkpoint_metadata_is_refused_without_running_code(family_dirs
     (ckpt / ".metadata").write_bytes(honest)  # the honest metadata still reads through the same reader
     assert cli_main(["convert", "to-hf", str(ckpt), str(tmp_path / "out")]) == 0
     _assert_same_model(family_dirs["llama"], tmp_path / "out")
+
+
+def test_crafted_metadata_through_each_allowed_module_is_refused(family_dirs, tmp_path, capsys):
+    """Every payload of tests/crafted.py (a dotted os.system under each module the reader takes names from,
+    and other names of those modules) is refused by `convert to-hf` with one line; none runs."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    ran = tmp_path / "code-ran"
+    for what, payload in payloads(ran).items():
+        (ckpt / ".metadata").write_bytes(payload)
+        msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
+        assert "refusing to load it" in msg and f"{ckpt}/.metadata refers to" in msg, (what, msg)
+        assert not ran.exists() and not (tmp_path / "out").exists(), what
+
+
+def test_crafted_stored_tensor_is_refused_without_running_code(family_dirs, tmp_path, capsys):
+    """A stored box whose data.pkl calls os.system through a dotted name: the layout reader refuses it."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    ran = tmp_path / "code-ran"
+    craft_stored_box(ckpt, global_pickle("torch._utils", "os.system", f"touch {ran}"))
+    msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
+    assert "__crafted.distcp at byte 0 refers to torch._utils.os.system" in msg and "refusing" in msg, msg
+    assert not ran.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_data_file_outside_the_checkpoint_is_refused(family_dirs, tmp_path, capsys, where):
+    """Metadata naming a data file by an absolute path or through '..' is refused before any file is opened
+    (a real data file sits at that place, so a reader that follows the name would convert it)."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    outside = tmp_path / "outside.distcp"
+    first = sorted(ckpt.glob("*.distcp"))[0]
+    shutil.copyfile(first, outside)
+    name = str(outside) if where == "absolute" else "../outside.distcp"
+
+    def edit(metadata) -> None:
+        for info in metadata.storage_data.values():
+            if info.relative_path == first.name:
+                info.relative_path = name
+
+    rewrite_metadata(ckpt, edit)
+    msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
+    assert f"names the data file {name!r}, outside the checkpoint folder" in msg, msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_writer_replaces_only_its_own_output(family_dirs, tmp_path, capsys):
+    """to-hf replaces an earlier export and from-hf an earlier checkpoint; a user's file beside either, a
+    subfolder or a link makes them refuse in one line, deleting nothing."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    assert cli_main(["convert", "from-hf", str(family_dirs["llama"]), str(ckpt)]) == 0  # its own output
+    out = checkpoint_to_hf(ckpt, tmp_path / "out")
+    assert cli_main(["convert", "to-hf", str(ckpt), str(out)]) == 0
+    _assert_same_model(family_dirs["llama"], out)
+    for folder, argv in [
+        (out, ["to-hf", str(ckpt), str(out)]),
+        (ckpt, ["from-hf", str(family_dirs["llama"]), str(ckpt)]),
+    ]:
+        before = sorted(p.name for p in folder.iterdir())
+        for extra in ("my_notes.txt", "subfolder", "link"):
+            if extra == "subfolder":
+                (folder / extra).mkdir()
+            elif extra == "link":
+                (folder / extra).symlink_to(family_dirs["llama"] / "config.json")
+            else:
+                (folder / extra).write_text("keep me")
+            msg = _cli_error(["convert", *argv], capsys)
+            assert f"{folder} holds {extra!r}, which hf3d does not write there" in msg, msg
+            assert sorted(p.name for p in folder.iterdir()) == sorted([*before, extra])
+            (folder / extra).rmdir() if extra == "subfolder" else (folder / extra).unlink()
+    assert "is the input" in _cli_error(
+        ["convert", "from-hf", str(family_dirs["llama"]), str(family_dirs["llama"])], capsys
+    )
+
+
+def test_a_linked_file_from_outside_the_source_is_not_copied(family_dirs, tmp_path, capsys):
+    """A source folder whose tokenizer.json links to a file elsewhere (a key, a token): from-hf refuses it
+    before writing anything, and so does parallelize, whose exports and checkpoints would copy it."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hf_secret")
+    src = tmp_path / "src"
+    shutil.copytree(family_dirs["llama"], src)
+    (src / "tokenizer.json").symlink_to(secret)
+    msg = _cli_error(["convert", "from-hf", str(src), str(tmp_path / "ckpt")], capsys)
+    assert f"{src}/tokenizer.json is a link to {secret}, outside {src}" in msg, msg
+    assert not list(tmp_path.glob("ckpt*"))
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(src / "config.json")  # a link inside the folder is copied as the file
+    ckpt = hf_to_checkpoint(src, tmp_path / "ckpt")
+    assert (ckpt / "tokenizer.json").read_bytes() == (src / "config.json").read_bytes()

@@ -10,6 +10,7 @@ patches one site on one rank, then calls `hf3d.cli.main`, and logs each rank's e
 from __future__ import annotations
 
 import ast
+import datetime
 import json
 import os
 import random
@@ -303,6 +304,37 @@ def test_finish_ends_every_rank_together_after_the_slowest(tmp_path):
 def test_collective_timeout_must_be_positive():
     with pytest.raises(ValueError, match="collective timeout must be a number of seconds > 0"):
         hf3d.mesh.init_distributed(timeout_s=0)
+
+
+def test_nccl_ends_a_rank_stuck_on_a_dead_peer_after_the_timeout(monkeypatch):
+    """Under nccl a dead peer is not reported at once as under gloo: the survivors' collectives only end
+    through NCCL's watchdog, which must tear the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING) after the
+    process group's timeout (run.collective_timeout_s). Checked without CUDA: the environment chosen for
+    "nccl", a user's own setting (under either name) kept, and what init_process_group receives."""
+    from hf3d.mesh import backend_environment
+
+    assert backend_environment("nccl", {}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    assert backend_environment("gloo", {}) == {}
+    assert backend_environment("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {}  # torchrun's, or the user's
+    assert backend_environment("nccl", {"NCCL_ASYNC_ERROR_HANDLING": "0"}) == {}  # the older name
+
+    seen = {}
+
+    def fake_init(backend, timeout):
+        seen.update(backend=backend, timeout=timeout, env=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+
+    monkeypatch.setattr(hf3d.mesh.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(hf3d.mesh.dist, "init_process_group", fake_init)
+    monkeypatch.setattr(hf3d.mesh.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hf3d.mesh.torch.cuda, "set_device", lambda device: None)
+    for name in ("TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "0")  # as a launcher would: no free-port search
+    hf3d.mesh.init_distributed(timeout_s=7)
+    assert seen == {"backend": "nccl", "timeout": datetime.timedelta(seconds=7), "env": "3"}
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    hf3d.mesh.init_distributed(timeout_s=7)
+    assert seen["env"] == "2"
 
 
 def test_run_state_coordinates_follow_the_mesh_layout():

@@ -236,6 +236,27 @@ def test_token_in_a_file_is_never_uploaded(model_dir, hub_env, capsys):
     _assert_no_token(line)
 
 
+@pytest.mark.parametrize("link", ["file", "folder"])
+def test_links_leaving_the_folder_are_never_uploaded(model_dir, hub_env, capsys, tmp_path, link):
+    """A crafted folder linking a local file (or folder) into the upload: refused before any request."""
+    secret = tmp_path / "elsewhere"
+    secret.mkdir()
+    (secret / "id_rsa").write_text("PRIVATE KEY\n")
+    if link == "file":
+        (model_dir / "tokenizer.json").symlink_to(secret / "id_rsa")
+    else:
+        (model_dir / "extra").symlink_to(secret)
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir) == 1
+        assert hub.requests == []
+    line = _error_line(capsys.readouterr().err)
+    if link == "file":
+        assert f"{model_dir}/tokenizer.json is a link to {secret}/id_rsa, outside {model_dir}" in line, line
+    else:
+        assert f"{model_dir}/extra is a link to a folder" in line, line
+
+
 def test_minimal_card_and_summary_checks(tmp_path):
     card = write_model_card(make_model_dir(tmp_path / "m", "qwen3"), {}).read_text()
     _, front, body = card.split("---\n", 2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,17 +159,21 @@ def test_nonfinite_gradient_on_one_rank_skips_everywhere_and_is_named(tmp_path):
 
 def test_rerunning_a_finished_run_trains_nothing_and_writes_the_final_outputs_again(tmp_path):
     """A job killed after its last checkpoint (in the export, say) is run again by its launcher: it trains
-    nothing, leaves the checkpoints and metrics as they are, and writes the final directory again."""
+    nothing, leaves the checkpoints and metrics as they are, and writes the final directory again, replacing
+    the one already there (hf3d's own export, with its loss curve and run record)."""
     out = tmp_path / "run"
     settings = ["run.steps=2", "checkpoint.every=1"]
     assert _train(out, *settings).returncode == 0
     metrics = (out / "metrics.jsonl").read_text()
     weights = (out / "final" / "model.safetensors").read_bytes()
     checkpoints = sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in (out / "checkpoints").rglob("*"))
-    shutil.rmtree(out / "final")  # killed during the export
+    exported = sorted(p.name for p in (out / "final").iterdir())
+    assert {"loss_curve.png", "hf3d_training.json", "model.safetensors"} <= set(exported), exported
+    (out / "final" / "model.safetensors").write_bytes(b"")  # to see it written again
     again = _train(out, *settings)  # resume: auto finds step 2 of 2
     assert again.returncode == 0, again.stderr[-2000:]
     assert "the run is complete at step 2 (run.steps); writing its final outputs again" in again.stdout
     assert (out / "metrics.jsonl").read_text() == metrics
     assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in (out / "checkpoints").rglob("*")) == checkpoints
     assert (out / "final" / "model.safetensors").read_bytes() == weights
+    assert sorted(p.name for p in (out / "final").iterdir()) == exported

@@ -33,6 +33,7 @@ LOSS_RTOL, EVAL_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-6, 1e-6, 2e-6, 1e-5
 WEIGHT_DECAY = 10 * WD
 MESHES = {"tp2": dict(tp=2), "pp2": dict(pp=2, num_microbatches=2), "dp2": dict()}
 SHUFFLED = dict(eval_strategy="no", train_sampling_strategy="random")  # stock's default sampling
+HUB_TOKEN = "hf_trainerSecret4Xq9Zk2Lm7Vb"  # given to the tp2 run: it must not reach training_args.bin
 
 
 class Rows(torch.utils.data.IterableDataset):
@@ -145,7 +146,7 @@ def _worker(model_dir, root: str) -> None:
     root = Path(root)
     res = {}
     for name, pkw in MESHES.items():
-        kw = dict(save_strategy="steps", save_steps=SAVE_AT) if name == "tp2" else {}
+        kw = dict(save_strategy="steps", save_steps=SAVE_AT, hub_token=HUB_TOKEN) if name == "tp2" else {}
         res[name] = _hf3d(model_dir, root / name, pkw, **kw)
     # saved by hf3d.Trainer at tp=2 after step 2, resumed at pp=2
     ckpt = str(root / "tp2" / f"checkpoint-{SAVE_AT}")
@@ -225,6 +226,16 @@ def test_checkpoints_hold_hf3d_and_stock_files(results):
     assert {f"checkpoint-{SAVE_AT}", f"checkpoint-{STEPS}", "model.safetensors", "config.json"} <= set(got["files"])
     stock = {"model.safetensors", "config.json", "training_args.bin", "trainer_state.json", "scheduler.pt"}
     assert stock | {"rng_state_0.pth", "rng_state_1.pth", "hf3d"} <= set(got["checkpoint"])
+
+
+def test_saved_training_args_hold_no_token(results):
+    """TrainingArguments(hub_token=...) is saved beside every export and checkpoint without the token."""
+    root = results[2]
+    saved = [root / "tp2" / "training_args.bin", root / "tp2" / f"checkpoint-{SAVE_AT}" / "training_args.bin"]
+    for path in saved:
+        assert HUB_TOKEN.encode() not in path.read_bytes(), path
+        args = torch.load(path, weights_only=False)
+        assert args.hub_token is None and args.max_steps == STEPS, path
 
 
 def test_resume_at_another_mesh_matches_the_uninterrupted_run(results):

@@ -1,0 +1,70 @@
+"""Crafted checkpoint files: pickles that would run code when opened, through the modules hf3d's readers allow.
+
+Each payload, unpickled by a plain pickle.load, creates `marker` (a file) or returns an object that is not
+DCP metadata; hf3d's readers must refuse every one with one line, before anything runs.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+
+def _arg(value: str | int) -> bytes:
+    if isinstance(value, int):
+        return b"K" + bytes([value])  # BININT1
+    data = value.encode()
+    return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
+
+
+def global_pickle(module: str, name: str, *args: str | int) -> bytes:
+    """Protocol 4: STACK_GLOBAL(module, name), called with args when there are some."""
+    body = b"\x80\x04" + _arg(module) + _arg(name) + b"\x93"
+    if args:
+        body += b"".join(_arg(a) for a in args) + {1: b"\x85", 2: b"\x86", 3: b"\x87"}[len(args)] + b"R"
+    return body + b"."
+
+
+def payloads(marker: Path) -> dict[str, bytes]:
+    """{what it tries: pickle}, through each module the metadata reader takes something from."""
+    touch = f"touch {marker}"
+    return {
+        "dotted os.system under DCP metadata": global_pickle(
+            "torch.distributed.checkpoint.metadata", "os.system", touch
+        ),
+        "dotted os.system under DCP filesystem": global_pickle(
+            "torch.distributed.checkpoint.filesystem", "os.system", touch
+        ),
+        "dotted os.system under torch.serialization": global_pickle("torch.serialization", "os.system", touch),
+        "dotted os.system under pathlib": global_pickle("pathlib", "os.system", touch),
+        "another name of DCP metadata": global_pickle("torch.distributed.checkpoint.metadata", "os"),
+        "torch.save": global_pickle("torch", "save", 0, str(marker)),
+        "pathlib.Path": global_pickle("pathlib", "Path", str(marker)),
+        "collections.namedtuple": global_pickle("collections", "namedtuple", "T", "a"),
+    }
+
+
+def rewrite_metadata(ckpt: Path, edit) -> None:
+    """Re-pickle a checkpoint's honest .metadata after edit(metadata) changed it."""
+    metadata = dcp.FileSystemReader(ckpt).read_metadata()
+    edit(metadata)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def craft_stored_box(ckpt: Path, payload: bytes) -> None:
+    """Point the checkpoint's first stored box at a torch.save archive whose data.pkl is `payload`."""
+    path = ckpt / "__crafted.distcp"
+    writer = torch._C.PyTorchFileWriter(str(path))
+    writer.write_record("data.pkl", payload, len(payload))
+    writer.write_end_of_file()
+    del writer
+
+    def edit(metadata) -> None:
+        index = next(iter(metadata.storage_data))
+        info = metadata.storage_data[index]
+        info.relative_path, info.offset, info.length = path.name, 0, path.stat().st_size
+
+    rewrite_metadata(ckpt, edit)
