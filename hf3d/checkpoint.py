@@ -47,15 +47,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from . import optim_state
 from .faults import is_communication_error, one_line
-from .layout import get_pieces
+from .layout import hf_boxes
 from .mesh import on_rank0
 
 MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
-MASTER_KEY = "master"
+MASTER_KEY = optim_state.MASTER_KEY
 
 
 def model_key(hf_name: str) -> str:
@@ -249,53 +250,6 @@ def _on_every_rank(fn) -> None:
 
 
 # -- boxes: the rectangles of global HF tensors that one rank writes or reads -------------------------
-def _flat_boxes(shape: tuple[int, ...], a: int, z: int) -> list[tuple[list[int], list[int], int]]:
-    """Split the row-major element range [a, z) of a 1-D or 2-D tensor into rectangles, each one a
-    contiguous run of elements: (offsets, sizes, first flat index)."""
-    if len(shape) == 1:
-        return [([a], [z - a], a)] if z > a else []
-    assert len(shape) == 2, f"hf3d checkpoints hold 1-D and 2-D tensors, got shape {shape}"
-    cols = shape[1]
-    (r0, c0), (r1, c1) = divmod(a, cols), divmod(z, cols)
-    if r0 == r1:
-        return [([r0, c0], [1, c1 - c0], a)] if c1 > c0 else []
-    out = []
-    if c0:
-        out.append(([r0, c0], [1, cols - c0], a))
-        r0 += 1
-    if r1 > r0:
-        out.append(([r0, 0], [r1 - r0, cols], r0 * cols))
-    if c1:
-        out.append(([r1, 0], [1, c1], r1 * cols))
-    return out
-
-
-def hf_boxes(param, flat, flat_start: int, a: int, z: int, *, owned_only: bool):
-    """The HF boxes of runtime parameter `param` over its element range [a, z).
-
-    `flat` is a 1-D tensor holding param's row-major elements from `flat_start` on (the parameter
-    itself, a ZeRO master fragment, or optimizer state shaped like it). Yields
-    (hf_name, hf_offsets, sizes, view of flat): runtime rows or columns map to HF ones through the
-    layout pieces; vocab padding (covered by no piece) is skipped, and so are replicas this rank does
-    not own when `owned_only`."""
-    shape = tuple(param.shape)
-    for offsets, sizes, start in _flat_boxes(shape, a, z):
-        n = 1
-        for s in sizes:
-            n *= s
-        box = flat[start - flat_start : start - flat_start + n].view(sizes)
-        for piece in get_pieces(param):
-            if owned_only and not piece.owner:
-                continue
-            d = piece.dim
-            lo, hi = max(offsets[d], piece.local_start), min(offsets[d] + sizes[d], piece.local_stop)
-            if lo >= hi:
-                continue
-            hf_off, hf_size = list(offsets), list(sizes)
-            hf_off[d], hf_size[d] = lo - piece.local_start + piece.hf_start, hi - lo
-            yield piece.hf_name, hf_off, hf_size, box.narrow(d, lo - offsets[d], hi - lo)
-
-
 class _Boxes:
     """One DCP entry as this rank sees it: a global size and the local boxes it writes or fills.
     Implements the hooks DCP's planners call for sharded values (write items, chunk list, shard
@@ -402,7 +356,7 @@ def _write_ranges(pmodel, opt):
 def _optim_keys(opt) -> list[str]:
     """Names of the wrapped optimizer's per-element state (exp_avg, ...), the same on every rank."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, opt.state_keys())
+    dist.all_gather_object(everyone, optim_state.state_keys(opt))
     return sorted(set().union(*everyone))
 
 
@@ -477,20 +431,10 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None)
     optim_meta = None
     if opt is not None:
         keys = _optim_keys(opt)
-        for p, master, ga, gz in opt._masters:
-            s = opt._flat_range[id(p)][0]
-            lo, hi = opt._my_shard(opt._bucket_of[id(p)])
-            a, z = max(ga, lo), min(gz, hi)  # ZeRO-0 holds every element: write this rank's 1/dp
-            if a >= z:
-                continue
-            st = opt.optimizer.state.get(master, {})
-            sources = {k: st[k] for k in keys}
-            if not opt._aliased:
-                sources[MASTER_KEY] = master
-            for k, flat in sources.items():
-                for name, off, _, view in hf_boxes(p, flat, ga - s, a - s, z - s, owned_only=True):
-                    _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
-        optim_meta = {"keys": keys, "step": opt.num_steps, "param_groups": opt.group_settings()}
+        mine = dict(create=False, master=not opt._aliased, owned_only=True, my_shard=True)
+        for k, name, off, _, view in optim_state.state_boxes(opt, keys, **mine):
+            _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
+        optim_meta = {"keys": keys, "step": optim_state.num_steps(opt), "param_groups": optim_state.group_settings(opt)}
     dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
     _on_every_rank(lambda: torch.save(_rng_state(), tmp / f"rng_{rank}.pt"))
 
@@ -555,30 +499,18 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
             _entry(entries, params_from + name, hf_shapes, name, p.dtype).add(off, view)
     if opt is not None:
         keys = meta["optim"]["keys"] if training else []
-        for p, master, ga, gz in opt._masters:
-            s = opt._flat_range[id(p)][0]
-            st = opt.optimizer.state[master] if training else {}
-            for k in keys:
-                st[k] = torch.zeros_like(master)
-            targets = {k: st[k] for k in keys}
-            if not opt._aliased:
-                targets[MASTER_KEY] = master
-            for k, flat in targets.items():
-                prefix = optim_key(k, "") if k != MASTER_KEY or has_master else MODEL_PREFIX
-                into = masters if prefix == params_from else entries
-                for name, off, _, view in hf_boxes(p, flat, ga - s, ga - s, gz - s, owned_only=False):
-                    _entry(into, prefix + name, hf_shapes, name, torch.float32).add(off, view)
-            if keys:
-                st["step"] = torch.tensor(float(meta["optim"]["step"]))
+        for k, name, off, _, view in optim_state.state_boxes(opt, keys, create=True, master=not opt._aliased):
+            prefix = optim_key(k, "") if k != MASTER_KEY or has_master else MODEL_PREFIX
+            into = masters if prefix == params_from else entries
+            _entry(into, prefix + name, hf_shapes, name, torch.float32).add(off, view)
+        if keys:  # on the device torch's fused and capturable kernels read it from
+            optim_state.restore_steps(opt, meta["optim"]["step"])
     with torch.no_grad():
         for part in (entries, masters):
             if part:
                 dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())
     if training:
-        for group, saved in zip(opt.optimizer.param_groups, meta["optim"]["param_groups"]):
-            group.update(
-                {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group}
-            )
+        optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])
     rng = path / f"rng_{dist.get_rank()}.pt"
     if meta.get("world_size") == dist.get_world_size() and rng.is_file():
         _set_rng_state(torch.load(rng, weights_only=True))

@@ -74,9 +74,11 @@ class OptimConfig(ScheduleConfig):
     bucket_size: int = 2**22
     """Elements per gradient bucket (data-parallel communication unit)."""
     exclude_from_weight_decay: bool | list[str] = True
-    """true: no decay for norms, biases and embeddings; false: decay everything; or a list of name
-    patterns (fnmatch, e.g. ["*norm*", "*.bias", "model.embed_tokens.*"]) matched against parameter
-    names (the HF names; fused projections are named qkv_proj / gate_up_proj)."""
+    """true: the transformers Trainer's rule, as hf3d.Trainer and build_optimizer(exclude_from_weight_decay=
+    True) apply it: no decay for biases and norm weights, decay for everything else, embeddings and lm_head
+    included; false: decay everything; or a list of name patterns (fnmatch, e.g. ["*norm*", "*.bias",
+    "model.embed_tokens.*"]) matched against parameter names (the HF names; fused projections are named
+    qkv_proj / gate_up_proj)."""
     z_loss: float = 0.0
     """Coefficient of the z-loss (PaLM): z · mean log²(sum of exp of the logits); 0 turns it off. The
     logged loss stays the cross-entropy."""

@@ -162,6 +162,22 @@ def test_weight_decay_patterns_pick_the_parameters_without_decay():
     assert rule("model.layers.0.input_layernorm.weight", None) and rule("model.layers.0.self_attn.q_proj.bias", None)
     assert not rule("model.layers.0.mlp.gate_up_proj.weight", None) and not rule("model.embed_tokens.weight", None)
     assert OptimConfig(exclude_from_weight_decay=True).no_decay_rule() is True
+    assert OptimConfig().no_decay_rule() is True  # the default: the Trainer's rule, as build_optimizer applies it
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-kvrep", "qwen2", "qwen3"])
+def test_default_weight_decay_rule_is_the_transformers_trainers(family):
+    """hf3d train's default (exclude_from_weight_decay: true) leaves undecayed exactly what the transformers
+    Trainer leaves undecayed: biases and norm weights (Qwen3's q_norm / k_norm too); embeddings decay."""
+    from models import tiny_config  # tests/ is on sys.path (pytest's prepend import mode)
+    from transformers import Trainer
+
+    from hf3d.optim import no_decay_names
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    names = {n for n, _ in model.named_parameters()}
+    assert no_decay_names(model) == names - set(Trainer.get_decay_parameter_names(None, model))
+    assert "model.embed_tokens.weight" not in no_decay_names(model)
 
 
 def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
