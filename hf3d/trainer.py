@@ -138,11 +138,10 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     health = StepHealth(r, skipped=int(run.saved.get("skipped_steps", 0)) if run.start else 0)
     for step in range(run.start, r.steps):
         state.step = step + 1
-        record = _step(run, step, health)
+        record, signum = _step(run, step, health, stop)
         if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
             record["eval_loss"] = evaluate(run.pmodel, eval_batches)
             record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
-        signum = stop.agreed()
         metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
         _checkpoint_and_stop(run, step, record, health, signum)
         if run.trackers:
@@ -200,6 +199,7 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
         bucket_size=o.bucket_size,
         exclude_from_weight_decay=o.no_decay_rule(),
     )
+    pmodel.deferred_checks = True  # a bad id is read in opt.step()'s one host sync (hf3d/model.py)
     out = Path(cfg.run.output_dir)
     trackers, missing = available_trackers(cfg.run.report_to)
     # the loop is an accelerate loop: trackers, and the same refusals as any hf3d.prepare user
@@ -268,8 +268,10 @@ def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
         run.acc.init_trackers("hf3d", config=flat)
 
 
-def _step(run: _Run, step: int, health: StepHealth) -> dict:
-    """One optimizer step: batch, forward + backward, update, lr; returns its metrics record."""
+def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[dict, int]:
+    """One optimizer step: batch, forward + backward, update, lr; returns its metrics record and the
+    stop signal the ranks agreed on (0: none). One host sync: the loss, the z-loss, the stop flag and
+    the out-of-vocabulary flag are read with the grad norm inside opt.step()."""
     from tqdm.auto import tqdm
 
     cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
@@ -283,20 +285,25 @@ def _step(run: _Run, step: int, health: StepHealth) -> dict:
         position_ids=batch["position_ids"],
         z_loss=cfg.optim.z_loss,
     )
-    grad_norm = opt.step()
+    riders = {"loss": loss, "stop": stop.agree()}
+    if cfg.optim.z_loss:
+        riders["z_loss"] = pmodel.last_z_loss
+    opt.read_with_step(**riders)
+    opt.step()
+    values = opt.last_values
     run.sched.step()
     opt.zero_grad()
     elapsed = time.perf_counter() - t0
-    warning = health.check(step + 1, loss.item(), grad_norm.item(), opt)
+    warning = health.check(step + 1, values["loss"], values["grad_norm"], opt)
     if warning and run.rank0:
         tqdm.write(f"hf3d: {warning}")
     consumed = pipe.consumed_tokens
     tokens_per_step = cfg.run.global_batch * cfg.data.seq_len
     record = {
         "step": step + 1,
-        "loss": loss.item(),
+        "loss": values["loss"],
         "lr": lr,
-        "grad_norm": grad_norm.item(),
+        "grad_norm": values["grad_norm"],
         "tokens": sum(consumed.values()),
         "consumed_tokens": sum(consumed.values()),
         **{f"consumed_tokens/{name}": n for name, n in consumed.items()},
@@ -308,10 +315,10 @@ def _step(run: _Run, step: int, health: StepHealth) -> dict:
         "skipped_steps": health.skipped,
     }
     if cfg.optim.z_loss:
-        record["z_loss"] = float(pmodel.last_z_loss)
+        record["z_loss"] = values["z_loss"]
     if len(pipe.stage_starts) > 1:
         record["stage"] = pipe.stage_index(step)
-    return record
+    return record, int(values["stop"])
 
 
 def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth, signum: int) -> None:
@@ -451,9 +458,11 @@ class StepHealth:
 
 class StopSignal:
     """SIGTERM and SIGINT (preemption, Ctrl-C, torchrun forwarding either) end the run cleanly: the
-    handler only records the signal; after each step the ranks agree (one max all-reduce, so a signal
-    that reached one rank stops all), save a checkpoint of that step and exit with 128 + the signal
-    number (143 for SIGTERM, 130 for SIGINT). `checkpoint.resume: auto` then continues exactly."""
+    handler only records the signal; in each step, after the backward, the ranks agree (one max
+    all-reduce, so a signal that reached one rank stops all; its result is read in the step's one host
+    sync), then save a checkpoint of that step and exit with 128 + the signal number (143 for SIGTERM,
+    130 for SIGINT). A signal that comes later in a step stops the next one. `checkpoint.resume: auto`
+    then continues exactly."""
 
     def __init__(self, device: torch.device):
         self.device, self.received = device, 0
@@ -463,10 +472,11 @@ class StopSignal:
     def _record(self, signum, frame) -> None:
         self.received = signum
 
-    def agreed(self) -> int:
-        flag = torch.tensor(self.received, device=self.device)
+    def agree(self) -> torch.Tensor:
+        """The largest signal number any rank received (0: none), as a device tensor: no host sync."""
+        flag = torch.full((), self.received, dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag)
+        return flag
 
 
 def _write_summary(cfg: TrainConfig, final: Path, metrics_path: Path, last: dict) -> None:
