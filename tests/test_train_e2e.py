@@ -124,7 +124,6 @@ def test_a_longer_resumed_run_says_how_the_lr_moves_and_its_checkpoint_carries_t
         "parallel.pp=1",
         "parallel.num_microbatches=1",
         "run.steps=16",
-        "data.eval.every=0",
         "checkpoint.every=8",
         "run.save_final=false",
         f"model.path={base / 'full' / 'final'}",
