@@ -92,6 +92,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self._step_started = False
         self.last_step_skipped = False
         self.last_grad_norm: torch.Tensor | None = None
+        # the one host read of a step: the grad norm, the scalars handed to read_with_step and the flags
+        # of checks deferred by train_step, read together in step() (last_values: the floats)
+        self.last_values: dict[str, float] = {}
+        self._riders: dict[str, torch.Tensor] = {}
+        self._deferred: list[tuple[torch.Tensor, Callable[[], None]]] = []
         # torch.optim.Optimizer's bookkeeping (hooks, step patching), over the very same group dicts
         torch.optim.Optimizer.__init__(self, self.optimizer.param_groups, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
@@ -171,6 +176,31 @@ class ParallelOptimizer(torch.optim.Optimizer):
         for buf in self.buffers:
             buf.start_step(num_microbatches)
 
+    def read_with_step(self, **scalars: torch.Tensor) -> None:
+        """Scalar tensors (the loss, a stop flag, ...) to read on the host in the next step()'s one sync,
+        together with the grad norm; their floats are in `last_values` after it."""
+        self._riders.update(scalars)
+
+    def defer_check(self, flag: torch.Tensor, fail: Callable[[], None]) -> None:
+        """A check of this step's input found on the device: the next step() reads `flag` in its one
+        sync and, when it is nonzero, calls `fail` (which raises) before any weight changes."""
+        self._deferred.append((flag, fail))
+
+    def _read_values(self, norm: torch.Tensor) -> dict[str, float]:
+        """The step's one host sync: the norm, the riders and the deferred flags in one small tensor. A
+        raised check leaves the weights and the optimizer state untouched and the gradients zeroed."""
+        named = {"grad_norm": norm, **self._riders}
+        checks, self._riders, self._deferred = self._deferred, {}, []
+        scalars = [t.detach().float().reshape(()).to(norm.device) for t in named.values()]
+        host = torch.stack(scalars + [flag.float().reshape(()) for flag, _ in checks]).tolist()
+        self.last_values = dict(zip(named, host))
+        for (_, fail), bad in zip(checks, host[len(named) :]):
+            if bad:
+                self._step_started = False
+                self.zero_grad()
+                fail()
+        return self.last_values
+
     def finish_grad_sync(self) -> None:
         """Collect any gradients the hooks did not take, run the remaining collectives, wait."""
         for buf in self.buffers:
@@ -191,15 +221,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def step(self, closure=None) -> torch.Tensor:
         """Reduce gradients, clip to max_grad_norm, step the shard, sync params. Returns the
         pre-clip global grad norm (also kept as last_grad_norm); a non-finite norm skips the update
-        (step_was_skipped). `closure` is not supported: hf3d computes the loss in train_step."""
+        (step_was_skipped). One host sync: the norm, read with whatever `read_with_step` and
+        `defer_check` queued. `closure` is not supported: hf3d computes the loss in train_step."""
         if closure is not None:
             raise ValueError("ParallelOptimizer.step takes no closure: run pmodel.train_step or pmodel(**batch) first")
         self.finish_grad_sync()
         norm = self.grad_norm()
         self.last_grad_norm = norm
-        self.last_step_skipped = not math.isfinite(norm.item())
+        value = self._read_values(norm)["grad_norm"]
+        self.last_step_skipped = not math.isfinite(value)
         if self.last_step_skipped:
-            warnings.warn(f"grad norm is {norm.item()}: optimizer step skipped", stacklevel=2)
+            warnings.warn(f"grad norm is {value}: optimizer step skipped", stacklevel=2)
             self._step_started = False
             return norm
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
