@@ -1218,6 +1218,23 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "api-trainer-push-token",
+        API,
+        "`hf3d.Trainer` with TrainingArguments(push_to_hub=True, hub_token=...)",
+        lambda ctx: __import__("hf3d").Trainer(
+            model=ctx["pm"],
+            args=__import__("transformers").TrainingArguments(
+                output_dir=ctx["fx"]["tmp"] + "/trainer",
+                use_cpu=True,
+                push_to_hub=True,
+                hub_model_id="me/x",
+                hub_token="hf_x",
+            ),
+        ),
+        ["push_to_hub=True, hub_token=...", "inside training_args.bin", "HF_TOKEN"],
+        how="dist",
+    ),
+    _c(
         "api-train-step-id",
         API,
         "`train_step` with a token id >= vocab_size",
