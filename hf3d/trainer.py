@@ -35,6 +35,7 @@ from .metrics import (
     tracker_install_hint,
 )
 from .metrics import throughput as throughput_metrics
+from .rope_stages import StageRoPE
 from .schedules import build_lr_scheduler
 from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 
@@ -116,7 +117,8 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         torch.use_deterministic_algorithms(True)
     init_distributed(cfg.run.collective_timeout_s)
     rank0 = dist.get_rank() == 0
-    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=_model_config(cfg.model))
+    base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
+    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
     pmodel = _load_model(cfg.model, cfg.parallel)
     state.locate(pmodel.mesh)
     tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or cfg.model.path)
@@ -197,16 +199,18 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
 
     metrics = MetricsWriter(out, enabled=rank0, resume_step=start if resume_from is not None else None)
     world, peak = dist.get_world_size(), device_peak_flops()
-    fpt = flops_per_token(pmodel.config, cfg.data.seq_len)
-    tokens_per_step = r.global_batch * cfg.data.seq_len
     eval_batches = pipe.eval_batches()
     record: dict = {}
     saved_to = None
     bar = tqdm(total=r.steps, initial=start, disable=not rank0, desc="train", unit="step", dynamic_ncols=True)
     stop = StopSignal(pmodel.device)
     health = StepHealth(r, skipped=int(saved.get("skipped_steps", 0)) if start else 0)
+    rope = StageRoPE(cfg, pmodel, pipe, base_config, say if rank0 else None)
     for step in range(start, r.steps):
         state.step = step + 1
+        rope.enter(step)  # a stage with other RoPE settings: the model's change in place
+        tokens_per_step = r.global_batch * pipe.seq_len(step)
+        fpt = flops_per_token(pmodel.config, pipe.seq_len(step))
         lr = opt.param_groups[0]["lr"]
         t0 = time.perf_counter()
         batch = pipe.next_batch(step)
@@ -277,6 +281,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     bar.close()
     for tracker in acc.trackers:  # not acc.end_training(): it would also end torch.distributed
         tracker.finish()
+    rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
     _finish(cfg, pmodel, out, metrics.path, record, rank0)
     return record
 
@@ -307,7 +312,8 @@ def _finish(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: dict,
 
     curve = None
     if rank0:
-        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name)
+        stages = [(s.start_step, s.name) for s in cfg.data.resolved_stages()]
+        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name, stages=stages)
         tqdm.write(f"hf3d: loss curve {curve}" if curve else "hf3d: no loss curve (pip install matplotlib)")
     if not cfg.run.save_final:
         return
@@ -431,7 +437,7 @@ def _write_summary(cfg: TrainConfig, final: Path, metrics_path: Path, last: dict
             **hyper,
             "steps": cfg.run.steps,
             "global_batch": cfg.run.global_batch,
-            "seq_len": cfg.data.seq_len,
+            "seq_len": cfg.data.resolved_stages()[-1].seq_len,
             "document_masking": cfg.data.document_masking,
             "dtype": cfg.model.dtype,
         },
