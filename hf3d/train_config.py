@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,9 +318,10 @@ def _check_stage_model(cfg: TrainConfig, i: int, stage, model_config) -> None:
     where = f"data stage {stage.name!r}" if cfg.data.stages else "the model"
     try:
         config = override_config(model_config, overrides, loading_weights=False) if overrides else model_config
-    except (TypeError, ValueError) as e:
-        msg = str(e).replace("config_overrides", f"the RoPE settings of {where}")
-        raise ValueError(msg) from None
+    except (TypeError, ValueError) as e:  # config_overrides['rope_scaling'] -> rope_scaling
+        msg = re.sub(r"config_overrides\['(\w+)'\]", r"\1", str(e)).replace("config_overrides", "the RoPE settings")
+        key = f"data.stages[{i}] ({stage.name})" if cfg.data.stages else "model"
+        raise ValueError(f"{key}: {msg}") from None
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is None or stage.seq_len <= max_pos:
         return

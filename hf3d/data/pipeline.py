@@ -103,6 +103,7 @@ class DataPipeline:
                 self.num_train[s.label] = n - held
         self._state = {name: dict(cursor=0, epoch=0, consumed_tokens=0) for name in self.sources}
         self._kept: dict[str, dict] = {}  # restored views no stage of this run reads (another seq_len)
+        self._notes: list[str] = []  # what a restore could not continue (summary lines)
         self._next_step = 0
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
         self._eval: list[dict] | None = None
@@ -287,7 +288,7 @@ class DataPipeline:
                 f"the saved data state has data.seed={state['seed']}, the config {self.cfg.seed}; "
                 f"resume with data.seed={state['seed']}"
             )
-        labels = set(self.view_source.values())
+        labels, restored = set(self.view_source.values()), set()
         for name, saved in state["sources"].items():
             label, seq_len = saved.get("source", name), int(saved.get("seq_len", state["seq_len"]))
             view = self._view(label, seq_len)
@@ -303,6 +304,15 @@ class DataPipeline:
                     "the same data"
                 )
             self._state[view] = {k: int(saved[k]) for k in ("cursor", "epoch", "consumed_tokens")}
+            restored.add(view)
+        for view in self._state.keys() - restored:
+            label = self.view_source[view]
+            others = sorted(k["seq_len"] for k in self._kept.values() if k["source"] == label)
+            if others:
+                self._notes.append(
+                    f"data source {label!r} is read at seq_len {self.view_seq_len[view]} from its first window: the "
+                    f"checkpoint holds its position at seq_len {', '.join(map(str, others))} only (kept for those)"
+                )
         self._next_step = int(state["next_step"])
 
     # --- evaluation ---------------------------------------------------------------------------------
@@ -376,4 +386,6 @@ class DataPipeline:
                 f"rows from {where}"
             )
         masking = "document masking" if self.cfg.document_masking else "no document masking"
-        return head + lines + [f"data packing: seq_len {self.cfg.seq_len}, {masking}, seed {self.cfg.seed}"]
+        return (
+            head + lines + [f"data packing: seq_len {self.cfg.seq_len}, {masking}, seed {self.cfg.seed}"] + self._notes
+        )
