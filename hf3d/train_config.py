@@ -50,7 +50,8 @@ class ModelConfig:
     rope_scaling: dict | None = None
     """Override the RoPE scaling, e.g. {rope_type: linear, factor: 2.0}; written into the exported config."""
     max_position_embeddings: int | None = None
-    """Override the model's maximum sequence length; written into the exported config."""
+    """Override the model's maximum sequence length; written into the exported config. Data stages may
+    change these three from their start step on (data.stages[].rope_theta, ...)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

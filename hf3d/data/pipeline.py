@@ -133,7 +133,8 @@ class DataPipeline:
         if src.num_windows == 0:
             raise ValueError(
                 f"data source {s.label!r} ({s.path}) holds {src.num_tokens} tokens in {src.num_docs} documents, "
-                f"fewer than one window of seq_len + 1 = {seq_len + 1} ({where}); lower the seq_len or add data"
+                f"fewer than one window of seq_len + 1 = {seq_len + 1} ({where}); lower data.seq_len (or the stage's) "
+                "or add data"
             )
         return src
 
@@ -299,9 +300,9 @@ class DataPipeline:
                 continue
             if saved["num_windows"] != self.num_train[view]:
                 raise ValueError(
-                    f"data source {label!r} had {saved['num_windows']} training windows of {seq_len + 1} tokens "
-                    f"when saved and has {self.num_train[view]} now: its data or eval split changed; resume with "
-                    "the same data"
+                    f"data source {label!r} had {saved['num_windows']} training windows when saved and has "
+                    f"{self.num_train[view]} now (of {seq_len + 1} tokens): its data or eval split changed; resume "
+                    "with the same data"
                 )
             self._state[view] = {k: int(saved[k]) for k in ("cursor", "epoch", "consumed_tokens")}
             restored.add(view)
