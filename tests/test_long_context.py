@@ -218,9 +218,9 @@ def test_the_long_context_example_runs_switches_resumes_and_exports(tmp_path):
 
     again = _records(tmp_path / "resumed")
     assert [r["step"] for r in again] == [5, 6]
-    assert "step 5: data stage 'long-64k'" in resumed.stdout
     for a, b in zip(records[4:], again):  # the same mesh: bit for bit
         for key in ("loss", "grad_norm", "lr", "consumed_tokens"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert "step 5: data stage 'long-64k'" in resumed.stdout
     final = json.loads((tmp_path / "resumed" / "final" / "config.json").read_text())
     assert final["rope_parameters"] == config["rope_parameters"]
