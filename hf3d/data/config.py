@@ -75,7 +75,9 @@ class SourceConfig:
 
 @dataclass
 class StageConfig:
-    """A stage of training: from `start_step` on, rows are drawn from this weighted mixture."""
+    """A stage of training: from `start_step` on, rows are drawn from this weighted mixture, at this
+    stage's seq_len, and the model runs with its RoPE settings (a long-context stage; what a stage
+    does not give it keeps from the stages before it)."""
 
     start_step: int = 0
     """First step of this stage; the first stage starts at 0, later ones in increasing order."""
