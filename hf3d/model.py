@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -14,10 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import ParallelConfig
-from .hf import DEFAULT_MAX_SHARD_BYTES, TensorSpec, write_hf_dir, write_order
-from .layout import get_pieces
+from .hf import DEFAULT_MAX_SHARD_BYTES
+from .pipeline import relay_forward, run_pipeline
 from .stage import StageModule
 from .tensor_parallel import IGNORE_INDEX
+from .vocab import check_vocab, raise_out_of_vocab, vocab_flag
 
 # HF call arguments that change nothing here (no KV cache while training; outputs are always a dataclass)
 IGNORED_KWARGS = {"use_cache", "return_dict", "num_items_in_batch", "output_attentions", "output_hidden_states"}
@@ -163,11 +162,11 @@ class ParallelModel(nn.Module):
         position_ids = self._positions(input_ids, position_ids)
         # No dp collective here: the ranks of one replica hold the same rows, so they all raise, and
         # a forward never waits on another replica (one replica may evaluate alone).
-        if self._out_of_vocab(input_ids).item():
-            self._raise_out_of_vocab(input_ids, None, dp_group=None)
+        if vocab_flag(self, input_ids).item():
+            raise_out_of_vocab(self, input_ids, None, dp_group=None)
         if self.pcfg.pp == 1:
             return self.lm_head.full_logits(self.stages[0](input_ids, position_ids))
-        local_logits = self._relay_forward(input_ids, position_ids)
+        local_logits = relay_forward(self, input_ids, position_ids)
         last_owner = self.stage_owners[-1]
         if local_logits is not None:
             logits = self.lm_head.full_logits(local_logits).contiguous()
@@ -195,14 +194,14 @@ class ParallelModel(nn.Module):
         input_ids = input_ids.to(self.device)
         targets, given, name = self._targets(input_ids, labels, shift_labels)
         position_ids = self._positions(input_ids, position_ids)
-        self._check_vocab(input_ids, given, name)
+        check_vocab(self, input_ids, given, name)
         was_training = self.training
         self.eval()  # dropout off, as in stock evaluation
         try:
             if self.pcfg.pp == 1:
                 local_logits = self.stages[0](input_ids, position_ids)
             else:
-                local_logits = self._relay_forward(input_ids, position_ids)
+                local_logits = relay_forward(self, input_ids, position_ids)
         finally:
             self.train(was_training)
         sums = torch.zeros(2, device=self.device)
@@ -215,79 +214,6 @@ class ParallelModel(nn.Module):
         if self.dp_size > 1:
             dist.all_reduce(sums, group=self.mesh.get_group("dp"))
         return sums[0], sums[1]
-
-    def _check_vocab(self, input_ids: torch.Tensor, labels: torch.Tensor, labels_name: str) -> None:
-        """Raise on an id outside the vocabulary in any dp replica's rows (collective over dp)."""
-        out_of_vocab = self._out_of_vocab(input_ids, labels)
-        if self.dp_size > 1:
-            dist.all_reduce(out_of_vocab, group=self.mesh.get_group("dp"))
-        if out_of_vocab.item():
-            dp_group = self.mesh.get_group("dp") if self.dp_size > 1 else None
-            self._raise_out_of_vocab(input_ids, labels, dp_group=dp_group, labels_name=labels_name)
-
-    def _out_of_vocab(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """1.0 when an id is outside [0, vocab_size) or a label is neither -100 nor inside it, else 0.0.
-        One min/max reduction per tensor and no host sync; where the bad value sits is found only on failure."""
-        v = self.config.vocab_size
-        flag = torch.zeros((), device=input_ids.device)
-        tensors = [input_ids] if labels is None else [input_ids, labels.masked_fill(labels == IGNORE_INDEX, 0)]
-        for t in tensors:
-            if t.numel():
-                lo, hi = torch.aminmax(t)
-                flag = torch.maximum(flag, ((lo < 0) | (hi >= v)).float())
-        return flag
-
-    def _raise_out_of_vocab(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None, *, dp_group, labels_name: str = "labels"
-    ) -> NoReturn:
-        """Raise one ValueError naming the first bad value. With dp_group this is collective over dp: every
-        dp rank reports the same value, also the ranks whose own rows are all valid."""
-        v = self.config.vocab_size
-        found = torch.full((5,), -1, dtype=torch.int64, device=input_ids.device)  # [dp rank, tensor, row, col, value]
-        checks = [(input_ids < 0) | (input_ids >= v)]
-        if labels is not None:
-            checks.append(((labels < 0) & (labels != IGNORE_INDEX)) | (labels >= v))
-        for which, (tensor, bad) in enumerate(zip((input_ids, labels), checks)):
-            hits = bad.nonzero()
-            if len(hits):
-                row, col = hits[0].tolist()
-                found = torch.tensor([self.dp_rank, which, row, col, int(tensor[row, col])], device=found.device)
-                break
-        if dp_group is not None:
-            everyone = [torch.empty_like(found) for _ in range(self.dp_size)]
-            dist.all_gather(everyone, found, group=dp_group)
-            found = next(f for f in everyone if f[0] >= 0)
-        dp_rank, which, row, col, value = found.tolist()
-        where = f" on dp rank {dp_rank}" if dp_group is not None else ""
-        if which == 0:
-            what, rule = f"input_ids[{row}, {col}] = {value}{where}", f"token ids must be in [0, {v})"
-        else:
-            what = f"{labels_name}[{row}, {col}] = {value}{where}"
-            rule = f"{labels_name} must be -100 (ignored) or in [0, {v})"
-        raise ValueError(
-            f"{what} is outside the model's vocabulary (vocab_size={v}): {rule}; "
-            "check that the tokenizer and the model match"
-        )
-
-    def _relay_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
-        """Run the stages one after another (one micro-batch), passing activations over pp. Returns the last
-        stage's local logits [b, s, V/tp] on the rank that runs it, None on the others."""
-        pp_group = self.mesh.get_group("pp")
-        b, s = input_ids.shape
-        s_local = s // self.pcfg.tp if self.pcfg.sequence_parallel else s
-        by_index = {st.stage_index: st for st in self.stages}
-        x, me = input_ids, self.pp_rank
-        for idx, owner in enumerate(self.stage_owners):
-            if owner != me:
-                continue
-            if idx > 0 and self.stage_owners[idx - 1] != me:
-                x = torch.empty(b, s_local, self.config.hidden_size, dtype=self.param_dtype, device=self.device)
-                dist.recv(x, group=pp_group, group_src=self.stage_owners[idx - 1])
-            x = by_index[idx](x, position_ids)
-            nxt = idx + 1
-            if nxt < len(self.stage_owners) and self.stage_owners[nxt] != me:
-                dist.send(x.contiguous(), group=pp_group, group_dst=self.stage_owners[nxt])
-        return x if me == self.stage_owners[-1] else None
 
     # -- training ---------------------------------------------------------------------------------
     def train_step(
@@ -322,7 +248,7 @@ class ParallelModel(nn.Module):
                 f"use a per-rank batch that is a multiple of {m}"
             )
         num_tokens = (targets != IGNORE_INDEX).sum().to(torch.float32)
-        out_of_vocab = self._out_of_vocab(input_ids, given)
+        out_of_vocab = vocab_flag(self, input_ids, given)
         dp_group = self.mesh.get_group("dp")
         if self.dp_size > 1:
             # the bad-id flag rides on the token count's all-reduce, so a bad id in one replica's rows
@@ -331,8 +257,8 @@ class ParallelModel(nn.Module):
             dist.all_reduce(counts, group=dp_group)
             num_tokens, out_of_vocab = counts.unbind()
         if out_of_vocab.item():
-            self._raise_out_of_vocab(
-                input_ids, given, dp_group=dp_group if self.dp_size > 1 else None, labels_name=name
+            raise_out_of_vocab(
+                self, input_ids, given, dp_group=dp_group if self.dp_size > 1 else None, labels_name=name
             )
         num_tokens = num_tokens.clamp_min(1.0)
         if self.grad_sync is not None:
@@ -354,8 +280,6 @@ class ParallelModel(nn.Module):
                 objective.backward()
                 sums += torch.stack([ce, z])
         else:
-            from .pipeline import run_pipeline
-
             sums = run_pipeline(self, input_ids, position_ids, targets, num_tokens, z_loss=z_loss)
         if self.dp_size > 1:
             dist.all_reduce(sums, group=dp_group)
@@ -363,97 +287,9 @@ class ParallelModel(nn.Module):
         return total
 
     # -- export -----------------------------------------------------------------------------------
-    @torch.no_grad()
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
-        files if known) that stock `AutoModelForCausalLM.from_pretrained` loads.
+        files if known) that stock `AutoModelForCausalLM.from_pretrained` loads (hf3d/export.py)."""
+        from .export import save_hf
 
-        Streams tensor by tensor: every rank walks the HF names in the writer's order; for each one, the
-        ranks owning pieces of it (dp rank 0's replica) send them to rank 0, which assembles that one
-        tensor, writes it and drops it. No rank ever holds more than one full tensor."""
-        rank = dist.get_rank()
-        mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
-        if self.dp_rank == 0:
-            for _, param in self.unique_parameters():
-                for p in get_pieces(param):
-                    if p.owner:
-                        mine.setdefault(p.hf_name, {})[(p.dim, p.hf_start, p.hf_stop)] = p.local(param).detach()
-        table = [None] * dist.get_world_size()
-        dist.all_gather_object(table, {name: list(ranges) for name, ranges in mine.items()})
-        tied = self.config.tie_word_embeddings
-        dtype = self.param_dtype
-        specs = [TensorSpec(n, s, dtype) for n, s in self.hf_shapes.items() if not (tied and n == "lm_head.weight")]
-        sources = export_sources(table, specs)
-
-        error = None
-        if rank != 0:
-            for name in write_order(specs, max_shard_bytes):
-                for src, *key in sources[name]:
-                    if src == rank:
-                        dist.send(mine[name][tuple(key)].contiguous(), dst=0)
-        else:
-            shapes = {s.name: s.shape for s in specs}
-            received = set()
-
-            def piece(name: str, dim: int, start: int, stop: int) -> torch.Size:
-                shape = list(shapes[name])
-                shape[dim] = stop - start
-                return torch.Size(shape)
-
-            def produce(name: str) -> torch.Tensor:
-                full = torch.empty(shapes[name], dtype=dtype)
-                for src, dim, start, stop in sources[name]:
-                    region = full.narrow(dim, start, stop - start)
-                    if src == 0:
-                        region.copy_(mine[name][(dim, start, stop)])
-                    else:
-                        buf = torch.empty(region.shape, dtype=dtype, device=self.device)
-                        dist.recv(buf, src=src)
-                        region.copy_(buf)
-                received.add(name)
-                return full
-
-            config = copy.deepcopy(self.config)
-            config.dtype = dtype
-            try:
-                write_hf_dir(
-                    out_dir, specs, produce, config, src_dir=self.tokenizer_dir, max_shard_bytes=max_shard_bytes
-                )
-            except (OSError, ValueError) as e:  # the disk, not the peers: take what they still send, then tell them
-                error = e
-                for name in write_order(specs, max_shard_bytes):
-                    for src, dim, start, stop in sources[name] if name not in received else ():
-                        if src != 0:
-                            dist.recv(
-                                torch.empty(piece(name, dim, start, stop), dtype=dtype, device=self.device), src=src
-                            )
-        # the end of the export for every rank: rank 0's failure (a full disk, an unwritable folder) is
-        # raised everywhere instead of leaving the senders waiting in the next collective
-        outcome = [None if error is None else f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(outcome, src=0)
-        if error is not None:
-            raise error
-        if outcome[0] is not None:
-            raise ValueError(f"rank 0 could not write the HF directory {out_dir}: {outcome[0]}")
-
-
-def export_sources(table: list[dict], specs: list[TensorSpec]) -> dict[str, list[tuple[int, int, int, int]]]:
-    """{hf_name: [(rank, dim, start, stop), ...]}: which rank sends which range of each exported tensor,
-    from every rank's {hf_name: [(dim, start, stop)]} of owned pieces. Checks that every element is
-    covered exactly once: the pieces of a tensor tile it along one dim, without gap or overlap."""
-    shapes = {s.name: s.shape for s in specs}
-    sources: dict[str, list[tuple[int, int, int, int]]] = {n: [] for n in shapes}
-    for rank, owned in enumerate(table):
-        for name, ranges in owned.items():
-            assert name in shapes, f"export: a rank owns a piece of {name!r}, which is not exported"
-            sources[name] += [(rank, *r) for r in ranges]
-    wrong = []
-    for name, ranges in sources.items():
-        ranges.sort(key=lambda r: r[2])
-        dims = {r[1] for r in ranges}  # empty when no rank owns the tensor
-        edges = [e for r in ranges for e in r[2:]]
-        tiles = len(dims) == 1 and edges[0] == 0 and edges[-1] == shapes[name][ranges[0][1]]  # one dim, 0..size
-        if not (tiles and all(edges[i] == edges[i + 1] for i in range(1, len(edges) - 1, 2))):
-            wrong.append(name)
-    assert not wrong, f"export covered these tensors wrongly: {wrong[:5]}"
-    return sources
+        save_hf(self, out_dir, max_shard_bytes=max_shard_bytes)

@@ -1,26 +1,15 @@
-"""Data parallelism: FP32 main gradients in buckets, ZeRO-1 sharded optimizer, global-norm clipping.
+"""The ZeRO-1 optimizer: fp32 master fragments, the wrapped torch optimizer, global-norm clipping.
 
-Built after Megatron-Core's distributed optimizer. Every parameter's gradient lands in one
-contiguous fp32 buffer (`main_grad` views), split into buckets laid out in backward order and
-padded to a multiple of dp. A post-accumulate-grad hook adds each micro-batch's (bf16/fp16/fp32)
-gradient into the buffer and frees it. When the last micro-batch has filled every gradient of
-a bucket, the bucket's data-parallel collective starts asynchronously while backward continues:
-for ZeRO-1 a reduce-scatter (dp_collective "reduce_scatter", or on gloo "all_to_all": every rank
-receives each rank's copy of its own shard and sums them), for ZeRO-0 an all-reduce.
+Built after Megatron-Core's distributed optimizer, which is kept apart from its DDP grad buffers in the
+same way: the gradient path (fp32 main gradients in buckets, hooks, the overlapped reduction over each
+parameter's group) lives in hf3d/grad_buffer.py, one `GradBuffer` per reduction group; this module owns
+the step. For the elements a rank steps (its ZeRO-1 shard of every bucket of every buffer, or all of
+them under ZeRO-0) it keeps fp32 master weights and the wrapped optimizer's state, clips by the global
+norm, steps them with the reduced gradient, writes the masters back into the model-dtype parameters and
+asks each buffer to gather the updated shards.
 
-ZeRO-1: dp rank d owns the d-th 1/dp of every bucket. For the parameter fragments inside its
-shard it keeps fp32 master weights and the wrapped torch optimizer's state, steps them with the
-reduced gradient, and the updated values are gathered back into the model's parameters, which
-are views of one flat buffer per bucket when dp > 1 (so the gather lands in place): an all-gather
-after a reduce-scatter; with "all_to_all", one broadcast per owner of its shard; with
-"all_reduce", an all-reduce of the buffer with the other ranks' shards zeroed (exact: x + 0 = x).
-On gloo, 2 processes, 32 MiB of fp32: all_to_all 16 ms, broadcasts of the two halves 12 ms,
-all_reduce 31 ms, all_gather 48 ms, reduce_scatter 60 ms; "auto" picks all_to_all there.
-
-Gradients that one tp rank computes only in part (per-head q/k norms, norms under sequence
-parallelism, replicated KV heads) are summed over tp, and tied embeddings held on two pipeline
-ranks are summed over the pair, before the data-parallel reduction. The grad norm counts each
-element once: pieces a rank does not own (layout.Piece.owner) and vocab padding are masked out.
+The grad norm counts each element once: pieces a rank does not own (layout.Piece.owner), vocab padding
+and the shards of other ranks are masked out, and one all-reduce over the world sums the squares.
 """
 
 from __future__ import annotations
@@ -29,14 +18,14 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import hf_boxes
-from .layout import get_pieces, shard_range
+from .grad_buffer import Bucket, GradBuffer
+from .layout import get_pieces
 
 ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside AccumulateGrad
 # torch optimizers whose update of an element depends on the whole tensor (factored moments,
@@ -44,15 +33,10 @@ ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside Acc
 WHOLE_TENSOR_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 
 
-@dataclass
-class _Bucket:
-    params: list[nn.Parameter]
-    offset: int  # into the flat buffers
-    numel: int  # padded to a multiple of dp
-    deferred: bool = False  # tied across pipeline ranks: reduced at step time, not from hooks
-    pending: int = 0
-    work: object = None
-    param_data: torch.Tensor | None = None  # flat model-dtype storage the params view (zero 1, dp > 1)
+def reduction_groups(pmodel, params: list[nn.Parameter]) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
+    """[(group, params)]: the process group over which each parameter's gradient is summed and its
+    optimizer state sharded. Every parameter is replicated over the data-parallel ranks."""
+    return [(pmodel.mesh.get_group("dp"), params)]
 
 
 class ParallelOptimizer(torch.optim.Optimizer):
@@ -75,62 +59,36 @@ class ParallelOptimizer(torch.optim.Optimizer):
         optimizer_kwargs: dict,
     ):
         self.pmodel, self.zero_stage, self.max_grad_norm = pmodel, zero_stage, max_grad_norm
-        mesh = pmodel.mesh
-        self.dp_group, self.tp_group = mesh.get_group("dp"), mesh.get_group("tp")
-        self.dp_size, self.dp_rank = pmodel.dp_size, pmodel.dp_rank
-        self.tp_size = pmodel.pcfg.tp
         self.dp_collective = dp_collective
         self.overlap = overlap_grad_reduce and pmodel.pcfg.pp_schedule not in ZERO_BUBBLE_SCHEDULES
-        self.tied_group = _tied_embedding_group(pmodel)
         named = pmodel.unique_parameters()
         self.names = {id(p): n for n, p in named}
         params = [p for _, p in named if p.requires_grad]
         self.device = params[0].device
         self.param_dtype = params[0].dtype
-
-        # -- buckets in backward order (last layers first), tied-across-pp params on their own --
-        tied = [p for p in params if getattr(p, "hf3d_tied_copy", False) or self._is_tied_source(p)]
-        plain = [p for p in reversed(params) if not any(p is t for t in tied)]
-        self.buckets: list[_Bucket] = []
-        offset = 0
-        for group, deferred in ((plain, False), (tied, True)):
-            current: list[nn.Parameter] = []
-            for p in group:
-                current.append(p)
-                if sum(q.numel() for q in current) >= bucket_size:
-                    offset = self._add_bucket(current, offset, deferred)
-                    current = []
-            if current:
-                offset = self._add_bucket(current, offset, deferred)
-        self.main_grad = torch.zeros(offset, dtype=torch.float32, device=self.device)
-        owned: list[tuple[int, int]] = []  # flat ranges whose gradient this rank counts in the norm
-        self._bucket_of: dict[int, _Bucket] = {}
+        self.buffers = self._build_buffers(pmodel, params, bucket_size)
+        self.main_grad = torch.zeros(self.buffers[-1].end, dtype=torch.float32, device=self.device)
         self._flat_range: dict[int, tuple[int, int]] = {}  # id(param) -> its [start, stop) in main_grad
-        self._uses = _uses_per_step(pmodel)
-        for b in self.buckets:
-            start = b.offset
-            for p in b.params:
-                p.main_grad = self.main_grad[start : start + p.numel()].view(p.shape)
-                self._bucket_of[id(p)] = b
-                self._flat_range[id(p)] = (start, start + p.numel())
-                owned += [(start + a, start + z) for a, z in _owned_runs(p)]
-                start += p.numel()
-
+        for buf in self.buffers:
+            self._flat_range.update(buf.attach(self.main_grad, overlap=self.overlap))
+        self._bucket_of: dict[int, Bucket] = {id(p): b for b in self.buckets for p in b.params}
         # what this rank adds to the grad norm: its owned elements inside the gradients it reduces
-        if self.zero_stage == 1:
-            spans = [self._my_shard(b) for b in self.buckets]
-        else:  # zero 0: every dp rank holds the same full gradients; dp rank 0 counts them
-            spans = [(0, offset)] if self.dp_rank == 0 else []
+        owned = []  # flat ranges whose gradient this rank counts in the norm
+        for p in (p for b in self.buckets for p in b.params):
+            start = self._flat_range[id(p)][0]
+            owned += [(start + a, start + z) for a, z in _owned_runs(p)]
+        spans = [span for buf in self.buffers for span in buf.norm_spans()]
         self._norm_ranges = _merge(
             [(max(a, lo), min(z, hi)) for lo, hi in spans for a, z in owned if a < hi and lo < z]
         )
         # -- fp32 master fragments and the wrapped optimizer --
+        for buf in self.buffers:
+            buf.flatten_params(self.param_dtype, self.device)
         self._build_master(exclude_from_weight_decay)
         try:
             self.optimizer = optimizer_cls(self._param_groups, **optimizer_kwargs)
         except TypeError as e:
             raise TypeError(f"{optimizer_cls.__name__} rejected the optimizer arguments {optimizer_kwargs}: {e}") from e
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params] if self.overlap else []
         self._step_started = False
         self.last_step_skipped = False
         self.last_grad_norm: torch.Tensor | None = None
@@ -139,22 +97,43 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
         pmodel.grad_sync = self
 
-    # ---------------------------------------------------------------------------------------------
-    def _is_tied_source(self, p) -> bool:
-        """The embedding whose tied lm_head copy lives on another pipeline rank."""
-        return self.tied_group is not None and any(
-            piece.hf_name == "model.embed_tokens.weight" for piece in get_pieces(p)
-        )
+    def _build_buffers(self, pmodel, params: list[nn.Parameter], bucket_size: int) -> list[GradBuffer]:
+        """One GradBuffer per reduction group, buckets in backward order (last layers first); tied
+        embeddings held on two pipeline ranks in deferred buckets of their own."""
+        tied_group = _tied_embedding_group(pmodel)
 
-    def _add_bucket(self, params, offset, deferred) -> int:
-        n = sum(p.numel() for p in params)
-        padded = -(-n // self.dp_size) * self.dp_size
-        self.buckets.append(_Bucket(list(params), offset, padded, deferred))
-        return offset + padded
+        def tied(p) -> bool:
+            is_source = tied_group is not None and any(
+                piece.hf_name == "model.embed_tokens.weight" for piece in get_pieces(p)
+            )
+            return getattr(p, "hf3d_tied_copy", False) or is_source
 
-    def _my_shard(self, b: _Bucket) -> tuple[int, int]:
-        lo, hi = shard_range(b.numel, self.dp_size, self.dp_rank)
-        return b.offset + lo, b.offset + hi
+        buffers, base = [], 0
+        for group, members in reduction_groups(pmodel, params):
+            buf = GradBuffer(
+                [p for p in reversed(members) if not tied(p)],
+                group,
+                base=base,
+                bucket_size=bucket_size,
+                zero_stage=self.zero_stage,
+                collective=self.dp_collective,
+                deferred=[p for p in members if tied(p)],
+                tp_group=pmodel.mesh.get_group("tp"),
+                tied_group=tied_group,
+                hf_shapes=pmodel.hf_shapes,
+                uses=_uses_per_step(pmodel),
+            )
+            buffers.append(buf)
+            base = buf.end
+        return buffers
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Every bucket of every buffer, in main_grad order."""
+        return [b for buf in self.buffers for b in buf.buckets]
+
+    def _my_shard(self, b: Bucket) -> tuple[int, int]:
+        return b.buffer.shard(b)
 
     def _build_master(self, exclude_from_weight_decay) -> None:
         """fp32 master fragments for the elements this rank steps. With fp32 parameters the master is
@@ -163,32 +142,23 @@ class ParallelOptimizer(torch.optim.Optimizer):
         decay, no_decay = [], []
         self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
         for b in self.buckets:
-            lo, hi = self._my_shard(b) if self.zero_stage == 1 else (b.offset, b.offset + b.numel)
-            # params become views of one flat buffer so the all-gather lands in place; with one dp rank
-            # there is no all-gather, and the copy would only hold the parameters twice for a moment
-            if self.zero_stage == 1 and self.dp_size > 1:
-                b.param_data = torch.zeros(b.numel, dtype=self.param_dtype, device=self.device)
-            start = b.offset
+            lo, hi = b.buffer.stepped_range(b)
             for p in b.params:
-                end = start + p.numel()
-                if b.param_data is not None:
-                    view = b.param_data[start - b.offset : end - b.offset]
-                    view.copy_(p.detach().flatten())
-                    p.data = view.view(p.shape)
+                start, end = self._flat_range[id(p)]
                 a, z = max(start, lo), min(end, hi)
-                if a < z:
-                    flat = p.detach().view(-1)[a - start : z - start]
-                    master = flat if self._aliased else flat.float().clone()
-                    self._masters.append((p, master, a, z))
-                    name = self.names[id(p)]
-                    if callable(exclude_from_weight_decay):
-                        excluded = exclude_from_weight_decay(name, p)
-                    else:
-                        excluded = exclude_from_weight_decay and (
-                            p.dim() < 2 or "embed_tokens" in name or "lm_head" in name
-                        )
-                    (no_decay if excluded else decay).append(master)
-                start = end
+                if a >= z:
+                    continue
+                flat = p.detach().view(-1)[a - start : z - start]
+                master = flat if self._aliased else flat.float().clone()
+                self._masters.append((p, master, a, z))
+                name = self.names[id(p)]
+                if callable(exclude_from_weight_decay):
+                    excluded = exclude_from_weight_decay(name, p)
+                else:
+                    excluded = exclude_from_weight_decay and (
+                        p.dim() < 2 or "embed_tokens" in name or "lm_head" in name
+                    )
+                (no_decay if excluded else decay).append(master)
         self._param_groups = [{"params": decay}]
         if no_decay or callable(exclude_from_weight_decay):  # a rule: the same groups on every rank
             self._param_groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -201,90 +171,18 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 "opt.zero_grad() after each train_step"
             )
         self._step_started = True
-        for b in self.buckets:
-            b.pending = sum(self._uses.get(id(p), 1) * num_microbatches for p in b.params)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        p.main_grad.add_(p.grad)
-        p.grad = None
-        b = self._bucket_of[id(p)]
-        b.pending -= 1
-        if b.pending == 0 and not b.deferred:
-            self._launch(b)
-
-    def _sync_partial_tp(self, b: _Bucket) -> None:
-        if self.tp_size == 1:
-            return
-        for p in b.params:
-            if getattr(p, "hf3d_tp_partial_grad", False):
-                dist.all_reduce(p.main_grad, group=self.tp_group)
-            for piece in get_pieces(p):
-                if piece.partial_grad:  # replicated KV heads: sum over the ranks holding the same rows
-                    span = piece.hf_stop - piece.hf_start
-                    full = torch.zeros((self._hf_rows(piece), *p.main_grad.shape[1:]), device=self.device)
-                    full.narrow(0, piece.hf_start, span).copy_(piece.local(p.main_grad))
-                    dist.all_reduce(full, group=self.tp_group)
-                    piece.local(p.main_grad).copy_(full.narrow(0, piece.hf_start, span))
-
-    def _hf_rows(self, piece) -> int:
-        return self.pmodel.hf_shapes[piece.hf_name][0]
-
-    def _launch(self, b: _Bucket) -> None:
-        self._sync_partial_tp(b)
-        if b.deferred and self.tied_group is not None:
-            for p in b.params:
-                dist.all_reduce(p.main_grad, group=self.tied_group)
-        if self.dp_size == 1:
-            b.work = None
-            return
-        flat = self.main_grad[b.offset : b.offset + b.numel]
-        if self.zero_stage != 1 or self.dp_collective == "all_reduce":
-            b.work = (dist.all_reduce(flat, group=self.dp_group, async_op=True), None, 0, 0)
-            return
-        lo, hi = self._my_shard(b)
-        if self.dp_collective == "reduce_scatter":
-            out = torch.empty(hi - lo, device=self.device)
-            b.work = (dist.reduce_scatter_single(out, flat, group=self.dp_group, async_op=True), out, lo, hi)
-            return
-        # all_to_all: each rank receives every rank's copy of its own shard, and sums them: a
-        # reduce-scatter that gloo runs faster than its reduce_scatter or all_reduce. At most two buckets'
-        # receive buffers are alive: the previous one is summed before this one starts.
-        for other in self.buckets:
-            if other.work is not None and other.work[1] is not None:
-                self._complete(other)
-        out = torch.empty(self.dp_size, hi - lo, device=self.device)
-        b.work = (dist.all_to_all_single(out, flat, group=self.dp_group, async_op=True), out, lo, hi)
-
-    def _complete(self, b: _Bucket) -> None:
-        work, out, lo, hi = b.work
-        work.wait()
-        if out is None:  # all-reduced in place
-            b.work = None
-            return
-        if self.dp_collective == "all_to_all":
-            torch.sum(out, dim=0, out=self.main_grad[lo:hi])
-        else:
-            self.main_grad[lo:hi].copy_(out)
-        b.work = None
+        for buf in self.buffers:
+            buf.start_step(num_microbatches)
 
     def finish_grad_sync(self) -> None:
         """Collect any gradients the hooks did not take, run the remaining collectives, wait."""
-        for b in self.buckets:
-            for p in b.params:
-                if p.grad is not None:
-                    p.main_grad.add_(p.grad)
-                    p.grad = None
-        for b in self.buckets:
-            if b.work is None and (b.deferred or not self.overlap or b.pending != 0):
-                self._launch(b)
-        for b in self.buckets:
-            if b.work is not None:
-                self._complete(b)
+        for buf in self.buffers:
+            buf.finish()
 
     # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm over tp x pp x dp, every element counted once."""
+        """Global L2 norm over the whole mesh, every element counted once."""
         sq = torch.zeros((), device=self.device)
         for lo, hi in self._norm_ranges:
             g = self.main_grad[lo:hi]
@@ -318,6 +216,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         return norm
 
     def _write_back(self) -> None:
+        """The updated masters into this rank's parameters, then every rank's shards into all of them."""
         if not self._aliased:
             for p, master, a, z in self._masters:
                 b = self._bucket_of[id(p)]
@@ -326,29 +225,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
                     p.data.view(-1)[a - s : z - s].copy_(master)
                 else:
                     b.param_data[a - b.offset : z - b.offset].copy_(master)
-        if self.zero_stage == 0 or self.dp_size == 1:
-            return
-        if self.dp_collective == "all_to_all":
-            # every rank broadcasts its updated shard into the others' parameter buffers, in place
-            works = []
-            for b in self.buckets:
-                for src in range(self.dp_size):
-                    lo, hi = shard_range(b.numel, self.dp_size, src)
-                    works.append(dist.broadcast(b.param_data[lo:hi], group=self.dp_group, group_src=src, async_op=True))
-            for w in works:
-                w.wait()
-            return
-        for b in self.buckets:
-            lo, hi = self._my_shard(b)
-            if self.dp_collective == "all_reduce":
-                # gloo: an all-reduce of the buffer with every other rank's shard zeroed is faster than its
-                # all_gather, and exact (x + 0 = x)
-                b.param_data[: lo - b.offset].zero_()
-                b.param_data[hi - b.offset :].zero_()
-                dist.all_reduce(b.param_data, group=self.dp_group)
-            else:
-                shard = b.param_data[lo - b.offset : hi - b.offset].clone()
-                dist.all_gather_single(b.param_data, shard, group=self.dp_group)
+        for buf in self.buffers:
+            buf.gather_params()
 
     def nonfinite_parameters(self) -> list[str]:
         """Collective: the parameters whose reduced gradient of this step holds an inf or NaN, on any

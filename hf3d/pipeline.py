@@ -125,3 +125,24 @@ def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss
     pipe.parts = []
     dist.broadcast(sums, group=pmodel.mesh.get_group("pp"), group_src=pmodel.stage_owners[-1])
     return sums
+
+
+def relay_forward(pmodel, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Run the stages one after another (one micro-batch), passing activations over pp. Returns the last
+    stage's local logits [b, s, V/tp] on the rank that runs it, None on the others."""
+    pp_group = pmodel.mesh.get_group("pp")
+    b, s = input_ids.shape
+    s_local = s // pmodel.pcfg.tp if pmodel.pcfg.sequence_parallel else s
+    by_index = {st.stage_index: st for st in pmodel.stages}
+    x, me = input_ids, pmodel.pp_rank
+    for idx, owner in enumerate(pmodel.stage_owners):
+        if owner != me:
+            continue
+        if idx > 0 and pmodel.stage_owners[idx - 1] != me:
+            x = torch.empty(b, s_local, pmodel.config.hidden_size, dtype=pmodel.param_dtype, device=pmodel.device)
+            dist.recv(x, group=pp_group, group_src=pmodel.stage_owners[idx - 1])
+        x = by_index[idx](x, position_ids)
+        nxt = idx + 1
+        if nxt < len(pmodel.stage_owners) and pmodel.stage_owners[nxt] != me:
+            dist.send(x.contiguous(), group=pp_group, group_dst=pmodel.stage_owners[nxt])
+    return x if me == pmodel.stage_owners[-1] else None

@@ -101,26 +101,87 @@ def evaluate(pmodel, batches: list[dict]) -> float:
     return loss_sum / max(count, 1.0)
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the phases of one `hf3d train` run share."""
+
+    cfg: TrainConfig
+    pmodel: object
+    opt: object
+    pipe: object
+    acc: object
+    out: Path
+    rank0: bool
+    trackers: list
+    sched: object = None
+    start: int = 0
+    saved: dict = dataclasses.field(default_factory=dict)
+    resume_from: Path | None = None
+    saved_to: Path | None = None
+    flops_per_token: float = 0.0
+    peak_flops: float | None = None  # of one device, when known (MFU)
+    rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
+
+
 def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     """Run training; returns the last step's metrics."""
+    from tqdm.auto import tqdm
+
+    state = state or RunState()
+    run, derived, missing = _build(cfg, state)
+    _resume(run)
+    _announce(run, derived, missing)
+    r = cfg.run
+    metrics = MetricsWriter(run.out, enabled=run.rank0, resume_step=run.start if run.resume_from is not None else None)
+    eval_batches = run.pipe.eval_batches()
+    record: dict = {}
+    bar = tqdm(total=r.steps, initial=run.start, disable=not run.rank0, desc="train", unit="step", dynamic_ncols=True)
+    stop = StopSignal(run.pmodel.device)
+    health = StepHealth(r, skipped=int(run.saved.get("skipped_steps", 0)) if run.start else 0)
+    for step in range(run.start, r.steps):
+        state.step = step + 1
+        record = _step(run, step, health)
+        if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
+            record["eval_loss"] = evaluate(run.pmodel, eval_batches)
+            record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
+        signum = stop.agreed()
+        metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
+        _checkpoint_and_stop(run, step, record, health, signum)
+        if run.trackers:
+            run.acc.log(record, step=step + 1)
+        if step == run.start:  # optimizer state exists from the first step on
+            _report_memory(run.opt, run.out, run.rank0, tqdm.write)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        bar.update(1)
+        if run.rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record):
+            tqdm.write(_log_line(record, r.steps))
+    bar.close()
+    for tracker in run.acc.trackers:  # not acc.end_training(): it would also end torch.distributed
+        tracker.finish()
+    run.rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
+    _finish(cfg, run.pmodel, run.out, metrics.path, record, run.rank0)
+    return record
+
+
+def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str]]:
+    """Checks, then the model, the data pipeline, the optimizer and the accelerate front end."""
     from accelerate import Accelerator
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     from . import build_optimizer, prepare
     from .data import DataPipeline
     from .mesh import init_distributed
 
-    state = state or RunState()
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
         torch.use_deterministic_algorithms(True)
     init_distributed(cfg.run.collective_timeout_s)
-    rank0 = dist.get_rank() == 0
     base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
     pmodel = _load_model(cfg.model, cfg.parallel)
     state.locate(pmodel.mesh)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or cfg.model.path)
     pipe = DataPipeline(
         cfg.data,
@@ -132,7 +193,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         local_main=int(os.environ.get("LOCAL_RANK", "0")) == 0,
         barrier=lambda: store_barrier("data"),
     )
-    o, r, c = cfg.optim, cfg.run, cfg.checkpoint
+    o = cfg.optim
     opt = build_optimizer(
         pmodel,
         torch.optim.AdamW,
@@ -144,146 +205,145 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         bucket_size=o.bucket_size,
         exclude_from_weight_decay=o.no_decay_rule(),
     )
-    out = Path(r.output_dir)
-    trackers, missing = available_trackers(r.report_to)
+    out = Path(cfg.run.output_dir)
+    trackers, missing = available_trackers(cfg.run.report_to)
     # the loop is an accelerate loop: trackers, and the same refusals as any hf3d.prepare user
     acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=trackers or None, project_dir=str(out))
     pmodel, opt = prepare(acc, pmodel, opt)
+    run = _Run(cfg, pmodel, opt, pipe, acc, out, rank0=dist.get_rank() == 0, trackers=trackers)
+    run.peak_flops = device_peak_flops()
+    run.rope = StageRoPE(cfg, pmodel, pipe, base_config, tqdm.write if run.rank0 else None)
+    return run, derived, missing
 
-    # -- resume: only the parts asked for --
-    resume_from = resolve_resume(c.resume, out / "checkpoints")
+
+def _resume(run: _Run) -> None:
+    """Only the parts of the checkpoint that the checkpoint section asks for; then the lr schedule."""
+    cfg, opt = run.cfg, run.opt
+    o, r, c = cfg.optim, cfg.run, cfg.checkpoint
+    run.resume_from = resolve_resume(c.resume, run.out / "checkpoints")
     torch.manual_seed(r.seed)  # a resumed run takes every rank's RNG state from the checkpoint instead
-    start, offset, saved = 0, 0, {}
-    if resume_from is not None:
-        step = load_checkpoint(resume_from, pmodel, opt if c.load_optimizer else None, extra=saved)
-        start = step if c.load_step else 0
-        offset = start if not c.load_scheduler else 0  # a restarted schedule spans the steps left
-        if c.load_data_position and "data" in saved:
-            pipe.load_state_dict(saved["data"])
+    offset = 0
+    if run.resume_from is not None:
+        step = load_checkpoint(run.resume_from, run.pmodel, opt if c.load_optimizer else None, extra=run.saved)
+        run.start = step if c.load_step else 0
+        offset = run.start if not c.load_scheduler else 0  # a restarted schedule spans the steps left
+        if c.load_data_position and "data" in run.saved:
+            run.pipe.load_state_dict(run.saved["data"])
     for group in opt.param_groups:  # the schedule's peak lr, whatever the checkpoint's groups held
         group["lr"] = o.lr
         group.pop("initial_lr", None)
-    if start > r.steps:
+    if run.start > r.steps:
         raise ValueError(
-            f"the run resumed from {resume_from} is already at step {start}, past run.steps={r.steps}: raise "
+            f"the run resumed from {run.resume_from} is already at step {run.start}, past run.steps={r.steps}: raise "
             "run.steps to train further, or set checkpoint.resume: none to start over"
         )
-    sched = build_lr_scheduler(opt, o, max(1, r.steps - offset))  # a complete run (start == steps) trains nothing
-    if resume_from is not None and c.load_scheduler and "scheduler" in saved:
-        sched.load_state_dict(saved["scheduler"])
+    run.sched = build_lr_scheduler(opt, o, max(1, r.steps - offset))  # a complete run (start == steps) trains nothing
+    if run.resume_from is not None and c.load_scheduler and "scheduler" in run.saved:
+        run.sched.load_state_dict(run.saved["scheduler"])
 
+
+def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
+    """The output folder, the resolved config (printed and saved), the derived values, the trackers."""
+    from tqdm.auto import tqdm
+
+    cfg, c = run.cfg, run.cfg.checkpoint
     say = tqdm.write
-    if rank0:
-        out.mkdir(parents=True, exist_ok=True)
+    if run.rank0:
+        run.out.mkdir(parents=True, exist_ok=True)
         resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-        (out / "config.yaml").write_text(resolved)
-        say("hf3d: resolved config (also in " + str(out / "config.yaml") + "):\n" + resolved.rstrip())
+        (run.out / "config.yaml").write_text(resolved)
+        say("hf3d: resolved config (also in " + str(run.out / "config.yaml") + "):\n" + resolved.rstrip())
         p = cfg.parallel
-        say(f"hf3d: mesh pp={p.pp} dp={pmodel.dp_size} tp={p.tp} on {dist.get_world_size()} processes")
-        for line in derived + pipe.summary():
+        say(f"hf3d: mesh pp={p.pp} dp={run.pmodel.dp_size} tp={p.tp} on {dist.get_world_size()} processes")
+        for line in derived + run.pipe.summary():
             say(f"hf3d: {line}")
         if missing:
             say(tracker_install_hint(missing))
-        if resume_from is not None:
+        if run.resume_from is not None:
             parts = [k for k in ("optimizer", "scheduler", "step", "data_position") if getattr(c, f"load_{k}")]
-            say(f"hf3d: resumed from {resume_from} at step {start} (restored: {', '.join(parts) or 'weights only'})")
-        if start == r.steps:
-            say(f"hf3d: the run is complete at step {start} (run.steps); writing its final outputs again")
-    if trackers:
+            restored = ", ".join(parts) or "weights only"
+            say(f"hf3d: resumed from {run.resume_from} at step {run.start} (restored: {restored})")
+        if run.start == cfg.run.steps:
+            say(f"hf3d: the run is complete at step {run.start} (run.steps); writing its final outputs again")
+    if run.trackers:
         flat = {
             f"{sec}.{k}": v if isinstance(v, int | float | str | bool) else str(v)
             for sec, d in cfg.to_dict().items()
             for k, v in d.items()
         }
-        acc.init_trackers("hf3d", config=flat)
+        run.acc.init_trackers("hf3d", config=flat)
 
-    metrics = MetricsWriter(out, enabled=rank0, resume_step=start if resume_from is not None else None)
-    world, peak = dist.get_world_size(), device_peak_flops()
-    eval_batches = pipe.eval_batches()
-    record: dict = {}
-    saved_to = None
-    bar = tqdm(total=r.steps, initial=start, disable=not rank0, desc="train", unit="step", dynamic_ncols=True)
-    stop = StopSignal(pmodel.device)
-    health = StepHealth(r, skipped=int(saved.get("skipped_steps", 0)) if start else 0)
-    rope = StageRoPE(cfg, pmodel, pipe, base_config, say if rank0 else None)
-    for step in range(start, r.steps):
-        state.step = step + 1
-        rope.enter(step)  # a stage with other RoPE settings: the model's change in place
-        tokens_per_step = r.global_batch * pipe.seq_len(step)
-        fpt = flops_per_token(pmodel.config, pipe.seq_len(step))
-        lr = opt.param_groups[0]["lr"]
-        t0 = time.perf_counter()
-        batch = pipe.next_batch(step)
-        data_s = time.perf_counter() - t0
-        loss = pmodel.train_step(
-            batch["input_ids"],
-            shift_labels=batch["shift_labels"],
-            position_ids=batch["position_ids"],
-            z_loss=o.z_loss,
-        )
-        grad_norm = opt.step()
-        sched.step()
-        opt.zero_grad()
-        elapsed = time.perf_counter() - t0
-        warning = health.check(step + 1, loss.item(), grad_norm.item(), opt)
-        if warning and rank0:
-            say(f"hf3d: {warning}")
-        consumed = pipe.consumed_tokens
-        record = {
-            "step": step + 1,
-            "loss": loss.item(),
-            "lr": lr,
-            "grad_norm": grad_norm.item(),
-            "tokens": sum(consumed.values()),
-            "consumed_tokens": sum(consumed.values()),
-            **{f"consumed_tokens/{name}": n for name, n in consumed.items()},
-            **throughput_metrics(tokens_per_step, elapsed, world, fpt, peak),
-            "step_time_s": elapsed,
-            "data_time_pct": 100.0 * data_s / elapsed,
-            "peak_mem_bytes": peak_memory_bytes(),
-            "skipped": opt.last_step_skipped,
-            "skipped_steps": health.skipped,
-        }
-        if o.z_loss:
-            record["z_loss"] = float(pmodel.last_z_loss)
-        if len(pipe.stage_starts) > 1:
-            record["stage"] = pipe.stage_index(step)
-        if eval_batches and ((step + 1) % pipe.eval_every == 0 or step + 1 == r.steps):
-            record["eval_loss"] = evaluate(pmodel, eval_batches)
-            record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
-        signum = stop.agreed()
-        metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
-        if signum or (c.every and ((step + 1) % c.every == 0 or step + 1 == r.steps)):
-            t1 = time.perf_counter()
-            extra = {"scheduler": sched, "data": pipe, "tokens": record["tokens"], "skipped_steps": health.skipped}
-            saved_to = save_checkpoint(
-                out / "checkpoints" / f"step_{step + 1}", pmodel, opt, step=step + 1, extra=extra
-            )
-            on_rank0(lambda: finish_save(out / "checkpoints", c.keep_last))
-            if rank0:
-                say(f"hf3d: saved {saved_to} in {time.perf_counter() - t1:.2f} s")
-        if signum:
-            code = 128 + signum
-            if rank0:
-                say(
-                    f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {saved_to} "
-                    f"(checkpoint.resume=auto); exit code {code}"
-                )
-            _leave(code, acc)
-        if trackers:
-            acc.log(record, step=step + 1)
-        if step == start:  # optimizer state exists from the first step on
-            _report_memory(opt, out, rank0, say)
-        bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
-        bar.update(1)
-        if rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record):
-            say(_log_line(record, r.steps))
-    bar.close()
-    for tracker in acc.trackers:  # not acc.end_training(): it would also end torch.distributed
-        tracker.finish()
-    rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
-    _finish(cfg, pmodel, out, metrics.path, record, rank0)
+
+def _step(run: _Run, step: int, health: StepHealth) -> dict:
+    """One optimizer step: batch, forward + backward, update, lr; returns its metrics record."""
+    from tqdm.auto import tqdm
+
+    cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
+    run.rope.enter(step)  # a stage with other RoPE settings: the model's change in place
+    run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step))
+    lr = opt.param_groups[0]["lr"]
+    t0 = time.perf_counter()
+    batch = pipe.next_batch(step)
+    data_s = time.perf_counter() - t0
+    loss = pmodel.train_step(
+        batch["input_ids"],
+        shift_labels=batch["shift_labels"],
+        position_ids=batch["position_ids"],
+        z_loss=cfg.optim.z_loss,
+    )
+    grad_norm = opt.step()
+    run.sched.step()
+    opt.zero_grad()
+    elapsed = time.perf_counter() - t0
+    warning = health.check(step + 1, loss.item(), grad_norm.item(), opt)
+    if warning and run.rank0:
+        tqdm.write(f"hf3d: {warning}")
+    consumed = pipe.consumed_tokens
+    tokens_per_step = cfg.run.global_batch * pipe.seq_len(step)
+    record = {
+        "step": step + 1,
+        "loss": loss.item(),
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        "tokens": sum(consumed.values()),
+        "consumed_tokens": sum(consumed.values()),
+        **{f"consumed_tokens/{name}": n for name, n in consumed.items()},
+        **throughput_metrics(tokens_per_step, elapsed, dist.get_world_size(), run.flops_per_token, run.peak_flops),
+        "step_time_s": elapsed,
+        "data_time_pct": 100.0 * data_s / elapsed,
+        "peak_mem_bytes": peak_memory_bytes(),
+        "skipped": opt.last_step_skipped,
+        "skipped_steps": health.skipped,
+    }
+    if cfg.optim.z_loss:
+        record["z_loss"] = float(pmodel.last_z_loss)
+    if len(pipe.stage_starts) > 1:
+        record["stage"] = pipe.stage_index(step)
     return record
+
+
+def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth, signum: int) -> None:
+    """A checkpoint every checkpoint.every steps, at the last step and when a stop signal came; after a
+    signal, leave with 128 + its number."""
+    from tqdm.auto import tqdm
+
+    c = run.cfg.checkpoint
+    if signum or (c.every and ((step + 1) % c.every == 0 or step + 1 == run.cfg.run.steps)):
+        t1 = time.perf_counter()
+        extra = {"scheduler": run.sched, "data": run.pipe, "tokens": record["tokens"], "skipped_steps": health.skipped}
+        path = run.out / "checkpoints" / f"step_{step + 1}"
+        run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
+        on_rank0(lambda: finish_save(run.out / "checkpoints", c.keep_last))
+        if run.rank0:
+            tqdm.write(f"hf3d: saved {run.saved_to} in {time.perf_counter() - t1:.2f} s")
+    if signum:
+        code = 128 + signum
+        if run.rank0:
+            tqdm.write(
+                f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {run.saved_to} "
+                f"(checkpoint.resume=auto); exit code {code}"
+            )
+        _leave(code, run.acc)
 
 
 def _leave(code: int, acc) -> NoReturn:
