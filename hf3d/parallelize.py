@@ -184,6 +184,35 @@ def override_config(config: PretrainedConfig, overrides: dict, *, loading_weight
         raise ValueError(f"config_overrides {overrides!r} make an invalid config: {reason}") from None
 
 
+RESETTABLE = (*ROPE_KEYS, "max_position_embeddings")
+
+
+def set_rope(pmodel: ParallelModel, overrides: dict, *, base_config: PretrainedConfig | None = None) -> None:
+    """Change a built model's RoPE settings in place (a long-context stage): the config becomes
+    `override_config(base_config, overrides)`, and every stage's rotary module is rebuilt from it (stock
+    class; its buffers are computed, not trained). base_config: the config before any override (the
+    same result whatever was applied before); default: the model's current config.
+
+    overrides: rope_theta, rope_scaling / rope_parameters and max_position_embeddings only. The config
+    object is updated in place, so every module holding it (attention, masks, save_pretrained) sees the
+    new values; the weights, the optimizer and the pipeline schedule are untouched."""
+    unknown = sorted(k for k in overrides if k not in RESETTABLE)
+    if unknown:
+        raise ValueError(f"set_rope: {', '.join(unknown)} cannot change on a built model; use {', '.join(RESETTABLE)}")
+    config = pmodel.config
+    new = override_config(base_config or config, overrides, loading_weights=True)
+    old_values, new_values = config.to_dict(), new.to_dict()
+    for key in ("rope_parameters", "max_position_embeddings", "rope_scaling", "rope_theta"):
+        if key in new_values and new_values[key] != old_values.get(key):
+            setattr(config, key, copy.deepcopy(new_values[key]))
+    base = pmodel.hf_model.model
+    with torch.device(pmodel.device):
+        rotary = type(base.rotary_emb)(config=config)
+    base.rotary_emb = rotary
+    for stage in pmodel.stages:
+        stage.rotary_emb = rotary
+
+
 def _rope_dict(value, name: str) -> dict:
     if value is None:
         return {"rope_type": "default"}

@@ -37,6 +37,7 @@ from .metrics import (
     tracker_install_hint,
 )
 from .metrics import throughput as throughput_metrics
+from .rope_stages import StageRoPE
 from .schedules import build_lr_scheduler
 from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 
@@ -127,6 +128,7 @@ class _Run:
     schedule_change: str | None = None  # the resume line when run.steps changed (_schedule_change)
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # of one device, when known (MFU)
+    rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
 
 
 def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
@@ -163,6 +165,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     bar.close()
     for tracker in run.acc.trackers:  # not acc.end_training(): it would also end torch.distributed
         tracker.finish()
+    run.rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
     _finish(cfg, run.pmodel, run.out, metrics.path, record, run.rank0)
     return record
 
@@ -170,6 +173,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
 def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str]]:
     """Checks, then the model, the data pipeline, the optimizer and the accelerate front end."""
     from accelerate import Accelerator
+    from tqdm.auto import tqdm
 
     from . import build_optimizer, prepare
     from .data import DataPipeline
@@ -179,7 +183,8 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
         torch.use_deterministic_algorithms(True)
     init_distributed(cfg.run.collective_timeout_s)
-    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=_model_config(cfg.model))
+    base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
+    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
     pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer
@@ -214,7 +219,8 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
     acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=trackers or None, project_dir=str(out))
     pmodel, opt = prepare(acc, pmodel, opt)
     run = _Run(cfg, pmodel, opt, pipe, acc, out, rank0=dist.get_rank() == 0, trackers=trackers)
-    run.flops_per_token, run.peak_flops = flops_per_token(pmodel.config, cfg.data.seq_len), device_peak_flops()
+    run.peak_flops = device_peak_flops()
+    run.rope = StageRoPE(cfg, pmodel, pipe, base_config, tqdm.write if run.rank0 else None)
     return run, derived, missing
 
 
@@ -302,6 +308,8 @@ def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[d
     from tqdm.auto import tqdm
 
     cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
+    run.rope.enter(step)  # a stage with other RoPE settings: the model's change in place
+    run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step))
     lr = opt.param_groups[0]["lr"]
     t0 = time.perf_counter()
     batch = pipe.next_batch(step)
@@ -325,7 +333,7 @@ def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[d
     if warning and run.rank0:
         tqdm.write(f"hf3d: {warning}")
     consumed = pipe.consumed_tokens
-    tokens_per_step = cfg.run.global_batch * cfg.data.seq_len
+    tokens_per_step = cfg.run.global_batch * pipe.seq_len(step)
     record = {
         "step": step + 1,
         "loss": values["loss"],
@@ -403,7 +411,8 @@ def _finish(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: dict,
 
     curve = None
     if rank0:
-        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name)
+        stages = [(s.start_step, s.name) for s in cfg.data.resolved_stages()]
+        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name, stages=stages)
         tqdm.write(f"hf3d: loss curve {curve}" if curve else "hf3d: no loss curve (pip install matplotlib)")
     if not cfg.run.save_final:
         return
@@ -529,7 +538,7 @@ def training_summary(cfg: TrainConfig, metrics_path: Path, last: dict) -> dict:
             **hyper,
             "steps": cfg.run.steps,
             "global_batch": cfg.run.global_batch,
-            "seq_len": cfg.data.seq_len,
+            "seq_len": cfg.data.resolved_stages()[-1].seq_len,
             "document_masking": cfg.data.document_masking,
             "dtype": cfg.model.dtype,
         },

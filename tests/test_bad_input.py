@@ -280,6 +280,13 @@ def _check_run(*overrides: str, world_size: int = 1) -> list[str]:
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_SMOLLM))
 
 
+def _long_stage(fx, **keys) -> str:
+    """--set data.stages=[...]: a first stage, then a stage `long` from step 2 with `keys` (YAML flow values)."""
+    extra = "".join(f"{k}: {v}, " for k, v in keys.items())
+    good = f"sources: [{{path: {fx['good']}}}]"
+    return f"data.stages=[{{{good}}}, {{name: long, start_step: 2, {extra}{good}}}]"
+
+
 def _stages(fx, *starts: int) -> str:
     """--set data.stages=[...]: one stage per start step, each of the good source; the last is named anneal."""
     stages = [f"{{start_step: {s}, sources: [{{path: {fx['good']}}}]}}" for s in starts]
@@ -371,10 +378,11 @@ def _lr_scheduler_lr_mismatch(fx):
 def _data_state(fx, **change):
     pipe = _pipe(fx, path=fx["good"])
     state = pipe.state_dict()
-    if "seq_len" in change:
-        state["seq_len"] = change["seq_len"]
-    else:
-        state["sources"]["good"]["num_windows"] += 7
+    if "seq_len" in change:  # the state of a run at another seq_len: no position at this one
+        state["sources"]["good"]["seq_len"] = change["seq_len"]
+        pipe.load_state_dict(state)
+        return pipe.summary()[-1]
+    state["sources"]["good"]["num_windows"] += 7
     pipe.load_state_dict(state)
 
 
@@ -656,6 +664,27 @@ CASES: list[Case] = [
         lambda fx: _set(_stages(fx, 0, 5, 3)),
         ["data.stages must be sorted by start_step: stage 2 starts at 3, not after stage 1 (5)"],
     ),
+    _c(
+        "config-stage-seq-len",
+        CFG,
+        "a data stage with `seq_len: 1`",
+        lambda fx: _set(_long_stage(fx, seq_len=1)),
+        ["data.stages[1].seq_len must be at least 2, got 1"],
+    ),
+    _c(
+        "config-stage-rope-theta",
+        CFG,
+        "a data stage with `rope_theta: -1`",
+        lambda fx: _set(_long_stage(fx, rope_theta=-1)),
+        ["data.stages[1].rope_theta must be > 0, got -1.0"],
+    ),
+    _c(
+        "config-eval-fraction-stage-seq-len",
+        CFG,
+        "`data.eval.fraction` with a first-stage source read at another seq_len later",
+        lambda fx: _set(_long_stage(fx, seq_len=64), "data.seq_len=32", "data.eval.fraction=0.1", "data.eval.every=2"),
+        ["data.eval.fraction holds out", "data.stages[1] reads 'good' at seq_len 64", "use data.eval.path"],
+    ),
     # --- --set and the command line (hf3d.cli.main in this process; real subprocesses) ------------------
     _c(
         "set-no-equals",
@@ -860,6 +889,30 @@ CASES: list[Case] = [
         "`data.seq_len` beyond the model's positions",
         lambda fx: _check_run("data.seq_len=1024"),
         ["data.seq_len=1024 is longer than the model's max_position_embeddings=512"],
+    ),
+    _c(
+        "launch-stage-seq-len",
+        LAUNCH,
+        "a data stage's `seq_len` beyond the model's positions, RoPE unchanged",
+        lambda fx: _check_run("run.steps=10", _long_stage(fx, seq_len=1024)),
+        [
+            "data.stages[1].seq_len=1024 is longer than the model's max_position_embeddings=512 in data stage 'long'",
+            "no RoPE setting changes",
+        ],
+    ),
+    _c(
+        "launch-stage-rope-max-pos",
+        LAUNCH,
+        "a data stage that changes `rope_theta` for longer rows but not `max_position_embeddings`",
+        lambda fx: _check_run("run.steps=10", _long_stage(fx, seq_len=1024, rope_theta="1.0e+6")),
+        ["data.stages[1].seq_len=1024", "of data stage 'long', which changes RoPE (rope_theta)", "at least 1024"],
+    ),
+    _c(
+        "launch-stage-rope-scaling",
+        LAUNCH,
+        "a data stage's `rope_scaling` without the keys of its type",
+        lambda fx: _check_run("run.steps=10", _long_stage(fx, rope_scaling="{rope_type: linear}")),
+        ["data.stages[1] (long): the RoPE settings", "Missing required keys", "{'factor'}"],
     ),
     _c(
         "launch-stage-after-end",
@@ -1167,7 +1220,9 @@ CASES: list[Case] = [
         CKPT,
         "resume data state saved with another `data.seq_len`",
         lambda fx: _data_state(fx, seq_len=64),
-        ["the saved data state has data.seq_len=64, the config 16", "resume with data.seq_len=64"],
+        ["data source 'good' is read at seq_len 16 from its first window", "its position at seq_len 64 only"],
+        error=False,
+        behaviour="the source starts over at the new seq_len (a long-context stage); its old position is kept",
     ),
     _c(
         "ckpt-data-changed",

@@ -244,6 +244,48 @@ def test_order_mixture_stages_and_resume(tmp_path):
         jump.next_batch(3)
 
 
+def test_stages_change_seq_len_and_resume_across_lengths(tmp_path):
+    """A stage with its own seq_len reads rows of that length from its own view of a source (a window of
+    seq_len + 1 consecutive tokens, document-masked as any row); resuming mid-stage gives the same batches;
+    a state saved by a run at another data.seq_len restores the views at the lengths it holds, starts the
+    others at their first window (said in the summary) and keeps its positions and tokens."""
+    a = write_jsonl(tmp_path / "a.jsonl", texts(40, seed=3))
+    cfg = dict(
+        stages=[{"sources": [{"path": str(a)}]}, {"start_step": 3, "seq_len": 32, "sources": [{"path": str(a)}]}]
+    )
+    steps = 6
+    pipe = make_pipe(tmp_path, total_steps=steps, **cfg)
+    assert set(pipe.sources) == {"a", "a@32"} and pipe.sources["a@32"].window == 33
+    batches = [pipe.next_batch(s) for s in range(steps)]
+    assert [b["input_ids"].shape[1] for b in batches] == [16] * 3 + [32] * 3
+    assert [pipe.seq_len(s) for s in range(steps)] == [16] * 3 + [32] * 3
+    for b in batches:
+        assert_masking_follows_eos(b)
+    assert pipe.consumed_tokens == {"a": 8 * (3 * 16 + 3 * 32)}
+    view = pipe.sources["a@32"]
+    k = int(pipe._perm("a@32", 0)[0])  # the first 32-token row: window k of the source's tokens
+    tokens, _ = view.read(k)
+    assert torch.equal(batches[3]["input_ids"][0], torch.from_numpy(tokens[:-1]))
+
+    first = make_pipe(tmp_path, total_steps=steps, **cfg)
+    for s in range(4):  # into the 32-token stage
+        first.next_batch(s)
+    resumed = make_pipe(tmp_path, total_steps=steps, **cfg)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert all(torch.equal(resumed.next_batch(s)["input_ids"], batches[s]["input_ids"]) for s in (4, 5))
+
+    short = make_pipe(tmp_path, total_steps=steps, path=str(a), seq_len=8)  # an earlier run at 8 tokens
+    for s in range(2):
+        short.next_batch(s)
+    state = json.loads(json.dumps(short.state_dict()))
+    later = make_pipe(tmp_path, total_steps=steps, **cfg)  # its data.seq_len is 16: no saved position
+    later.load_state_dict(state)
+    assert later.consumed_tokens == {"a": 2 * 8 * 8}  # the tokens read at 8 still count
+    assert "data source 'a' is read at seq_len 16 from its first window" in later.summary()[-2]
+    assert torch.equal(later.next_batch(2)["input_ids"], batches[0]["input_ids"])  # step 2 reads what step 0 did
+    assert later.state_dict()["sources"]["a@8"]["cursor"] == state["sources"]["a"]["cursor"]  # kept for later
+
+
 def test_epoch_permutations_and_weights(tmp_path):
     cfg = _mixture_cfg(tmp_path)
     pipe = make_pipe(tmp_path, global_batch=64, total_steps=40, **cfg)
