@@ -342,18 +342,39 @@ def _optim_keys(opt) -> list[str]:
     return sorted(set().union(*everyone))
 
 
-def _rng_state() -> dict:
+def _rng_state(pmodel) -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    if pmodel.dropout_rng is not None:
+        state["dropout"] = pmodel.dropout_rng.state_dict()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _restore_rng(path: Path, meta: dict, pmodel) -> None:
+    """This rank's RNG streams, when the checkpoint was written at this mesh (the same pp, dp and tp
+    degrees): a resumed run then draws what the uninterrupted one would. At another mesh nothing is
+    restored (a saved rank's streams belong to other coordinates): the default generators keep the
+    seeding they had, and the dropout stream starts afresh from its seed and the checkpoint's step, so
+    the masks after the resume differ from the uninterrupted run's, with the same statistics."""
+    saved_mesh = [(meta.get("parallel") or {}).get(k) for k in ("pp", "dp", "tp")]
+    same_mesh = meta.get("world_size") == dist.get_world_size() and saved_mesh == [
+        pmodel.pcfg.pp,
+        pmodel.dp_size,
+        pmodel.pcfg.tp,
+    ]
+    rng = path / f"rng_{dist.get_rank()}.pt"
+    state = torch.load(rng, weights_only=True) if same_mesh and rng.is_file() else {}
+    if state:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+    ours = pmodel.dropout_rng
+    if ours is not None and "dropout" in state:
+        ours.load_state_dict(state["dropout"])
+    elif ours is not None and meta.get("kind") == "training":
+        ours.manual_seed(ours.seed if ours.seed is not None else torch.initial_seed(), step=int(meta["step"]))
 
 
 def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, extra: dict | None = None) -> Path:
@@ -428,7 +449,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None)
                     _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
         optim_meta = {"keys": keys, "step": opt.num_steps, "param_groups": opt.group_settings()}
     dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
-    _on_every_rank(lambda: torch.save(_rng_state(), tmp / f"rng_{rank}.pt"))
+    _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
 
     def finish() -> None:
         if extra is not None:
@@ -474,7 +495,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     A weights-only checkpoint (`hf3d convert from-hf`) restores the weights, leaves the optimizer
     fresh and returns 0. `extra`, when given, receives what save_checkpoint's `extra` held: objects
     with `load_state_dict` (an LR scheduler) are restored in place, other values are set in the dict.
-    RNG states are restored when the checkpoint was written by as many processes."""
+    RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
     path = Path(path)
     meta = read_marker(path)
     check_compatible(path, pmodel.config)
@@ -515,9 +536,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
             group.update(
                 {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group}
             )
-    rng = path / f"rng_{dist.get_rank()}.pt"
-    if meta.get("world_size") == dist.get_world_size() and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=True))
+    _restore_rng(path, meta, pmodel)
     if extra is not None and (path / "extra.pt").is_file():
         for k, v in torch.load(path / "extra.pt", weights_only=True).items():
             if hasattr(extra.get(k), "load_state_dict"):

@@ -52,6 +52,7 @@ class ParallelModel(nn.Module):
         # train_step at pp=1 and under 1f1b: the lm_head matmul and the loss run chunk by chunk, with no
         # [tokens, vocab] logits (tensor_parallel._FusedHeadLoss); False runs the plain head + loss_terms
         self.fused_loss = True
+        self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/rng.py), set by parallelize
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property

@@ -35,6 +35,7 @@ from .metrics import (
     tracker_install_hint,
 )
 from .metrics import throughput as throughput_metrics
+from .rng import seed_streams
 from .schedules import build_lr_scheduler
 from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 
@@ -150,7 +151,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
 
     # -- resume: only the parts asked for --
     resume_from = resolve_resume(c.resume, out / "checkpoints")
-    torch.manual_seed(r.seed)  # a resumed run takes every rank's RNG state from the checkpoint instead
+    seed_streams(pmodel, r.seed)  # per-rank dropout streams; a resume at this mesh restores them instead
     start, offset, saved = 0, 0, {}
     if resume_from is not None:
         step = load_checkpoint(resume_from, pmodel, opt if c.load_optimizer else None, extra=saved)
