@@ -6,7 +6,8 @@ A checkpoint folder holds
     config.json                    the HF model config (+ generation_config.json, tokenizer files)
     rng_<rank>.pt                  each rank's RNG states (training checkpoints)
     extra.pt                       the caller's `extra` (scheduler, data position), from rank 0
-    hf3d_checkpoint.json           written last: its presence marks the folder complete
+    hf3d_checkpoint.json           written last: its presence marks the folder complete; it records
+                                   each other file's size and CRC-32, checked before a load
 
 DCP keys are `model/<hf name>` (parameters, in the training dtype), `optim/master/<hf name>`
 (fp32 master weights, only when they differ from the parameters) and `optim/<state>/<hf name>`
@@ -15,7 +16,10 @@ unpadded HF shape, so a checkpoint loads on any (tp, pp, dp) and converts to HF 
 A weights-only checkpoint (`hf3d convert from-hf`) has `model/*` keys only.
 
 Saving is atomic: files go into `<path>.tmp`, the marker is written last, then the folder is
-renamed to `<path>`. A folder without the marker is never loaded.
+renamed to `<path>`. A folder without the marker is never loaded. A marked folder whose files no
+longer match the sizes and checksums in its marker (a truncated or rewritten file) is damaged: loading
+it is refused with one line, and `checkpoint.resume: auto` passes over it to the previous checkpoint.
+Markers written before hf3d recorded the files (no "files" entry) load without this check.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import pickle
 import random
 import re
 import shutil
+import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -129,11 +135,61 @@ def staging_dir(final: Path) -> Path:
 
 
 def write_marker(tmp: Path, meta: dict) -> None:
-    """The last file written into a staged checkpoint."""
-    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta}
+    """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
+    file already there (what `find_damage` checks)."""
+    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": _file_table(tmp)}
     part = tmp / (MARKER + ".part")
     part.write_text(json.dumps(meta, indent=1))
     os.replace(part, tmp / MARKER)
+
+
+def _crc32(path: Path, chunk: int = 1 << 22) -> int:
+    crc, buf = 0, bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def _file_table(folder: Path) -> dict[str, dict[str, int]]:
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(MARKER))
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
+
+
+def find_damage(path: Path, meta: dict) -> str | None:
+    """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
+    words naming the first damaged file; None when every file has the size and CRC-32 its marker records,
+    or when the marker records none (written before hf3d recorded them: not verified).
+
+    Under a process group every rank must call this: each checksums its share of the files and the
+    verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank."""
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None
+    names = sorted(files)
+    for name in names:
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != files[name].get("size"):
+            return f"{name} has {size} bytes where {files[name].get('size')} were written"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    bad = [n for n in names[rank::world] if _crc32(path / n) != files[n].get("crc32")]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, bad)
+        bad = sorted(n for b in everyone for n in b)
+    return f"{bad[0]} does not match the checksum written with it" if bad else None
+
+
+def refuse_damaged(path: Path, meta: dict) -> None:
+    problem = find_damage(path, meta)
+    if problem is not None:
+        raise ValueError(
+            f"checkpoint {path} is damaged: {problem}; use another checkpoint (an older step_<N>) or delete this folder"
+        )
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -493,12 +549,15 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     """Collective: restore `pmodel` (and `opt`) from a checkpoint written at any mesh; returns its step.
 
     A weights-only checkpoint (`hf3d convert from-hf`) restores the weights, leaves the optimizer
-    fresh and returns 0. `extra`, when given, receives what save_checkpoint's `extra` held: objects
-    with `load_state_dict` (an LR scheduler) are restored in place, other values are set in the dict.
+    fresh and returns 0. A damaged checkpoint (a file missing, or not of the size or checksum its
+    marker records) is refused with one ValueError on every rank. `extra`, when given, receives what
+    save_checkpoint's `extra` held: objects with `load_state_dict` (an LR scheduler) are restored in
+    place, other values are set in the dict.
     RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
     path = Path(path)
     meta = read_marker(path)
     check_compatible(path, pmodel.config)
+    refuse_damaged(path, meta)
     stored = SafeReader(path).read_metadata().state_dict_metadata
     has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
     training = meta["kind"] == "training" and opt is not None
@@ -573,29 +632,39 @@ def _marked_by_hf3d(d: Path) -> bool:
 
 
 def find_resume(root: Path) -> Path | None:
-    """The newest complete checkpoint under a run's checkpoints folder; None when the folder holds
-    none at all. Folders that exist but are all incomplete are an error, never a silent restart."""
+    """The newest complete, undamaged checkpoint under a run's checkpoints folder; None when the folder
+    holds none at all. A damaged one is passed over with one warning line naming its file. Folders that
+    exist but are all incomplete or damaged are an error, never a silent restart. Collective under a
+    process group (see `find_damage`)."""
     complete = step_dirs(root)
-    if complete:
-        return complete[-1][1]
+    for i, (_, d) in enumerate(reversed(complete)):
+        problem = find_damage(d, read_marker(d))
+        if problem is None:
+            return d
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            instead = f"trying {complete[-i - 2][1].name}" if i + 1 < len(complete) else "no older checkpoint"
+            print(f"hf3d: warning: skipping the damaged checkpoint {d}: {problem}; {instead}", file=sys.stderr)
     partial = sorted(d.name for d in root.iterdir() if d.name.startswith("step_")) if root.is_dir() else []
     if partial:
+        which = "every complete one is damaged" if complete else "none is complete"
         raise ValueError(
-            f"{root} holds checkpoint folders but none is complete ({', '.join(partial)}); "
+            f"{root} holds checkpoint folders but {which} ({', '.join(partial)}); "
             "resume from a checkpoint path explicitly, or set checkpoint.resume=none to start over"
         )
     return None
 
 
 def resolve_resume(spec: str, root: Path) -> Path | None:
-    """checkpoint.resume: "auto" (newest complete under root, or None), "none", or a path to a
-    `step_<N>` folder or to a checkpoints folder."""
+    """checkpoint.resume: "auto" (newest complete and undamaged under root, or None), "none", or a path
+    to a `step_<N>` folder (refused when damaged) or to a checkpoints folder. Collective under a process
+    group (every rank calls it)."""
     if spec == "none":
         return None
     if spec == "auto":
         return find_resume(root)
     path = Path(spec)
     if is_complete(path):
+        refuse_damaged(path, read_marker(path))
         return path
     if path.is_dir() and not STEP_DIR.match(path.name):
         found = find_resume(path)
