@@ -556,8 +556,8 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
     path = Path(path)
     meta = read_marker(path)
-    check_compatible(path, pmodel.config)
     refuse_damaged(path, meta)
+    check_compatible(path, pmodel.config)
     stored = SafeReader(path).read_metadata().state_dict_metadata
     has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
     training = meta["kind"] == "training" and opt is not None
