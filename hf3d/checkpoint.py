@@ -6,7 +6,8 @@ A checkpoint folder holds
     config.json                    the HF model config (+ generation_config.json, tokenizer files)
     rng_<rank>.pt                  each rank's RNG states (training checkpoints)
     extra.pt                       the caller's `extra` (scheduler, data position), from rank 0
-    hf3d_checkpoint.json           written last: its presence marks the folder complete
+    hf3d_checkpoint.json           written last: its presence marks the folder complete; it records
+                                   each other file's size and CRC-32, checked before a load
 
 DCP keys are `model/<hf name>` (parameters, in the training dtype), `optim/master/<hf name>`
 (fp32 master weights, only when they differ from the parameters) and `optim/<state>/<hf name>`
@@ -15,7 +16,10 @@ unpadded HF shape, so a checkpoint loads on any (tp, pp, dp) and converts to HF 
 A weights-only checkpoint (`hf3d convert from-hf`) has `model/*` keys only.
 
 Saving is atomic: files go into `<path>.tmp`, the marker is written last, then the folder is
-renamed to `<path>`. A folder without the marker is never loaded.
+renamed to `<path>`. A folder without the marker is never loaded. A marked folder whose files no
+longer match the sizes and checksums in its marker (a truncated or rewritten file) is damaged: loading
+it is refused with one line, and `checkpoint.resume: auto` passes over it to the previous checkpoint.
+Markers written before hf3d recorded the files (no "files" entry) load without this check.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import pickle
 import random
 import re
 import shutil
+import sys
+import zlib
 from collections import OrderedDict
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 
@@ -194,11 +200,61 @@ def staging_dir(final: Path) -> Path:
 
 
 def write_marker(tmp: Path, meta: dict) -> None:
-    """The last file written into a staged checkpoint."""
-    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta}
+    """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
+    file already there (what `find_damage` checks)."""
+    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": _file_table(tmp)}
     part = tmp / (MARKER + ".part")
     part.write_text(json.dumps(meta, indent=1))
     os.replace(part, tmp / MARKER)
+
+
+def _crc32(path: Path, chunk: int = 1 << 22) -> int:
+    crc, buf = 0, bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def _file_table(folder: Path) -> dict[str, dict[str, int]]:
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(MARKER))
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
+
+
+def find_damage(path: Path, meta: dict) -> str | None:
+    """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
+    words naming the first damaged file; None when every file has the size and CRC-32 its marker records,
+    or when the marker records none (written before hf3d recorded them: not verified).
+
+    Under a process group every rank must call this: each checksums its share of the files and the
+    verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank."""
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None
+    names = sorted(files)
+    for name in names:
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != files[name].get("size"):
+            return f"{name} has {size} bytes where {files[name].get('size')} were written"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    bad = [n for n in names[rank::world] if _crc32(path / n) != files[n].get("crc32")]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, bad)
+        bad = sorted(n for b in everyone for n in b)
+    return f"{bad[0]} does not match the checksum written with it" if bad else None
+
+
+def refuse_damaged(path: Path, meta: dict) -> None:
+    problem = find_damage(path, meta)
+    if problem is not None:
+        raise ValueError(
+            f"checkpoint {path} is damaged: {problem}; use another checkpoint (an older step_<N>) or delete this folder"
+        )
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -360,18 +416,39 @@ def _optim_keys(opt) -> list[str]:
     return sorted(set().union(*everyone))
 
 
-def _rng_state() -> dict:
+def _rng_state(pmodel) -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    if pmodel.dropout_rng is not None:
+        state["dropout"] = pmodel.dropout_rng.state_dict()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _restore_rng(path: Path, meta: dict, pmodel) -> None:
+    """This rank's RNG streams, when the checkpoint was written at this mesh (the same pp, dp and tp
+    degrees): a resumed run then draws what the uninterrupted one would. At another mesh nothing is
+    restored (a saved rank's streams belong to other coordinates): the default generators keep the
+    seeding they had, and the dropout stream starts afresh from its seed and the checkpoint's step, so
+    the masks after the resume differ from the uninterrupted run's, with the same statistics."""
+    saved_mesh = [(meta.get("parallel") or {}).get(k) for k in ("pp", "dp", "tp")]
+    same_mesh = meta.get("world_size") == dist.get_world_size() and saved_mesh == [
+        pmodel.pcfg.pp,
+        pmodel.dp_size,
+        pmodel.pcfg.tp,
+    ]
+    rng = path / f"rng_{dist.get_rank()}.pt"
+    state = torch.load(rng, weights_only=True) if same_mesh and rng.is_file() else {}
+    if state:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+    ours = pmodel.dropout_rng
+    if ours is not None and "dropout" in state:
+        ours.load_state_dict(state["dropout"])
+    elif ours is not None and meta.get("kind") == "training":
+        ours.manual_seed(ours.seed if ours.seed is not None else torch.initial_seed(), step=int(meta["step"]))
 
 
 def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, extra: dict | None = None) -> Path:
@@ -436,7 +513,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None)
             _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
         optim_meta = {"keys": keys, "step": optim_state.num_steps(opt), "param_groups": optim_state.group_settings(opt)}
     dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
-    _on_every_rank(lambda: torch.save(_rng_state(), tmp / f"rng_{rank}.pt"))
+    _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
 
     def finish() -> None:
         if extra is not None:
@@ -480,11 +557,14 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     """Collective: restore `pmodel` (and `opt`) from a checkpoint written at any mesh; returns its step.
 
     A weights-only checkpoint (`hf3d convert from-hf`) restores the weights, leaves the optimizer
-    fresh and returns 0. `extra`, when given, receives what save_checkpoint's `extra` held: objects
-    with `load_state_dict` (an LR scheduler) are restored in place, other values are set in the dict.
-    RNG states are restored when the checkpoint was written by as many processes."""
+    fresh and returns 0. A damaged checkpoint (a file missing, or not of the size or checksum its
+    marker records) is refused with one ValueError on every rank. `extra`, when given, receives what
+    save_checkpoint's `extra` held: objects with `load_state_dict` (an LR scheduler) are restored in
+    place, other values are set in the dict.
+    RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
     path = Path(path)
     meta = read_marker(path)
+    refuse_damaged(path, meta)
     check_compatible(path, pmodel.config)
     stored = SafeReader(path).read_metadata().state_dict_metadata
     has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
@@ -511,9 +591,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
                 dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())
     if training:
         optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])
-    rng = path / f"rng_{dist.get_rank()}.pt"
-    if meta.get("world_size") == dist.get_world_size() and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=True))
+    _restore_rng(path, meta, pmodel)
     if extra is not None and (path / "extra.pt").is_file():
         for k, v in torch.load(path / "extra.pt", weights_only=True).items():
             if hasattr(extra.get(k), "load_state_dict"):
@@ -550,29 +628,39 @@ def _marked_by_hf3d(d: Path) -> bool:
 
 
 def find_resume(root: Path) -> Path | None:
-    """The newest complete checkpoint under a run's checkpoints folder; None when the folder holds
-    none at all. Folders that exist but are all incomplete are an error, never a silent restart."""
+    """The newest complete, undamaged checkpoint under a run's checkpoints folder; None when the folder
+    holds none at all. A damaged one is passed over with one warning line naming its file. Folders that
+    exist but are all incomplete or damaged are an error, never a silent restart. Collective under a
+    process group (see `find_damage`)."""
     complete = step_dirs(root)
-    if complete:
-        return complete[-1][1]
+    for i, (_, d) in enumerate(reversed(complete)):
+        problem = find_damage(d, read_marker(d))
+        if problem is None:
+            return d
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            instead = f"trying {complete[-i - 2][1].name}" if i + 1 < len(complete) else "no older checkpoint"
+            print(f"hf3d: warning: skipping the damaged checkpoint {d}: {problem}; {instead}", file=sys.stderr)
     partial = sorted(d.name for d in root.iterdir() if d.name.startswith("step_")) if root.is_dir() else []
     if partial:
+        which = "every complete one is damaged" if complete else "none is complete"
         raise ValueError(
-            f"{root} holds checkpoint folders but none is complete ({', '.join(partial)}); "
+            f"{root} holds checkpoint folders but {which} ({', '.join(partial)}); "
             "resume from a checkpoint path explicitly, or set checkpoint.resume=none to start over"
         )
     return None
 
 
 def resolve_resume(spec: str, root: Path) -> Path | None:
-    """checkpoint.resume: "auto" (newest complete under root, or None), "none", or a path to a
-    `step_<N>` folder or to a checkpoints folder."""
+    """checkpoint.resume: "auto" (newest complete and undamaged under root, or None), "none", or a path
+    to a `step_<N>` folder (refused when damaged) or to a checkpoints folder. Collective under a process
+    group (every rank calls it)."""
     if spec == "none":
         return None
     if spec == "auto":
         return find_resume(root)
     path = Path(spec)
     if is_complete(path):
+        refuse_damaged(path, read_marker(path))
         return path
     if path.is_dir() and not STEP_DIR.match(path.name):
         found = find_resume(path)

@@ -226,6 +226,7 @@ def checkpoint_to_hf(
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     meta = checkpoint.read_marker(ckpt)
+    checkpoint.refuse_damaged(ckpt, meta)
     name = dtype or meta.get("dtype")
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}; pass --dtype")

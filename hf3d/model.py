@@ -55,6 +55,7 @@ class ParallelModel(nn.Module):
         # sync reads the flag with the grad norm, before any weight changes; False: train_step reads it at
         # once (a sync before the forward). Either way the step raises the same ValueError.
         self.deferred_checks = False
+        self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/rng.py), set by parallelize
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property

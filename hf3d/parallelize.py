@@ -23,6 +23,7 @@ from .layout import get_pieces
 from .mesh import build_mesh, device_type, init_distributed
 from .model import ParallelModel
 from .models import TPContext, get_adapter
+from .rng import DropoutRNG
 from .stage import StageModule, layer_costs, split_layers, stage_ranks
 
 
@@ -85,8 +86,9 @@ def parallelize(
     )
 
     tp_group = mesh.get_group("tp")
-    ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype)
     pp_rank = mesh.get_local_rank("pp")
+    rng = DropoutRNG((pp_rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp")), device)
+    ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype, rng)
 
     layer_split = split_layers(pcfg.num_stages, *layer_costs(config))
     owners = stage_ranks(pcfg.num_stages, pcfg.pp, pcfg.pp_schedule)
@@ -127,10 +129,11 @@ def parallelize(
             last=s == pcfg.num_stages - 1,
             stage_index=s,
             recompute=[pcfg.recomputes(i) for i in layer_split[s]],
+            dropout_rng=rng if getattr(config, "attention_dropout", 0.0) else None,
         )
         for s in my_stages
     ]
-    return ParallelModel(
+    pmodel = ParallelModel(
         hf_model,
         stages,
         mesh=mesh,
@@ -140,6 +143,8 @@ def parallelize(
         stage_owners=owners,
         layer_split=layer_split,
     )
+    pmodel.dropout_rng = rng
+    return pmodel
 
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")

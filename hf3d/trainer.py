@@ -37,6 +37,7 @@ from .metrics import (
     tracker_install_hint,
 )
 from .metrics import throughput as throughput_metrics
+from .rng import seed_streams
 from .rope_stages import StageRoPE
 from .schedules import build_lr_scheduler
 from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
@@ -229,7 +230,7 @@ def _resume(run: _Run) -> None:
     cfg, opt = run.cfg, run.opt
     o, r, c = cfg.optim, cfg.run, cfg.checkpoint
     run.resume_from = resolve_resume(c.resume, run.out / "checkpoints")
-    torch.manual_seed(r.seed)  # a resumed run takes every rank's RNG state from the checkpoint instead
+    seed_streams(run.pmodel, r.seed)  # per-rank dropout streams; a resume at this mesh restores them instead
     offset = 0
     if run.resume_from is not None:
         step = load_checkpoint(run.resume_from, run.pmodel, opt if c.load_optimizer else None, extra=run.saved)

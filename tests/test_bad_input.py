@@ -252,6 +252,9 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     (tmp / "models" / "linked" / "tokenizer.json").symlink_to(tmp / "secret.txt")
     fx["linked"] = str(tmp / "models" / "linked")
     fx["run"] = str(tmp / "run")  # the spawned process saves a checkpoint of the tiny SmolLM here
+    # ... and two here, the newest truncated (its marker intact)
+    fx["damaged_root"] = str(ck / "damaged" / "checkpoints")
+    fx["damaged_step"] = str(ck / "damaged" / "checkpoints" / "step_2")
     fx["hf_home"] = str(tmp / "hf-home")
     return fx
 
@@ -418,6 +421,15 @@ def _push_local(fx, repo_id: str):
     return push_to_hub(fx["llama"], repo_id, token="hf_not_used")
 
 
+def _auto_over_damaged(fx) -> str:
+    """`resume: auto` over a damaged newest checkpoint: the previous one, and the warning line printed."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        found = _resolve(fx, "auto", fx["damaged_root"])
+    lines = err.getvalue().splitlines()
+    return f"{lines[0] if len(lines) == 1 else lines} -> resumes from {found}"
+
+
 def _ckpt(fx) -> str:
     return str(Path(fx["run"]) / "checkpoints" / "step_2")
 
@@ -471,6 +483,11 @@ def _dist_world(fx: dict, out: str) -> None:
     opt = hf3d.build_optimizer(smol, torch.optim.AdamW, lr=3e-3)
     hf3d.save_checkpoint(Path(fx["run"]) / "checkpoints" / "step_2", smol, opt, step=2)
     finish_save(Path(fx["run"]) / "checkpoints", keep_last=2)
+    # two checkpoints of a run, the newest one's largest file cut in half (its marker intact)
+    for step in (1, 2):
+        hf3d.save_checkpoint(Path(fx["damaged_root"]) / f"step_{step}", smol, opt, step=step)
+    largest = max(Path(fx["damaged_step"]).iterdir(), key=lambda f: f.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 2)
     # a checkpoint of another shape (hidden 72, not 48)
     wide = hf3d.parallelize(fx["llama_wide"], hf3d.ParallelConfig())
     wide_ckpt = Path(fx["tmp"]) / "ckpt" / "wide" / "step_1"
@@ -478,6 +495,7 @@ def _dist_world(fx: dict, out: str) -> None:
 
     pm = hf3d.parallelize(fx["llama"], hf3d.ParallelConfig())
     ctx = {"fx": fx, "pm": pm, "opt": hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3), "wide_ckpt": wide_ckpt}
+    ctx.update(smol=smol, smol_opt=opt)
     res = {}
     for case in CASES:
         if case.how == "dist":
@@ -786,6 +804,32 @@ CASES: list[Case] = [
         lambda fx: (["convert", "to-hf", fx["partial_step"], f"{fx['tmp']}/hf-out"], f"{fx['tmp']}/hf-out"),
         ["hf3d convert: error: <tmp>/ckpt/partial/checkpoints/step_3 is not a complete hf3d checkpoint"],
         how="subprocess",
+    ),
+    _c(
+        "cli-resume-damaged",
+        SET,
+        "`checkpoint.resume: PATH` of a checkpoint whose largest file was truncated (marker intact; real subprocess)",
+        lambda fx: (
+            [
+                "train",
+                "examples/configs/tiny-smollm.yaml",
+                "--set",
+                *ONE_PROCESS,
+                f"checkpoint.resume={fx['damaged_step']}",
+                f"run.output_dir={fx['tmp']}/run-damaged",
+            ],
+            f"{fx['tmp']}/run-damaged",
+        ),
+        ["hf3d train: ", "checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where"],
+        how="subprocess",
+    ),
+    _c(
+        "cli-convert-damaged",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose largest file was truncated",
+        lambda fx: ["convert", "to-hf", fx["damaged_step"], f"{fx['tmp']}/hf-damaged"],
+        ["hf3d convert: error: checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where"],
+        how="main",
     ),
     _c(
         "cli-push-no-token",
@@ -1206,6 +1250,34 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "ckpt-load-damaged",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose largest file was truncated (marker intact)",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["damaged_step"], ctx["smol"], ctx["smol_opt"]),
+        ["checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where", "use another checkpoint"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-resume-damaged",
+        CKPT,
+        "`checkpoint.resume: PATH` of a checkpoint whose largest file was truncated",
+        lambda fx: _resolve(fx, fx["damaged_step"], fx["damaged_root"]),
+        ["checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where"],
+    ),
+    _c(
+        "ckpt-auto-damaged",
+        CKPT,
+        "`checkpoint.resume: auto` when the newest checkpoint's largest file was truncated",
+        _auto_over_damaged,
+        [
+            "hf3d: warning: skipping the damaged checkpoint <tmp>/ckpt/damaged/checkpoints/step_2",
+            "bytes where",
+            "-> resumes from <tmp>/ckpt/damaged/checkpoints/step_1",
+        ],
+        error=False,
+        behaviour="one warning line; resumes from the previous checkpoint",
+    ),
+    _c(
         "ckpt-save-unwritable",
         CKPT,
         "`hf3d.save_checkpoint` under a path that is a file",
@@ -1451,7 +1523,7 @@ def run_all(tmp: Path) -> dict[str, Result]:
         )
         procs[case.id] = (proc, out_dir, before)
 
-    late = {"cli-resume-bad-data"}  # needs the checkpoint the spawned process writes
+    late = {"cli-resume-bad-data", "cli-resume-damaged"}  # need the checkpoints the spawned process writes
     for case in CASES:
         if case.how == "subprocess" and case.id not in late:
             start(case)

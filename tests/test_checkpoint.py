@@ -328,6 +328,28 @@ def test_resume_picks_only_complete_checkpoints(tmp_path):
     assert (root / "latest").read_text().strip() == "step_4" and not (root / "step_2").exists()
 
 
+def test_a_damaged_checkpoint_is_found_by_its_marker(tmp_path):
+    """The marker records each file's size and CRC-32: a missing file, a truncated one and one rewritten
+    at the same size are each named; a marker without the table (older checkpoints) is not verified."""
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    (ckpt / "config.json").write_text("{}")
+    checkpoint.write_marker(ckpt, {"kind": "training", "step": 1})
+    meta = checkpoint.read_marker(ckpt)
+    assert meta["files"]["__0_0.distcp"]["size"] == 16384 and checkpoint.find_damage(ckpt, meta) is None
+    data = ckpt / "__0_0.distcp"
+    data.write_bytes(bytes(range(256)) * 63 + bytes(range(255, -1, -1)))  # same size, other bytes
+    assert checkpoint.find_damage(ckpt, meta) == "__0_0.distcp does not match the checksum written with it"
+    os.truncate(data, 100)
+    assert checkpoint.find_damage(ckpt, meta) == "__0_0.distcp has 100 bytes where 16384 were written"
+    data.write_bytes(bytes(range(256)) * 64)
+    assert checkpoint.find_damage(ckpt, meta) is None
+    (ckpt / "config.json").unlink()
+    assert checkpoint.find_damage(ckpt, meta) == "config.json is missing"
+    assert checkpoint.find_damage(ckpt, {k: v for k, v in meta.items() if k != "files"}) is None
+
+
 # -- `hf3d train`: 10 steps == 5 + (killed while saving step 10) + resume + 5 ----------------------
 TRAIN = [
     "run.steps=10",
@@ -417,3 +439,24 @@ def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path, straig
     _same_run(straight, killed)
     assert not (ckpts / "step_10.tmp").exists() and checkpoint.is_complete(ckpts / "step_10")
     assert (ckpts / "latest").read_text().strip() == "step_10"
+
+
+def test_auto_resume_passes_over_a_damaged_newest_checkpoint(tmp_path, straight, capfd):
+    """The uninterrupted run's folder with step_10's largest file cut in half (its marker intact): the same
+    command with resume: auto warns once, naming the file, and retrains steps 6-10 from step_5, exactly."""
+    out = tmp_path / "damaged"
+    shutil.copytree(straight, out)
+    largest = max((out / "checkpoints" / "step_10").iterdir(), key=lambda f: f.stat().st_size)
+    size = largest.stat().st_size
+    os.truncate(largest, size // 2)
+    capfd.readouterr()
+    spawn(_train_world, 2, str(out), None)
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("hf3d: warning") or "damaged" in line]
+    assert warnings == [
+        f"hf3d: warning: skipping the damaged checkpoint {largest.parent}: {largest.name} has {size // 2} bytes "
+        f"where {size} were written; trying step_5"
+    ], err[-2000:]
+    assert "Traceback" not in err
+    _same_run(straight, out)
+    assert checkpoint.find_damage(largest.parent, checkpoint.read_marker(largest.parent)) is None  # saved again
