@@ -6,6 +6,7 @@ DCP metadata; hf3d's readers must refuse every one with one line, before anythin
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -47,11 +48,28 @@ def payloads(marker: Path) -> dict[str, bytes]:
     }
 
 
+def reseal(ckpt: Path) -> None:
+    """Record the checkpoint's files as they are now in its marker, as whoever crafted them would: the size
+    and checksum check passes and the crafted bytes reach hf3d's readers."""
+    from hf3d import checkpoint
+
+    marker = ckpt / checkpoint.MARKER
+    meta = json.loads(marker.read_text())
+    meta["files"] = checkpoint._file_table(ckpt)
+    marker.write_text(json.dumps(meta))
+
+
+def write_crafted(ckpt: Path, name: str, data: bytes) -> None:
+    """Replace one file of a complete checkpoint with crafted bytes, marker resealed."""
+    (ckpt / name).write_bytes(data)
+    reseal(ckpt)
+
+
 def rewrite_metadata(ckpt: Path, edit) -> None:
     """Re-pickle a checkpoint's honest .metadata after edit(metadata) changed it."""
     metadata = dcp.FileSystemReader(ckpt).read_metadata()
     edit(metadata)
-    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    write_crafted(ckpt, ".metadata", pickle.dumps(metadata))
 
 
 def craft_stored_box(ckpt: Path, payload: bytes) -> None:

@@ -226,14 +226,14 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     (ck / "not-hf" / "notes.txt").write_text("keep me\n")
     fx["not_hf"] = str(ck / "not-hf")
     # crafted checkpoints: a .metadata that would run `touch <tmp>/code-ran`, a data file named outside the folder
-    from crafted import global_pickle, rewrite_metadata
+    from crafted import global_pickle, rewrite_metadata, write_crafted
 
     from hf3d.convert import hf_to_checkpoint
 
     honest = hf_to_checkpoint(fx["llama"], ck / "honest")
     shutil.copytree(honest, ck / "crafted")
     payload = global_pickle("torch.distributed.checkpoint.metadata", "os.system", f"touch {tmp}/code-ran")
-    (ck / "crafted" / ".metadata").write_bytes(payload)
+    write_crafted(ck / "crafted", ".metadata", payload)
     fx["crafted"], fx["code_ran"] = str(ck / "crafted"), str(tmp / "code-ran")
     shutil.copytree(honest, ck / "outside")
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
-from crafted import payloads  # noqa: E402
+from crafted import payloads, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
@@ -193,7 +193,7 @@ def _mismatch_world(dirs, out: str) -> None:
     crafted = {}  # load_checkpoint of the llama checkpoint with each crafted .metadata of tests/crafted.py
     for i, (what, payload) in enumerate(payloads(Path(out) / "code-ran").items()):
         shutil.copytree(f"{out}/llama", f"{out}/crafted-{i}")
-        Path(f"{out}/crafted-{i}/.metadata").write_bytes(payload)
+        write_crafted(Path(f"{out}/crafted-{i}"), ".metadata", payload)
         try:
             hf3d.load_checkpoint(f"{out}/crafted-{i}", pm, _opt(pm))
             crafted[what] = "loaded"

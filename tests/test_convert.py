@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from crafted import craft_stored_box, global_pickle, payloads, rewrite_metadata  # noqa: E402
+from crafted import craft_stored_box, global_pickle, payloads, rewrite_metadata, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
 from reference import batches, hf3d_run  # noqa: E402
@@ -425,11 +425,11 @@ def test_crafted_checkpoint_metadata_is_refused_without_running_code(family_dirs
     ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
     honest = (ckpt / ".metadata").read_bytes()
     ran = tmp_path / "code-ran"
-    (ckpt / ".metadata").write_bytes(pickle.dumps(_RunsCode(ran)))
+    write_crafted(ckpt, ".metadata", pickle.dumps(_RunsCode(ran)))
     msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
     assert "refers to pathlib.Path.touch" in msg, msg
     assert "refusing to load it" in msg and not ran.exists() and not (tmp_path / "out").exists()
-    (ckpt / ".metadata").write_bytes(honest)  # the honest metadata still reads through the same reader
+    write_crafted(ckpt, ".metadata", honest)  # the honest metadata still reads through the same reader
     assert cli_main(["convert", "to-hf", str(ckpt), str(tmp_path / "out")]) == 0
     _assert_same_model(family_dirs["llama"], tmp_path / "out")
 
@@ -440,7 +440,7 @@ def test_crafted_metadata_through_each_allowed_module_is_refused(family_dirs, tm
     ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
     ran = tmp_path / "code-ran"
     for what, payload in payloads(ran).items():
-        (ckpt / ".metadata").write_bytes(payload)
+        write_crafted(ckpt, ".metadata", payload)
         msg = _cli_error(["convert", "to-hf", str(ckpt), str(tmp_path / "out")], capsys)
         assert "refusing to load it" in msg and f"{ckpt}/.metadata refers to" in msg, (what, msg)
         assert not ran.exists() and not (tmp_path / "out").exists(), what
