@@ -2,7 +2,7 @@
 
     model        which stock HF model, its dtype and attention, long-context overrides
     data         sources, stages and mixtures, packing, document masking, eval split (hf3d/data)
-    parallel     tp / pp / dp, schedule, micro-batches, recompute (hf3d.ParallelConfig)
+    parallel     tp / pp / dp / cp, schedule, micro-batches, recompute (hf3d.ParallelConfig)
     optim        AdamW, weight decay, clipping, z-loss, and the lr schedule (hf3d/schedules.py)
     run          steps, batch, output dir, logging, trackers
     checkpoint   how often to save, what to keep, what to resume and which parts of it
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation
+from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
 from .configfile import build_section
 from .data import DataConfig
 from .schedules import ScheduleConfig, decay_start_step, describe_schedule
@@ -254,25 +254,16 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     """Checks across sections, before anything is loaded or written; returns the derived values to
     print at start (tokens per step and in all, the lr decay window, data stages against it)."""
     p, r = cfg.parallel, cfg.run
-    check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
-    try:  # before the world size: launching another number of processes would not help
-        from .models import get_adapter
-
-        get_adapter(model_config.model_type).check_tp(model_config, p.tp)
-    except ValueError as e:
-        raise ValueError(f"parallel.{e}" if str(e).startswith("tp=") else str(e)) from None
-    if r.save_final:  # the export at the end replaces only an earlier export there
-        from .hf import check_output_dir, is_export_file
-
-        check_output_dir(Path(r.output_dir) / "final", is_export_file)
-    tp_pp = p.tp * p.pp
+from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
     if world_size % tp_pp or (p.dp is not None and p.dp * tp_pp != world_size):
         dp = "dp" if p.dp is None else f"dp={p.dp}"
         raise ValueError(
-            f"world size {world_size} is not tp·pp·{dp} = {p.tp}·{p.pp}·{p.dp or '?'}: launch tp·pp·dp processes "
-            f"(e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change parallel.tp/pp/dp"
+            f"world size {world_size} is not tp·pp·{dp}·cp = {p.tp}·{p.pp}·{p.dp or '?'}·{p.cp}: launch "
+            f"tp·pp·dp·cp processes (e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
+            "parallel.tp/pp/dp/cp"
         )
     dp = world_size // tp_pp
+    check_cp_seq_len(cfg.data.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=p.sequence_parallel, where="data.seq_len")
     m = p.num_microbatches
     if r.global_batch % (dp * m):
         raise ValueError(

@@ -12,6 +12,7 @@ t/g ranks.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..context_parallel import CPMask, context_attention
 from ..layout import Piece, concat_pieces, set_pieces, shard_range, whole
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -193,6 +195,8 @@ class TPAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
+        if isinstance(attention_mask, CPMask):  # context parallel: keys and values of the whole sequence
+            attention = functools.partial(context_attention, attention)
         out, weights = attention(
             self,
             q,
