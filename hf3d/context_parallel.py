@@ -49,9 +49,8 @@ SEQ_DIM = 1  # tokens, targets, position ids and activations are [batch, seq, ..
 CP_ATTENTION = ("sdpa", "eager", "flex_attention")
 
 
-def check_attention(config, cp: int) -> None:
+def check_attention(impl: str, cp: int) -> None:
     """Refuse an attention implementation that cannot run context-parallel (one line)."""
-    impl = getattr(config, "_attn_implementation", None) or "eager"
     if cp > 1 and impl not in CP_ATTENTION:
         raise ValueError(
             f"cp={cp} cannot run with attn_implementation={impl!r}: context parallelism needs a mask with "
@@ -109,7 +108,7 @@ class CPContext:
         if not self.active:
             return x
         parts = x.new_empty((self.size, *x.shape))
-        dist.all_gather_single(parts, x.contiguous(), group=self.group)
+        dist.all_gather_single(parts.flatten(0, 1), x.contiguous(), group=self.group)
         return to_sequence_order(parts, dim)
 
     def local_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -183,7 +182,7 @@ class _GatherKV(torch.autograd.Function):
     def forward(ctx, kv, cp: CPContext):
         ctx.cp = cp
         parts = kv.new_empty((cp.size, *kv.shape))
-        dist.all_gather_single(parts, kv.contiguous(), group=cp.group)
+        dist.all_gather_single(parts.flatten(0, 1), kv.contiguous(), group=cp.group)
         cp.kv_bytes += (cp.size - 1) * kv.numel() * kv.element_size()
         return to_sequence_order(parts, dim=3)
 
@@ -192,7 +191,7 @@ class _GatherKV(torch.autograd.Function):
         cp = ctx.cp
         parts = to_rank_order(grad, cp.size, dim=3).contiguous()  # [cp, 2, b, kv_heads, 2c, d]
         out = parts.new_empty(parts.shape[1:])
-        dist.reduce_scatter_single(out, parts, group=cp.group)
+        dist.reduce_scatter_single(out, parts.flatten(0, 1), group=cp.group)
         cp.kv_bytes += (cp.size - 1) * out.numel() * out.element_size()
         return out, None
 

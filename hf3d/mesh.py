@@ -99,7 +99,7 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
 
 def data_parallel_group(mesh: DeviceMesh):
     """The group that reduces gradients of replicated parameters and shards ZeRO-1: dp, or dp x cp."""
-    return mesh["dp_cp"].get_group() if mesh.size(mesh.mesh_dim_names.index("cp")) > 1 else mesh.get_group("dp")
+    return mesh["dp_cp"].get_group() if mesh["cp"].size() > 1 else mesh.get_group("dp")
 
 
 def on_rank0(fn) -> None:

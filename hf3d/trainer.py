@@ -59,6 +59,7 @@ def _load_model(cfg: ModelConfig, pcfg, document_masking: bool):
             device_type(),
             document_masking=document_masking,
             flash_available=flash_attn_installed(),
+            cp=pcfg.cp,
         ),
         config_overrides=cfg.overrides() or None,
     )
