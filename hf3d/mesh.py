@@ -92,14 +92,15 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
     mesh = init_device_mesh(
         device_type(), (pcfg.pp, pcfg.dp, pcfg.cp, pcfg.tp), mesh_dim_names=("pp", "dp", "cp", "tp")
     )
-    if pcfg.cp > 1:  # collective: every rank creates every dp x cp group
-        mesh["dp", "cp"]._flatten("dp_cp")
+    if pcfg.cp > 1:  # collective: every rank creates every dp x cp group; torch wants the flat mesh kept
+        mesh.hf3d_dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
     return mesh
 
 
 def data_parallel_group(mesh: DeviceMesh):
     """The group that reduces gradients of replicated parameters and shards ZeRO-1: dp, or dp x cp."""
-    return mesh["dp_cp"].get_group() if mesh["cp"].size() > 1 else mesh.get_group("dp")
+    flat = getattr(mesh, "hf3d_dp_cp", None)
+    return flat.get_group() if flat is not None else mesh.get_group("dp")
 
 
 def on_rank0(fn) -> None:

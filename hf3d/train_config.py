@@ -254,7 +254,18 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     """Checks across sections, before anything is loaded or written; returns the derived values to
     print at start (tokens per step and in all, the lr decay window, data stages against it)."""
     p, r = cfg.parallel, cfg.run
-from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
+    check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
+    try:  # before the world size: launching another number of processes would not help
+        from .models import get_adapter
+
+        get_adapter(model_config.model_type).check_tp(model_config, p.tp)
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}" if str(e).startswith("tp=") else str(e)) from None
+    if r.save_final:  # the export at the end replaces only an earlier export there
+        from .hf import check_output_dir, is_export_file
+
+        check_output_dir(Path(r.output_dir) / "final", is_export_file)
+    tp_pp = p.tp * p.pp * p.cp
     if world_size % tp_pp or (p.dp is not None and p.dp * tp_pp != world_size):
         dp = "dp" if p.dp is None else f"dp={p.dp}"
         raise ValueError(
