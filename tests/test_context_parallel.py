@@ -4,7 +4,7 @@ Every distributed case uses packed documents (position ids that restart, documen
 boundaries at every cp here, labels at document starts ignored) and checks, in fp32 on gloo, against
 the stock model on the full rows (+ torch AdamW, clip_grad_norm_): the logits before training, eval_loss,
 the loss and grad norm of 3 steps, and the exported weights after them.
-- world 2: cp=2 (sdpa; eager and flex logits; recompute="full" with the plain head), a cp=2 checkpoint
+- world 2: cp=2 (sdpa; eager logits; recompute="full" with the plain head), a cp=2 checkpoint
   resumed at dp=2 (cp=1) and the reverse, and three mutations that the logits check must catch: K/V put
   back in rank order instead of sequence order (wrong chunk order), one K/V block masked out for every
   later query chunk (a block skipped), and the position ids of each chunk restarted at 0.
@@ -223,10 +223,6 @@ def _world2(dirs, data, pos, out):
         pm.fused_loss = False  # the plain head under recompute
         res[f"{f}/cp2-recompute"].update(zip(("losses", "norms"), _train(pm, data, pos, slice(None))[:2]))
         pm.save_pretrained(Path(out) / f"{f}/cp2-recompute")
-        try:
-            _case(res, out, f"{f}/cp2-flex", dirs[f], data, pos, train=False, attn="flex_attention", cp=2)
-        except Exception as e:  # flex needs a compiler on CPU
-            res[f"{f}/cp2-flex/error"] = f"{type(e).__name__}: {e}"[:300]
     _mutations(res, dirs["llama"], data, pos)
     _checkpoints(res, out, dirs["llama"], data, pos)
     report(res, Path(out) / "results.pt")
@@ -336,12 +332,9 @@ def test_cp2_matches_stock(world2, stock, family, case):
 
 
 @pytest.mark.parametrize("family", CP_FAMILIES)
-def test_cp2_eager_and_flex_logits(world2, stock, family):
+def test_cp2_eager_logits(world2, stock, family):
     results, out = world2
     _check(results, out, stock, family, "cp2-eager", attn="eager", trained=False)
-    if f"{family}/cp2-flex/error" in results[0]:
-        pytest.skip(f"flex_attention does not run here: {results[0][f'{family}/cp2-flex/error']}")
-    _check(results, out, stock, family, "cp2-flex", trained=False)
 
 
 @pytest.mark.parametrize("family", CP_FAMILIES)
