@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import json
 import sys
 import tempfile
@@ -96,7 +97,7 @@ def worker(args) -> None:
         opt.step()
         opt.zero_grad()
         # what autograd keeps for backward: the forward of train_step alone (same tokens, this rank's part)
-        _, saved = _saved_bytes(lambda: stage(pm.cp.split(ids), pos, head=False))
+        _, saved = _saved_bytes(functools.partial(stage, pm.cp.split(ids), pos, head=False))
         if i == 0:  # warm-up: the optimizer state is created here
             continue
         rec["losses"].append(loss.item())
