@@ -7,7 +7,9 @@ with one thread each and MALLOC_MMAP_THRESHOLD_=65536 (RSS follows live allocati
 
 Per rank and measured step (after one warm-up step that creates the optimizer state):
 - peak activation memory, two ways: the bytes autograd holds for backward at the end of the forward
-  (every distinct storage a saved-tensor pack hook sees, `torch.autograd.graph.saved_tensors_hooks`),
+  (every distinct storage a saved-tensor pack hook sees, `torch.autograd.graph.saved_tensors_hooks`,
+  parameters left out; the decoder stack up to the final norm, without the fused output head, whose
+  loss runs chunk by chunk and keeps no logits),
   and the peak RSS of train_step above the RSS before it (VmHWM reset just before), which also holds
   the output head's and the parameters' gradient buffers, the same at every cp;
 - train_step wall time (the cp=c job runs the same 8192 tokens per step on c processes);
@@ -52,15 +54,17 @@ def _positions(seq: int):
     return torch.cat(parts).unsqueeze(0)
 
 
-def _saved_bytes(fn):
-    """Run fn() (a forward) and return (its result, bytes of the distinct storages saved for backward)."""
+def _saved_bytes(fn, params):
+    """Run fn() (a forward) and return (its result, bytes of the distinct storages saved for backward,
+    the parameters' own storages left out: they are not activations)."""
     import torch
 
+    skip = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, int] = {}
 
     def pack(t):
-        if t.device.type != "meta":
-            s = t.untyped_storage()
+        s = t.untyped_storage()
+        if t.device.type != "meta" and s.data_ptr() not in skip:
             seen[s.data_ptr()] = s.nbytes()
         return t
 
@@ -97,7 +101,7 @@ def worker(args) -> None:
         opt.step()
         opt.zero_grad()
         # what autograd keeps for backward: the forward of train_step alone (same tokens, this rank's part)
-        _, saved = _saved_bytes(functools.partial(stage, pm.cp.split(ids), pos, head=False))
+        _, saved = _saved_bytes(functools.partial(stage, pm.cp.split(ids), pos, head=False), pm.parameters())
         if i == 0:  # warm-up: the optimizer state is created here
             continue
         rec["losses"].append(loss.item())
