@@ -8,8 +8,8 @@ with one thread each and MALLOC_MMAP_THRESHOLD_=65536 (RSS follows live allocati
 Per rank and measured step (after one warm-up step that creates the optimizer state):
 - peak activation memory, two ways: the bytes autograd holds for backward at the end of the forward
   (every distinct storage a saved-tensor pack hook sees, `torch.autograd.graph.saved_tensors_hooks`,
-  parameters left out; the decoder stack up to the final norm, without the fused output head, whose
-  loss runs chunk by chunk and keeps no logits),
+  parameters left out, over the whole train_step: with one micro-batch that is what the forward leaves
+  for the backward; the fused output head runs its loss chunk by chunk and keeps no logits),
   and the peak RSS of train_step above the RSS before it (VmHWM reset just before), which also holds
   the output head's and the parameters' gradient buffers, the same at every cp;
 - train_step wall time (the cp=c job runs the same 8192 tokens per step on c processes);
@@ -17,7 +17,7 @@ Per rank and measured step (after one warm-up step that creates the optimizer st
   `CPContext.kv_bytes`, against 2 (cp-1)/cp x layers x 2 x S x kv_heads x head_dim x 4 bytes.
 The losses of every cp must agree (the same weights and tokens).
 
-    python benchmarks/bench_cp.py            # seq 8192, 2 layers (~10 min on 2 cores)
+    python benchmarks/bench_cp.py            # seq 8192, 2 layers (~15 min on a busy 2-core machine)
     python benchmarks/bench_cp.py --quick    # tiny model, seq 256; results/quick/
 """
 
@@ -84,7 +84,6 @@ def worker(args) -> None:
     g = torch.Generator().manual_seed(0)
     pos = _positions(args.seq)
     libc = ctypes.CDLL("libc.so.6")
-    stage, head = pm.stages[0], pm.lm_head
     rec = {"cp": args.cp, "losses": [], "peak_above_rest": [], "saved_bytes": [], "step_s": [], "kv_bytes": []}
     for i in range(args.steps + 1):
         w = torch.randint(0, vocab, (1, args.seq + 1), generator=g)
@@ -94,14 +93,15 @@ def worker(args) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         rest, kv0 = C.proc_status()["VmRSS"], pm.cp.kv_bytes
         t0 = time.perf_counter()
-        loss = pm.train_step(ids, shift_labels=targets, position_ids=pos)
+        # one micro-batch: what autograd holds at the end of its forward is every storage saved in the step
+        loss, saved = _saved_bytes(
+            functools.partial(pm.train_step, ids, shift_labels=targets, position_ids=pos), pm.parameters()
+        )
         step_s = time.perf_counter() - t0
         peak = C.proc_status()["VmHWM"] - rest
         kv = pm.cp.kv_bytes - kv0
         opt.step()
         opt.zero_grad()
-        # what autograd keeps for backward: the forward of train_step alone (same tokens, this rank's part)
-        _, saved = _saved_bytes(functools.partial(stage, pm.cp.split(ids), pos, head=False), pm.parameters())
         if i == 0:  # warm-up: the optimizer state is created here
             continue
         rec["losses"].append(loss.item())
@@ -109,7 +109,6 @@ def worker(args) -> None:
         rec["saved_bytes"].append(saved)
         rec["step_s"].append(step_s)
         rec["kv_bytes"].append(kv)
-    del head
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, rec)
     if dist.get_rank() == 0:
@@ -130,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny model, seq 256; results go to results/quick/")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=2, help="measured steps after the warm-up step, per job")
+    ap.add_argument("--steps", type=int, default=1, help="measured steps after the warm-up step, per job")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cp", type=int, help=argparse.SUPPRESS)
