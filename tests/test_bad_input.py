@@ -862,15 +862,6 @@ CASES: list[Case] = [
         ["data.seq_len=30 is not a multiple of 4 (2*cp = 4)", "use a sequence length that is a multiple of 4"],
     ),
     _c(
-        "launch-cp-seq-len-sp",
-        LAUNCH,
-        "`data.seq_len` not divisible by cp·tp under sequence parallelism",
-        lambda fx: _check_run(
-            "parallel.cp=2", "parallel.tp=3", "parallel.sequence_parallel=true", "data.seq_len=32", world_size=6
-        ),
-        ["data.seq_len=32 is not a multiple of 12", "cp*tp = 6 under sequence_parallel"],
-    ),
-    _c(
         "launch-global-batch",
         LAUNCH,
         "`run.global_batch` not divisible by dp · micro-batches",

@@ -119,9 +119,10 @@ def hf3d_env(monkeypatch):
 
 def test_from_env_reads_every_variable(hf3d_env):
     assert hf3d.ParallelConfig.from_env() == hf3d.ParallelConfig()  # nothing set: the defaults
-    hf3d_env(HF3D_TP="2", HF3D_PP=" 2 ", HF3D_DP="3", HF3D_PP_SCHEDULE="zbv", HF3D_NUM_MICROBATCHES="8")
+    hf3d_env(HF3D_TP="2", HF3D_PP=" 2 ", HF3D_DP="3", HF3D_PP_SCHEDULE="zbv", HF3D_NUM_MICROBATCHES="8", HF3D_CP="2")
     pcfg = hf3d.ParallelConfig.from_env()
     assert (pcfg.tp, pcfg.pp, pcfg.dp, pcfg.pp_schedule, pcfg.num_microbatches) == (2, 2, 3, "zbv", 8)
+    assert pcfg.cp == 2
     assert pcfg.virtual_stages == 2  # derived as in the constructor
     hf3d_env(HF3D_DP="", HF3D_NUM_MICROBATCHES="")  # set but empty: unset
     pcfg = hf3d.ParallelConfig.from_env()
