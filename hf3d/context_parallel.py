@@ -56,9 +56,10 @@ def check_attention(impl: str, cp: int) -> None:
     """Refuse an attention implementation that cannot run context-parallel (one line)."""
     if cp > 1 and impl not in CP_ATTENTION:
         raise ValueError(
-            f"cp={cp} cannot run with attn_implementation={impl!r}: context parallelism needs a mask with "
-            f"query/key offsets, which {impl!r} does not take; load the model with attn_implementation one of "
-            f"{', '.join(CP_ATTENTION)}, or use cp=1"
+            f"cp={cp} cannot run with attn_implementation={impl!r}: context parallelism runs each query chunk "
+            "at its offset into the sequence through sdpa or eager (flash_attention_* takes no such offset, "
+            "flex_attention is not verified there); load the model with attn_implementation='sdpa' or 'eager', "
+            "or use cp=1"
         )
 
 

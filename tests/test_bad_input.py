@@ -1266,11 +1266,11 @@ CASES: list[Case] = [
     _c(
         "api-cp-attention",
         API,
-        "`parallelize(..., ParallelConfig(cp=2), attn_implementation='flash_attention_2')`",
+        "`parallelize(..., ParallelConfig(cp=2), attn_implementation='flex_attention')`",
         lambda ctx: __import__("hf3d").parallelize(
-            ctx["fx"]["llama"], __import__("hf3d").ParallelConfig(cp=2), attn_implementation="flash_attention_2"
+            ctx["fx"]["llama"], __import__("hf3d").ParallelConfig(cp=2), attn_implementation="flex_attention"
         ),
-        ["cp=2 cannot run with attn_implementation='flash_attention_2'", "sdpa, eager", "cp=1"],
+        ["cp=2 cannot run with attn_implementation='flex_attention'", "sdpa or eager", "or use cp=1"],
         how="dist",
     ),
     _c(
