@@ -6,7 +6,8 @@ A checkpoint folder holds
     config.json                    the HF model config (+ generation_config.json, tokenizer files)
     rng_<rank>.pt                  each rank's RNG states (training checkpoints)
     extra.pt                       the caller's `extra` (scheduler, data position), from rank 0
-    hf3d_checkpoint.json           written last: its presence marks the folder complete
+    hf3d_checkpoint.json           written last: its presence marks the folder complete; it records
+                                   each other file's size and CRC-32, checked before a load
 
 DCP keys are `model/<hf name>` (parameters, in the training dtype), `optim/master/<hf name>`
 (fp32 master weights, only when they differ from the parameters) and `optim/<state>/<hf name>`
@@ -15,7 +16,10 @@ unpadded HF shape, so a checkpoint loads on any (tp, pp, dp) and converts to HF 
 A weights-only checkpoint (`hf3d convert from-hf`) has `model/*` keys only.
 
 Saving is atomic: files go into `<path>.tmp`, the marker is written last, then the folder is
-renamed to `<path>`. A folder without the marker is never loaded.
+renamed to `<path>`. A folder without the marker is never loaded. A marked folder whose files no
+longer match the sizes and checksums in its marker (a truncated or rewritten file) is damaged: loading
+it is refused with one line, and `checkpoint.resume: auto` passes over it to the previous checkpoint.
+Markers written before hf3d recorded the files (no "files" entry) load without this check.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import pickle
 import random
 import re
 import shutil
+import sys
+import zlib
 from collections import OrderedDict
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 
@@ -47,15 +53,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from . import optim_state
 from .faults import is_communication_error, one_line
-from .layout import get_pieces
+from .layout import hf_boxes
 from .mesh import on_rank0
 
 MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
-MASTER_KEY = "master"
+MASTER_KEY = optim_state.MASTER_KEY
 
 
 def model_key(hf_name: str) -> str:
@@ -193,11 +200,61 @@ def staging_dir(final: Path) -> Path:
 
 
 def write_marker(tmp: Path, meta: dict) -> None:
-    """The last file written into a staged checkpoint."""
-    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta}
+    """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
+    file already there (what `find_damage` checks)."""
+    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": _file_table(tmp)}
     part = tmp / (MARKER + ".part")
     part.write_text(json.dumps(meta, indent=1))
     os.replace(part, tmp / MARKER)
+
+
+def _crc32(path: Path, chunk: int = 1 << 22) -> int:
+    crc, buf = 0, bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
+
+
+def _file_table(folder: Path) -> dict[str, dict[str, int]]:
+    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(MARKER))
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
+
+
+def find_damage(path: Path, meta: dict) -> str | None:
+    """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
+    words naming the first damaged file; None when every file has the size and CRC-32 its marker records,
+    or when the marker records none (written before hf3d recorded them: not verified).
+
+    Under a process group every rank must call this: each checksums its share of the files and the
+    verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank."""
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None
+    names = sorted(files)
+    for name in names:
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != files[name].get("size"):
+            return f"{name} has {size} bytes where {files[name].get('size')} were written"
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    bad = [n for n in names[rank::world] if _crc32(path / n) != files[n].get("crc32")]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, bad)
+        bad = sorted(n for b in everyone for n in b)
+    return f"{bad[0]} does not match the checksum written with it" if bad else None
+
+
+def refuse_damaged(path: Path, meta: dict) -> None:
+    problem = find_damage(path, meta)
+    if problem is not None:
+        raise ValueError(
+            f"checkpoint {path} is damaged: {problem}; use another checkpoint (an older step_<N>) or delete this folder"
+        )
 
 
 def publish(tmp: Path, final: Path) -> None:
@@ -249,53 +306,6 @@ def _on_every_rank(fn) -> None:
 
 
 # -- boxes: the rectangles of global HF tensors that one rank writes or reads -------------------------
-def _flat_boxes(shape: tuple[int, ...], a: int, z: int) -> list[tuple[list[int], list[int], int]]:
-    """Split the row-major element range [a, z) of a 1-D or 2-D tensor into rectangles, each one a
-    contiguous run of elements: (offsets, sizes, first flat index)."""
-    if len(shape) == 1:
-        return [([a], [z - a], a)] if z > a else []
-    assert len(shape) == 2, f"hf3d checkpoints hold 1-D and 2-D tensors, got shape {shape}"
-    cols = shape[1]
-    (r0, c0), (r1, c1) = divmod(a, cols), divmod(z, cols)
-    if r0 == r1:
-        return [([r0, c0], [1, c1 - c0], a)] if c1 > c0 else []
-    out = []
-    if c0:
-        out.append(([r0, c0], [1, cols - c0], a))
-        r0 += 1
-    if r1 > r0:
-        out.append(([r0, 0], [r1 - r0, cols], r0 * cols))
-    if c1:
-        out.append(([r1, 0], [1, c1], r1 * cols))
-    return out
-
-
-def hf_boxes(param, flat, flat_start: int, a: int, z: int, *, owned_only: bool):
-    """The HF boxes of runtime parameter `param` over its element range [a, z).
-
-    `flat` is a 1-D tensor holding param's row-major elements from `flat_start` on (the parameter
-    itself, a ZeRO master fragment, or optimizer state shaped like it). Yields
-    (hf_name, hf_offsets, sizes, view of flat): runtime rows or columns map to HF ones through the
-    layout pieces; vocab padding (covered by no piece) is skipped, and so are replicas this rank does
-    not own when `owned_only`."""
-    shape = tuple(param.shape)
-    for offsets, sizes, start in _flat_boxes(shape, a, z):
-        n = 1
-        for s in sizes:
-            n *= s
-        box = flat[start - flat_start : start - flat_start + n].view(sizes)
-        for piece in get_pieces(param):
-            if owned_only and not piece.owner:
-                continue
-            d = piece.dim
-            lo, hi = max(offsets[d], piece.local_start), min(offsets[d] + sizes[d], piece.local_stop)
-            if lo >= hi:
-                continue
-            hf_off, hf_size = list(offsets), list(sizes)
-            hf_off[d], hf_size[d] = lo - piece.local_start + piece.hf_start, hi - lo
-            yield piece.hf_name, hf_off, hf_size, box.narrow(d, lo - offsets[d], hi - lo)
-
-
 class _Boxes:
     """One DCP entry as this rank sees it: a global size and the local boxes it writes or fills.
     Implements the hooks DCP's planners call for sharded values (write items, chunk list, shard
@@ -403,22 +413,43 @@ def _write_ranges(pmodel, opt):
 def _optim_keys(opt) -> list[str]:
     """Names of the wrapped optimizer's per-element state (exp_avg, ...), the same on every rank."""
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, opt.state_keys())
+    dist.all_gather_object(everyone, optim_state.state_keys(opt))
     return sorted(set().union(*everyone))
 
 
-def _rng_state() -> dict:
+def _rng_state(pmodel) -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
+    if pmodel.dropout_rng is not None:
+        state["dropout"] = pmodel.dropout_rng.state_dict()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _restore_rng(path: Path, meta: dict, pmodel) -> None:
+    """This rank's RNG streams, when the checkpoint was written at this mesh (the same pp, dp and tp
+    degrees): a resumed run then draws what the uninterrupted one would. At another mesh nothing is
+    restored (a saved rank's streams belong to other coordinates): the default generators keep the
+    seeding they had, and the dropout stream starts afresh from its seed and the checkpoint's step, so
+    the masks after the resume differ from the uninterrupted run's, with the same statistics."""
+    saved_mesh = [(meta.get("parallel") or {}).get(k) for k in ("pp", "dp", "tp")]
+    same_mesh = meta.get("world_size") == dist.get_world_size() and saved_mesh == [
+        pmodel.pcfg.pp,
+        pmodel.dp_size,
+        pmodel.pcfg.tp,
+    ]
+    rng = path / f"rng_{dist.get_rank()}.pt"
+    state = torch.load(rng, weights_only=True) if same_mesh and rng.is_file() else {}
+    if state:
+        torch.set_rng_state(state["torch"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+    ours = pmodel.dropout_rng
+    if ours is not None and "dropout" in state:
+        ours.load_state_dict(state["dropout"])
+    elif ours is not None and meta.get("kind") == "training":
+        ours.manual_seed(ours.seed if ours.seed is not None else torch.initial_seed(), step=int(meta["step"]))
 
 
 def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, extra: dict | None = None) -> Path:
@@ -478,22 +509,12 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None)
     optim_meta = None
     if opt is not None:
         keys = _optim_keys(opt)
-        for p, master, ga, gz in opt._masters:
-            s = opt._flat_range[id(p)][0]
-            lo, hi = opt._my_shard(opt._bucket_of[id(p)])
-            a, z = max(ga, lo), min(gz, hi)  # ZeRO-0 holds every element: write this rank's 1/dp
-            if a >= z:
-                continue
-            st = opt.optimizer.state.get(master, {})
-            sources = {k: st[k] for k in keys}
-            if not opt._aliased:
-                sources[MASTER_KEY] = master
-            for k, flat in sources.items():
-                for name, off, _, view in hf_boxes(p, flat, ga - s, a - s, z - s, owned_only=True):
-                    _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
-        optim_meta = {"keys": keys, "step": opt.num_steps, "param_groups": opt.group_settings()}
+        mine = dict(create=False, master=not opt._aliased, owned_only=True, my_shard=True)
+        for k, name, off, _, view in optim_state.state_boxes(opt, keys, **mine):
+            _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
+        optim_meta = {"keys": keys, "step": optim_state.num_steps(opt), "param_groups": optim_state.group_settings(opt)}
     dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
-    _on_every_rank(lambda: torch.save(_rng_state(), tmp / f"rng_{rank}.pt"))
+    _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
 
     def finish() -> None:
         if extra is not None:
@@ -537,11 +558,14 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     """Collective: restore `pmodel` (and `opt`) from a checkpoint written at any mesh; returns its step.
 
     A weights-only checkpoint (`hf3d convert from-hf`) restores the weights, leaves the optimizer
-    fresh and returns 0. `extra`, when given, receives what save_checkpoint's `extra` held: objects
-    with `load_state_dict` (an LR scheduler) are restored in place, other values are set in the dict.
-    RNG states are restored when the checkpoint was written by as many processes."""
+    fresh and returns 0. A damaged checkpoint (a file missing, or not of the size or checksum its
+    marker records) is refused with one ValueError on every rank. `extra`, when given, receives what
+    save_checkpoint's `extra` held: objects with `load_state_dict` (an LR scheduler) are restored in
+    place, other values are set in the dict.
+    RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
     path = Path(path)
     meta = read_marker(path)
+    refuse_damaged(path, meta)
     check_compatible(path, pmodel.config)
     stored = SafeReader(path).read_metadata().state_dict_metadata
     has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
@@ -556,33 +580,19 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
             _entry(entries, params_from + name, hf_shapes, name, p.dtype).add(off, view)
     if opt is not None:
         keys = meta["optim"]["keys"] if training else []
-        for p, master, ga, gz in opt._masters:
-            s = opt._flat_range[id(p)][0]
-            st = opt.optimizer.state[master] if training else {}
-            for k in keys:
-                st[k] = torch.zeros_like(master)
-            targets = {k: st[k] for k in keys}
-            if not opt._aliased:
-                targets[MASTER_KEY] = master
-            for k, flat in targets.items():
-                prefix = optim_key(k, "") if k != MASTER_KEY or has_master else MODEL_PREFIX
-                into = masters if prefix == params_from else entries
-                for name, off, _, view in hf_boxes(p, flat, ga - s, ga - s, gz - s, owned_only=False):
-                    _entry(into, prefix + name, hf_shapes, name, torch.float32).add(off, view)
-            if keys:
-                st["step"] = torch.tensor(float(meta["optim"]["step"]))
+        for k, name, off, _, view in optim_state.state_boxes(opt, keys, create=True, master=not opt._aliased):
+            prefix = optim_key(k, "") if k != MASTER_KEY or has_master else MODEL_PREFIX
+            into = masters if prefix == params_from else entries
+            _entry(into, prefix + name, hf_shapes, name, torch.float32).add(off, view)
+        if keys:  # on the device torch's fused and capturable kernels read it from
+            optim_state.restore_steps(opt, meta["optim"]["step"])
     with torch.no_grad():
         for part in (entries, masters):
             if part:
                 dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())
     if training:
-        for group, saved in zip(opt.optimizer.param_groups, meta["optim"]["param_groups"]):
-            group.update(
-                {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in saved.items() if k in group}
-            )
-    rng = path / f"rng_{dist.get_rank()}.pt"
-    if meta.get("world_size") == dist.get_world_size() and rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=True))
+        optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])
+    _restore_rng(path, meta, pmodel)
     if extra is not None and (path / "extra.pt").is_file():
         for k, v in torch.load(path / "extra.pt", weights_only=True).items():
             if hasattr(extra.get(k), "load_state_dict"):
@@ -619,29 +629,39 @@ def _marked_by_hf3d(d: Path) -> bool:
 
 
 def find_resume(root: Path) -> Path | None:
-    """The newest complete checkpoint under a run's checkpoints folder; None when the folder holds
-    none at all. Folders that exist but are all incomplete are an error, never a silent restart."""
+    """The newest complete, undamaged checkpoint under a run's checkpoints folder; None when the folder
+    holds none at all. A damaged one is passed over with one warning line naming its file. Folders that
+    exist but are all incomplete or damaged are an error, never a silent restart. Collective under a
+    process group (see `find_damage`)."""
     complete = step_dirs(root)
-    if complete:
-        return complete[-1][1]
+    for i, (_, d) in enumerate(reversed(complete)):
+        problem = find_damage(d, read_marker(d))
+        if problem is None:
+            return d
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            instead = f"trying {complete[-i - 2][1].name}" if i + 1 < len(complete) else "no older checkpoint"
+            print(f"hf3d: warning: skipping the damaged checkpoint {d}: {problem}; {instead}", file=sys.stderr)
     partial = sorted(d.name for d in root.iterdir() if d.name.startswith("step_")) if root.is_dir() else []
     if partial:
+        which = "every complete one is damaged" if complete else "none is complete"
         raise ValueError(
-            f"{root} holds checkpoint folders but none is complete ({', '.join(partial)}); "
+            f"{root} holds checkpoint folders but {which} ({', '.join(partial)}); "
             "resume from a checkpoint path explicitly, or set checkpoint.resume=none to start over"
         )
     return None
 
 
 def resolve_resume(spec: str, root: Path) -> Path | None:
-    """checkpoint.resume: "auto" (newest complete under root, or None), "none", or a path to a
-    `step_<N>` folder or to a checkpoints folder."""
+    """checkpoint.resume: "auto" (newest complete and undamaged under root, or None), "none", or a path
+    to a `step_<N>` folder (refused when damaged) or to a checkpoints folder. Collective under a process
+    group (every rank calls it)."""
     if spec == "none":
         return None
     if spec == "auto":
         return find_resume(root)
     path = Path(spec)
     if is_complete(path):
+        refuse_damaged(path, read_marker(path))
         return path
     if path.is_dir() and not STEP_DIR.match(path.name):
         found = find_resume(path)

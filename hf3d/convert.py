@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import math
 import mmap
 import os
@@ -225,6 +226,7 @@ def checkpoint_to_hf(
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     meta = checkpoint.read_marker(ckpt)
+    checkpoint.refuse_damaged(ckpt, meta)
     name = dtype or meta.get("dtype")
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}; pass --dtype")
@@ -266,7 +268,20 @@ def checkpoint_to_hf(
     write_hf_dir(
         out_dir, specs, lambda n: produce(n).to(out_dtype), config, src_dir=ckpt, max_shard_bytes=max_shard_bytes
     )
+    _write_training_summary(ckpt, out_dir)
     return out_dir
+
+
+def _write_training_summary(ckpt: Path, out_dir: Path) -> None:
+    """The run's record that `hf3d train` keeps in each checkpoint's extra.pt, as hf3d_training.json
+    beside the weights: `hf3d push` makes the model card from it."""
+    from .hub import SUMMARY_FILE
+
+    if not (ckpt / "extra.pt").is_file():
+        return
+    summary = torch.load(ckpt / "extra.pt", weights_only=True).get("training")
+    if isinstance(summary, dict):
+        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
 
 
 # -- HF -> checkpoint -----------------------------------------------------------------------------

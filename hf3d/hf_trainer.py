@@ -215,7 +215,9 @@ class Trainer(HFTrainer):
             taken = sorted({"params", "model", "optimizer_dict"} & set(kwargs))
             if taken:
                 raise ValueError(f"optim={self.args.optim!r} builds its own parameter groups ({taken}); hf3d cannot")
-            decay = set(self.get_decay_parameter_names(self.model.hf_model))  # names as ParallelOptimizer sees them
+            # names as ParallelOptimizer sees them; the Trainer's own method, so that a subclass overriding it is
+            # obeyed. Its default is hf3d's (build_optimizer(exclude_from_weight_decay=True), hf3d train's default)
+            decay = set(self.get_decay_parameter_names(self.model.hf_model))
             self.optimizer = build_optimizer(
                 self.model,
                 optimizer_cls,

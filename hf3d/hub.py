@@ -9,7 +9,8 @@ partial upload is never reported as success. `hf3d_training.json` is uploaded to
 machine-readable record of the run that the card was made from.
 
 Summary keys, all optional (a missing one leaves its part of the card out):
-    base_model       Hub id the run started from; None when trained from scratch or local weights
+    base_model       Hub id the weights descend from; None when trained from scratch or not known
+    started_from     name of the local folder (export or checkpoint) the run continued from, or None
     datasets         list of dataset names (the ones shaped like Hub ids go to the card metadata)
     license          default "apache-2.0"
     hyperparameters  dict, e.g. {"lr": 3e-4, "global_batch": 64, "seq_len": 2048, "steps": 1000}
@@ -113,6 +114,7 @@ def _check_summary(summary: Any) -> dict:
         raise HubError(f"the training summary must be a dict, got {type(summary).__name__}")
     expected = {
         "base_model": (str, type(None)),
+        "started_from": (str, type(None)),
         "datasets": list,
         "license": str,
         "hyperparameters": dict,
@@ -144,9 +146,13 @@ def _architecture(model_dir: Path) -> str:
 
 def _training_section(s: dict) -> list[str]:
     lines = ["## Training", ""]
-    base = s.get("base_model")
-    if base and _is_hub_repo(base):
-        lines.append(f"- Base model: [{base}](https://huggingface.co/{base})")
+    base, local = s.get("base_model"), s.get("started_from")
+    hub_base = f"[{base}](https://huggingface.co/{base})" if base and _is_hub_repo(base) else None
+    if local:
+        of = f" of {hub_base}" if hub_base else ""
+        lines.append(f"- Continued from `{Path(local).name}` (local weights{of})")
+    elif hub_base:
+        lines.append(f"- Base model: {hub_base}")
     else:
         lines.append(f"- Started from local weights (`{Path(base).name}`)" if base else "- Trained from scratch")
     if s.get("datasets"):

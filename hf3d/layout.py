@@ -61,3 +61,51 @@ def shard_range(total: int, num_shards: int, index: int) -> tuple[int, int]:
     assert total % num_shards == 0, (total, num_shards)
     size = total // num_shards
     return index * size, (index + 1) * size
+
+
+# -- boxes: the rectangles of global HF tensors that a flat range of a runtime parameter covers ------------
+def _flat_boxes(shape: tuple[int, ...], a: int, z: int) -> list[tuple[list[int], list[int], int]]:
+    """Split the row-major element range [a, z) of a 1-D or 2-D tensor into rectangles, each one a
+    contiguous run of elements: (offsets, sizes, first flat index)."""
+    if len(shape) == 1:
+        return [([a], [z - a], a)] if z > a else []
+    assert len(shape) == 2, f"hf3d checkpoints hold 1-D and 2-D tensors, got shape {shape}"
+    cols = shape[1]
+    (r0, c0), (r1, c1) = divmod(a, cols), divmod(z, cols)
+    if r0 == r1:
+        return [([r0, c0], [1, c1 - c0], a)] if c1 > c0 else []
+    out = []
+    if c0:
+        out.append(([r0, c0], [1, cols - c0], a))
+        r0 += 1
+    if r1 > r0:
+        out.append(([r0, 0], [r1 - r0, cols], r0 * cols))
+    if c1:
+        out.append(([r1, 0], [1, c1], r1 * cols))
+    return out
+
+
+def hf_boxes(param, flat, flat_start: int, a: int, z: int, *, owned_only: bool):
+    """The HF boxes of runtime parameter `param` over its element range [a, z).
+
+    `flat` is a 1-D tensor holding param's row-major elements from `flat_start` on (the parameter
+    itself, a ZeRO master fragment, or optimizer state shaped like it). Yields
+    (hf_name, hf_offsets, sizes, view of flat): runtime rows or columns map to HF ones through the
+    layout pieces; vocab padding (covered by no piece) is skipped, and so are replicas this rank does
+    not own when `owned_only`."""
+    shape = tuple(param.shape)
+    for offsets, sizes, start in _flat_boxes(shape, a, z):
+        n = 1
+        for s in sizes:
+            n *= s
+        box = flat[start - flat_start : start - flat_start + n].view(sizes)
+        for piece in get_pieces(param):
+            if owned_only and not piece.owner:
+                continue
+            d = piece.dim
+            lo, hi = max(offsets[d], piece.local_start), min(offsets[d] + sizes[d], piece.local_stop)
+            if lo >= hi:
+                continue
+            hf_off, hf_size = list(offsets), list(sizes)
+            hf_off[d], hf_size[d] = lo - piece.local_start + piece.hf_start, hi - lo
+            yield piece.hf_name, hf_off, hf_size, box.narrow(d, lo - offsets[d], hi - lo)

@@ -18,7 +18,7 @@ from .mesh import data_parallel_group
 from .pipeline import relay_forward, run_pipeline
 from .stage import StageModule
 from .tensor_parallel import IGNORE_INDEX
-from .vocab import check_vocab, raise_out_of_vocab, vocab_flag
+from .vocab import check_vocab, drop_out_of_vocab, raise_out_of_vocab, vocab_flag
 
 # HF call arguments that change nothing here (no KV cache while training; outputs are always a dataclass)
 IGNORED_KWARGS = {"use_cache", "return_dict", "num_items_in_batch", "output_attentions", "output_hidden_states"}
@@ -57,6 +57,11 @@ class ParallelModel(nn.Module):
         # train_step at pp=1 and under 1f1b: the lm_head matmul and the loss run chunk by chunk, with no
         # [tokens, vocab] logits (tensor_parallel._FusedHeadLoss); False runs the plain head + loss_terms
         self.fused_loss = True
+        # True (hf3d train): an id outside the vocabulary is reported by the next opt.step(), whose one host
+        # sync reads the flag with the grad norm, before any weight changes; False: train_step reads it at
+        # once (a sync before the forward). Either way the step raises the same ValueError.
+        self.deferred_checks = False
+        self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/rng.py), set by parallelize
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property
@@ -280,14 +285,22 @@ class ParallelModel(nn.Module):
             counts = torch.stack([num_tokens, out_of_vocab])
             dist.all_reduce(counts, group=dp_group)
             num_tokens, out_of_vocab = counts.unbind()
-        if out_of_vocab.item():
-            raise_out_of_vocab(
-                self, input_ids, given, dp_group=dp_group if self.dp_size > 1 else None, labels_name=name
-            )
+
+        full_ids = input_ids  # the rows as given (fail() names a bad id's place in them)
+
+        def fail() -> None:
+            raise_out_of_vocab(self, full_ids, given, dp_group=dp_group if self.dp_size > 1 else None, labels_name=name)
+
+        deferred = self.deferred_checks and self.grad_sync is not None
+        if not deferred and out_of_vocab.item():
+            fail()
         num_tokens = num_tokens.clamp_min(1.0)  # counted over the full rows: the global count on every cp rank
-        input_ids, targets = self.cp.split(input_ids), self.cp.split(targets)  # position_ids stay full
         if self.grad_sync is not None:
             self.grad_sync.start_step(m)
+        if deferred:  # the forward of a step that opt.step() will refuse must not index outside the vocabulary
+            self.grad_sync.defer_check(out_of_vocab, fail)
+            targets = drop_out_of_vocab(targets, self.config.vocab_size)
+        input_ids, targets = self.cp.split(input_ids), self.cp.split(targets)  # position_ids stay full
 
         z_loss = float(z_loss)
         if self.pcfg.pp == 1:

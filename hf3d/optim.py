@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import hf_boxes
+from . import optim_state
 from .grad_buffer import Bucket, GradBuffer
 from .layout import get_pieces
 from .mesh import data_parallel_group
@@ -95,6 +95,11 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self._step_started = False
         self.last_step_skipped = False
         self.last_grad_norm: torch.Tensor | None = None
+        # the one host read of a step: the grad norm, the scalars handed to read_with_step and the flags
+        # of checks deferred by train_step, read together in step() (last_values: the floats)
+        self.last_values: dict[str, float] = {}
+        self._riders: dict[str, torch.Tensor] = {}
+        self._deferred: list[tuple[torch.Tensor, Callable[[], None]]] = []
         # torch.optim.Optimizer's bookkeeping (hooks, step patching), over the very same group dicts
         torch.optim.Optimizer.__init__(self, self.optimizer.param_groups, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
@@ -142,6 +147,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
         """fp32 master fragments for the elements this rank steps. With fp32 parameters the master is
         the parameter's own storage (a view): no second copy, no write-back."""
         self._aliased = self.param_dtype == torch.float32
+        rule = exclude_from_weight_decay
+        if rule is True:
+            stock = no_decay_names(self.pmodel.hf_model)
+            rule = lambda name, _p: name in stock  # noqa: E731
         decay, no_decay = [], []
         self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
         for b in self.buckets:
@@ -154,16 +163,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 flat = p.detach().view(-1)[a - start : z - start]
                 master = flat if self._aliased else flat.float().clone()
                 self._masters.append((p, master, a, z))
-                name = self.names[id(p)]
-                if callable(exclude_from_weight_decay):
-                    excluded = exclude_from_weight_decay(name, p)
-                else:
-                    excluded = exclude_from_weight_decay and (
-                        p.dim() < 2 or "embed_tokens" in name or "lm_head" in name
-                    )
-                (no_decay if excluded else decay).append(master)
+                (no_decay if rule and rule(self.names[id(p)], p) else decay).append(master)
         self._param_groups = [{"params": decay}]
-        if no_decay or callable(exclude_from_weight_decay):  # a rule: the same groups on every rank
+        if rule:  # the same groups on every rank, whatever parameters its fragments hold
             self._param_groups.append({"params": no_decay, "weight_decay": 0.0})
 
     # -- gradient path -----------------------------------------------------------------------------
@@ -176,6 +178,31 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self._step_started = True
         for buf in self.buffers:
             buf.start_step(num_microbatches)
+
+    def read_with_step(self, **scalars: torch.Tensor) -> None:
+        """Scalar tensors (the loss, a stop flag, ...) to read on the host in the next step()'s one sync,
+        together with the grad norm; their floats are in `last_values` after it."""
+        self._riders.update(scalars)
+
+    def defer_check(self, flag: torch.Tensor, fail: Callable[[], None]) -> None:
+        """A check of this step's input found on the device: the next step() reads `flag` in its one
+        sync and, when it is nonzero, calls `fail` (which raises) before any weight changes."""
+        self._deferred.append((flag, fail))
+
+    def _read_values(self, norm: torch.Tensor) -> dict[str, float]:
+        """The step's one host sync: the norm, the riders and the deferred flags in one small tensor. A
+        raised check leaves the weights and the optimizer state untouched and the gradients zeroed."""
+        named = {"grad_norm": norm, **self._riders}
+        checks, self._riders, self._deferred = self._deferred, {}, []
+        scalars = [t.detach().float().reshape(()).to(norm.device) for t in named.values()]
+        host = torch.stack(scalars + [flag.float().reshape(()) for flag, _ in checks]).tolist()
+        self.last_values = dict(zip(named, host))
+        for (_, fail), bad in zip(checks, host[len(named) :]):
+            if bad:
+                self._step_started = False
+                self.zero_grad()
+                fail()
+        return self.last_values
 
     def finish_grad_sync(self) -> None:
         """Collect any gradients the hooks did not take, run the remaining collectives, wait."""
@@ -197,15 +224,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def step(self, closure=None) -> torch.Tensor:
         """Reduce gradients, clip to max_grad_norm, step the shard, sync params. Returns the
         pre-clip global grad norm (also kept as last_grad_norm); a non-finite norm skips the update
-        (step_was_skipped). `closure` is not supported: hf3d computes the loss in train_step."""
+        (step_was_skipped). One host sync: the norm, read with whatever `read_with_step` and
+        `defer_check` queued. `closure` is not supported: hf3d computes the loss in train_step."""
         if closure is not None:
             raise ValueError("ParallelOptimizer.step takes no closure: run pmodel.train_step or pmodel(**batch) first")
         self.finish_grad_sync()
         norm = self.grad_norm()
         self.last_grad_norm = norm
-        self.last_step_skipped = not math.isfinite(norm.item())
+        value = self._read_values(norm)["grad_norm"]
+        self.last_step_skipped = not math.isfinite(value)
         if self.last_step_skipped:
-            warnings.warn(f"grad norm is {norm.item()}: optimizer step skipped", stacklevel=2)
+            warnings.warn(f"grad norm is {value}: optimizer step skipped", stacklevel=2)
             self._step_started = False
             return norm
         if self.max_grad_norm is not None and self.max_grad_norm > 0:
@@ -249,76 +278,31 @@ class ParallelOptimizer(torch.optim.Optimizer):
             for p in b.params:
                 p.grad = None
 
-    # -- state dict: HF names and global offsets, independent of the mesh ---------------------------
+    # -- state dict: HF names and global offsets, independent of the mesh (hf3d/optim_state.py) -----
     def state_keys(self) -> list[str]:
         """Names of the wrapped optimizer's per-element state on this rank (exp_avg, ...)."""
-        return sorted(
-            {k for st in self.optimizer.state.values() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
-        )
+        return optim_state.state_keys(self)
 
     @property
     def num_steps(self) -> int:
         """Updates applied so far, as the wrapped optimizer counts them (0 before the first)."""
-        steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]
-        return max(steps, default=0)
+        return optim_state.num_steps(self)
 
     def group_settings(self) -> list[dict]:
         """Each parameter group's hyperparameters (lr, betas, weight_decay, ...), without its tensors."""
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-
-    def _state_boxes(self, keys, *, create: bool):
-        """(key, hf_name, hf_offsets, sizes, view) over this rank's master fragments: "master" and the
-        wrapped optimizer's per-element state; `create` makes zero state where there is none yet."""
-        for p, master, a, z in self._masters:
-            s = self._flat_range[id(p)][0]
-            st = self.optimizer.state[master] if create else self.optimizer.state.get(master, {})
-            sources = {"master": master}
-            for k in keys:
-                if create and k not in st:
-                    st[k] = torch.zeros_like(master)
-                sources[k] = st[k]
-            for key, flat in sources.items():
-                for name, off, size, view in hf_boxes(p, flat, a - s, a - s, z - s, owned_only=False):
-                    yield key, name, off, size, view
+        return optim_state.group_settings(self)
 
     def state_dict(self) -> dict:
         """{"state": {hf_name: {key: [(hf_offsets, tensor), ...]}}, "step": n, "param_groups": [...]}: the
         boxes of global HF tensors this rank steps (its ZeRO shard), "master" (fp32 master weights) and
         the wrapped optimizer's per-element state (exp_avg, ...). No collective and no full tensors: the
         dicts of all ranks together cover every element, and `load_state_dict` reads any mesh's boxes."""
-        out: dict[str, dict] = {}
-        for key, name, off, _, view in self._state_boxes(self.state_keys(), create=False):
-            out.setdefault(name, {}).setdefault(key, []).append((off, view.clone()))
-        return {"state": out, "step": self.num_steps, "param_groups": self.group_settings()}
+        return optim_state.state_dict(self)
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state_dict() output of any mesh (the "state" of several ranks merged: lists joined)."""
-        keys = sorted({k for per_name in state_dict["state"].values() for k in per_name} - {"master"})
-        for key, name, off, size, view in self._state_boxes(keys, create=True):
-            covered = 0
-            for soff, chunk in state_dict["state"].get(name, {}).get(key, []):
-                lo = [max(o, so) for o, so in zip(off, soff)]
-                hi = [min(o + n, so + c) for o, n, so, c in zip(off, size, soff, chunk.shape)]
-                if any(a >= b for a, b in zip(lo, hi)):
-                    continue
-                dst, src = view, chunk
-                for d, (a, b) in enumerate(zip(lo, hi)):
-                    dst, src = dst.narrow(d, a - off[d], b - a), src.narrow(d, a - soff[d], b - a)
-                dst.copy_(src)
-                covered += dst.numel()
-            if covered < view.numel():
-                raise ValueError(f"optimizer state has no {key!r} for part of {name!r} at offsets {off}")
-        for group in self.optimizer.param_groups if keys else ():  # no state yet: the optimizer starts fresh
-            # torch's own placement: fused and capturable kernels read the step on the param's device
-            on_device = group.get("fused") or group.get("capturable")
-            for master in group["params"]:
-                if master in self.optimizer.state:
-                    device = master.device if on_device else "cpu"
-                    step = torch.tensor(float(state_dict["step"]), dtype=torch.float32, device=device)
-                    self.optimizer.state[master]["step"] = step
-        for group, saved in zip(self.optimizer.param_groups, state_dict.get("param_groups", [])):
-            group.update({k: v for k, v in saved.items() if k in group})
+        optim_state.load_state_dict(self, state_dict)
         self._write_back()
 
     # -- reporting ---------------------------------------------------------------------------------
@@ -344,6 +328,20 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def step_was_skipped(self) -> bool:
         """The last step() found a non-finite grad norm and left the weights unchanged."""
         return self.last_step_skipped
+
+
+def no_decay_names(module: nn.Module) -> set[str]:
+    """The parameters hf3d's default rule (exclude_from_weight_decay=True) does not decay: every bias and
+    the weights of normalization layers (LayerNorm, RMSNorm and the model families' own *Norm classes,
+    such as Qwen3's q_norm / k_norm). Embeddings and lm_head are decayed. This is the transformers
+    Trainer's rule (Trainer.get_decay_parameter_names) on every supported family."""
+    out = set()
+    for mname, m in module.named_modules():
+        is_norm = isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.endswith("Norm")
+        for pname, _ in m.named_parameters(prefix=mname, recurse=False):
+            if is_norm or "bias" in pname.rsplit(".", 1)[-1]:
+                out.add(pname)
+    return out
 
 
 def _owned_runs(p: torch.Tensor) -> list[tuple[int, int]]:
@@ -418,9 +416,11 @@ def build_optimizer(
     (reduce-scatter + all-gather), "all_to_all" (all-to-all + local sum, then one broadcast per
     shard: the same bytes, faster on gloo), "all_reduce" (all-reduce of the gradients and of the
     zero-padded parameters: twice the bytes) or "auto" (all_to_all on gloo, reduce_scatter elsewhere).
-    exclude_from_weight_decay: True for no decay on norms, biases and embeddings, or a rule
-    `(runtime_name, param) -> bool` picking the parameters without decay (hf3d.Trainer passes
-    transformers' own). Other keyword arguments go to optimizer_cls. Classes with a fused kernel
+    exclude_from_weight_decay: False decays every parameter (torch.optim.AdamW over model.parameters());
+    True leaves biases and norm weights undecayed and decays the rest, embeddings included (the
+    transformers Trainer's rule, see `no_decay_names`); or a rule `(runtime_name, param) -> bool`
+    picking the parameters without decay (hf3d.Trainer passes the Trainer's own). Other keyword
+    arguments go to optimizer_cls. Classes with a fused kernel
     (AdamW, Adam, SGD, Adagrad) get `fused=True` unless `fused` or `foreach` is given: one kernel over
     this rank's flat fp32 fragments (AdamW over 8.4M elements on one CPU thread: 5.4 ms, torch's
     default per-tensor loop 18.7 ms).

@@ -24,6 +24,7 @@ from .layout import get_pieces
 from .mesh import build_mesh, device_type, init_distributed
 from .model import ParallelModel
 from .models import TPContext, get_adapter
+from .rng import DropoutRNG
 from .stage import StageModule, layer_costs, split_layers, stage_ranks
 
 
@@ -87,9 +88,10 @@ def parallelize(
     )
 
     tp_group = mesh.get_group("tp")
-    ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype)
     pp_rank = mesh.get_local_rank("pp")
     cp = CPContext(mesh.get_group("cp"), mesh.get_local_rank("cp"), pcfg.cp)
+    rng = DropoutRNG((pp_rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp")), device)
+    ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype, rng)
 
     layer_split = split_layers(pcfg.num_stages, *layer_costs(config))
     owners = stage_ranks(pcfg.num_stages, pcfg.pp, pcfg.pp_schedule)
@@ -131,10 +133,11 @@ def parallelize(
             stage_index=s,
             recompute=[pcfg.recomputes(i) for i in layer_split[s]],
             cp=cp,
+            dropout_rng=rng if getattr(config, "attention_dropout", 0.0) else None,
         )
         for s in my_stages
     ]
-    return ParallelModel(
+    pmodel = ParallelModel(
         hf_model,
         stages,
         mesh=mesh,
@@ -145,6 +148,8 @@ def parallelize(
         layer_split=layer_split,
         cp=cp,
     )
+    pmodel.dropout_rng = rng
+    return pmodel
 
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
@@ -187,6 +192,35 @@ def override_config(config: PretrainedConfig, overrides: dict, *, loading_weight
     except (KeyError, ValueError, TypeError, StrictDataclassError) as e:
         reason = " ".join(str(e).split())  # one line
         raise ValueError(f"config_overrides {overrides!r} make an invalid config: {reason}") from None
+
+
+RESETTABLE = (*ROPE_KEYS, "max_position_embeddings")
+
+
+def set_rope(pmodel: ParallelModel, overrides: dict, *, base_config: PretrainedConfig | None = None) -> None:
+    """Change a built model's RoPE settings in place (a long-context stage): the config becomes
+    `override_config(base_config, overrides)`, and every stage's rotary module is rebuilt from it (stock
+    class; its buffers are computed, not trained). base_config: the config before any override (the
+    same result whatever was applied before); default: the model's current config.
+
+    overrides: rope_theta, rope_scaling / rope_parameters and max_position_embeddings only. The config
+    object is updated in place, so every module holding it (attention, masks, save_pretrained) sees the
+    new values; the weights, the optimizer and the pipeline schedule are untouched."""
+    unknown = sorted(k for k in overrides if k not in RESETTABLE)
+    if unknown:
+        raise ValueError(f"set_rope: {', '.join(unknown)} cannot change on a built model; use {', '.join(RESETTABLE)}")
+    config = pmodel.config
+    new = override_config(base_config or config, overrides, loading_weights=True)
+    old_values, new_values = config.to_dict(), new.to_dict()
+    for key in ("rope_parameters", "max_position_embeddings", "rope_scaling", "rope_theta"):
+        if key in new_values and new_values[key] != old_values.get(key):
+            setattr(config, key, copy.deepcopy(new_values[key]))
+    base = pmodel.hf_model.model
+    with torch.device(pmodel.device):
+        rotary = type(base.rotary_emb)(config=config)
+    base.rotary_emb = rotary
+    for stage in pmodel.stages:
+        stage.rotary_emb = rotary
 
 
 def _rope_dict(value, name: str) -> dict:

@@ -41,9 +41,14 @@ def _ema(values: list[float], span: int) -> list[float]:
     return out
 
 
-def plot_loss_curve(metrics_jsonl: Path, out_png: Path, *, title: str | None = None) -> Path | None:
+def plot_loss_curve(
+    metrics_jsonl: Path, out_png: Path, *, title: str | None = None, stages: list[tuple[int, str]] = ()
+) -> Path | None:
     """Draw train loss against step from a metrics.jsonl, with `eval_loss` points where records have
     them, into `out_png`; returns its path, or None when matplotlib is not installed.
+
+    stages: (start_step, name) of the data stages; each start after step 0 inside the plotted steps is
+    marked by a vertical line with the stage's name (a stage starting at step s is the record of step s + 1 on).
 
     The y axis is logarithmic when the losses span more than a factor of 3. When records carry
     `consumed_tokens` (or `tokens`, cumulative), a top axis shows tokens. Raises ValueError when the
@@ -78,6 +83,19 @@ def plot_loss_curve(metrics_jsonl: Path, out_png: Path, *, title: str | None = N
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # 3, 4, 6 rather than 3x10^0
         if max(every) / min(every) < 10:  # within a decade the minor ticks are the only labels
             ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    for x, name in stage_marks(stages, steps + eval_steps):
+        ax.axvline(x, color="tab:gray", lw=1, ls=":")
+        ax.annotate(
+            name,
+            (x, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            fontsize=8,
+            color="tab:gray",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, which="both", alpha=0.3)
@@ -92,6 +110,14 @@ def plot_loss_curve(metrics_jsonl: Path, out_png: Path, *, title: str | None = N
     fig.savefig(tmp, format="png")
     tmp.replace(out_png)
     return out_png
+
+
+def stage_marks(stages: list[tuple[int, str]], steps: list[float]) -> list[tuple[float, str]]:
+    """Where the stage lines go: between the last record of one stage and the first of the next."""
+    if not steps:
+        return []
+    lo, hi = min(steps), max(steps)
+    return [(start + 0.5, name) for start, name in stages if start > 0 and lo <= start + 0.5 <= hi]
 
 
 def _token_axis(ax, records: list[dict]):

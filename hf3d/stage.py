@@ -8,7 +8,8 @@ and the final norm + lm_head (last stage), which returns this rank's vocab shard
 
 Activation recompute wraps a layer's call, while grad is enabled, in non-reentrant
 `torch.utils.checkpoint`: the layer keeps only its inputs and runs its forward again (its tensor-
-parallel collectives included, in the same order on every tp rank) when backward reaches it.
+parallel collectives included, in the same order on every tp rank) when backward reaches it. With
+attention dropout, the recomputed forward draws the first forward's masks again (hf3d/rng.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StageModule(nn.Module):
         stage_index: int,
         recompute: list[bool] | None = None,
         cp: CPContext | None = None,
+        dropout_rng=None,
     ):
         super().__init__()
         base = hf_model.model
@@ -49,6 +51,7 @@ class StageModule(nn.Module):
         self.recompute = list(recompute) if recompute is not None else [False] * len(self.layers)
         assert len(self.recompute) == len(self.layers)
         self.cp = cp if cp is not None and cp.active else None
+        self.dropout_rng = dropout_rng  # when the layers draw dropout masks: recompute replays them
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """x: token ids [b, s] (first stage) or hidden states [b, s(/tp under SP), h].
@@ -80,6 +83,8 @@ class StageModule(nn.Module):
             kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **varlen)
             kwargs["position_embeddings"] = position_embeddings
             if again and torch.is_grad_enabled():
+                if self.dropout_rng is not None and layer.training:
+                    kwargs["context_fn"] = self.dropout_rng.recompute_context
                 hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
             else:
                 hidden = layer(hidden, **kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,7 +52,8 @@ class ModelConfig:
     rope_scaling: dict | None = None
     """Override the RoPE scaling, e.g. {rope_type: linear, factor: 2.0}; written into the exported config."""
     max_position_embeddings: int | None = None
-    """Override the model's maximum sequence length; written into the exported config."""
+    """Override the model's maximum sequence length; written into the exported config. Data stages may
+    change these three from their start step on (data.stages[].rope_theta, ...)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -74,9 +76,11 @@ class OptimConfig(ScheduleConfig):
     bucket_size: int = 2**22
     """Elements per gradient bucket (data-parallel communication unit)."""
     exclude_from_weight_decay: bool | list[str] = True
-    """true: no decay for norms, biases and embeddings; false: decay everything; or a list of name
-    patterns (fnmatch, e.g. ["*norm*", "*.bias", "model.embed_tokens.*"]) matched against parameter
-    names (the HF names; fused projections are named qkv_proj / gate_up_proj)."""
+    """true: the transformers Trainer's rule, as hf3d.Trainer and build_optimizer(exclude_from_weight_decay=
+    True) apply it: no decay for biases and norm weights, decay for everything else, embeddings and lm_head
+    included; false: decay everything; or a list of name patterns (fnmatch, e.g. ["*norm*", "*.bias",
+    "model.embed_tokens.*"]) matched against parameter names (the HF names; fused projections are named
+    qkv_proj / gate_up_proj)."""
     z_loss: float = 0.0
     """Coefficient of the z-loss (PaLM): z · mean log²(sum of exp of the logits); 0 turns it off. The
     logged loss stays the cross-entropy."""
@@ -281,20 +285,26 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
             f"run.global_batch={r.global_batch} is not divisible by dp·num_microbatches = {dp}·{m} = {dp * m}: "
             f"use a multiple of {dp * m}"
         )
-    seq, max_pos = cfg.data.seq_len, cfg.model.max_position_embeddings or model_config.max_position_embeddings
-    if max_pos is not None and seq > max_pos:
-        raise ValueError(
-            f"data.seq_len={seq} is longer than the model's max_position_embeddings={max_pos}: shorten "
-            "data.seq_len, or raise model.max_position_embeddings (with model.rope_scaling/rope_theta for RoPE)"
-        )
+    stages = cfg.data.resolved_stages()
+    for i, stage in enumerate(stages):
+        _check_stage_model(cfg, i, stage, model_config)
+        if cfg.data.stages and cfg.data.stages[i].seq_len is not None:  # a stage's own length cuts over cp too
+            sp = p.sequence_parallel
+            check_cp_seq_len(stage.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=sp, where=f"data.stages[{i}].seq_len")
+    seq = stages[0].seq_len
+    ends = [s.start_step for s in stages[1:]] + [r.steps]
+    total = sum(
+        r.global_batch * s.seq_len * (max(s.start_step, min(end, r.steps)) - s.start_step)
+        for s, end in zip(stages, ends)
+    )
     tokens = r.global_batch * seq
     lines = [
         f"tokens per step: {tokens:,} ({r.global_batch} rows of {seq} over dp={dp}, {m} micro-batches of "
-        f"{r.global_batch // dp // m} rows per rank); tokens in all: {tokens * r.steps:,} over {r.steps} steps"
+        f"{r.global_batch // dp // m} rows per rank); tokens in all: {total:,} over {r.steps} steps"
     ]
     lines += describe_schedule(cfg.optim, r.steps)
     decay = decay_start_step(cfg.optim, r.steps)
-    for start, name in stage_starts(cfg.data):
+    for (start, name), stage in zip(stage_starts(cfg.data), stages):
         if start >= r.steps:
             raise ValueError(
                 f"data stage {name!r} starts at step {start}, at or after the run's last step ({r.steps}): "
@@ -310,8 +320,48 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
             where = (
                 f" — {abs(start - decay)} steps {'after' if start > decay else 'before'} the lr decay start ({decay})"
             )
+        if (stage.seq_len, stage.model_overrides()) != (seq, stages[0].model_overrides()):
+            model = "".join(f", {k} {v}" for k, v in stage.model_overrides().items())
+            where += f"; seq_len {stage.seq_len} ({r.global_batch * stage.seq_len:,} tokens per step){model}"
         lines.append(f"data stage {name!r} starts at step {start}{where}")
     return lines
+
+
+def stage_model_overrides(cfg: TrainConfig, stage) -> dict:
+    """The model settings a resolved data stage runs with: model.* overridden by the stage's (and earlier stages')."""
+    return {**cfg.model.overrides(), **stage.model_overrides()}
+
+
+def _check_stage_model(cfg: TrainConfig, i: int, stage, model_config) -> None:
+    """A stage's RoPE settings make a valid config, and its rows fit the model's positions."""
+    from .parallelize import override_config
+
+    overrides = stage_model_overrides(cfg, stage)
+    where = f"data stage {stage.name!r}" if cfg.data.stages else "the model"
+    try:
+        config = override_config(model_config, overrides, loading_weights=False) if overrides else model_config
+    except (TypeError, ValueError) as e:  # config_overrides['rope_scaling'] -> rope_scaling
+        msg = re.sub(r"config_overrides\['(\w+)'\]", r"\1", str(e)).replace("config_overrides", "the RoPE settings")
+        key = f"data.stages[{i}] ({stage.name})" if cfg.data.stages else "model"
+        raise ValueError(f"{key}: {msg}") from None
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is None or stage.seq_len <= max_pos:
+        return
+    given = [j for j, s in enumerate(cfg.data.stages[: i + 1]) if s.seq_len is not None]
+    key = f"data.stages[{given[-1]}].seq_len" if given else "data.seq_len"
+    rope = {k: v for k, v in overrides.items() if k != "max_position_embeddings"}
+    if not rope:
+        raise ValueError(
+            f"{key}={stage.seq_len} is longer than the model's max_position_embeddings={max_pos}"
+            f"{' in ' + where if cfg.data.stages else ''} and "
+            "no RoPE setting changes: shorten it, or raise max_position_embeddings with rope_theta or "
+            "rope_scaling (model.* or in the stage)"
+        )
+    raise ValueError(
+        f"{key}={stage.seq_len} is longer than the max_position_embeddings={max_pos} of {where}, which changes "
+        f"RoPE ({', '.join(rope)}): set max_position_embeddings to at least {stage.seq_len} there (the exported "
+        "config.json says it)"
+    )
 
 
 def stage_starts(data: DataConfig) -> list[tuple[int, str]]:

@@ -26,6 +26,7 @@ import yaml
 from .attention import flash_attn_installed, resolve_attn_implementation
 from .checkpoint import finish_save, is_complete, load_checkpoint, resolve_resume, save_checkpoint
 from .faults import RunState, leave, store_barrier
+from .hub import SUMMARY_FILE
 from .mesh import device_type, on_rank0
 from .metrics import (
     MetricsWriter,
@@ -36,6 +37,8 @@ from .metrics import (
     tracker_install_hint,
 )
 from .metrics import throughput as throughput_metrics
+from .rng import seed_streams
+from .rope_stages import StageRoPE
 from .schedules import build_lr_scheduler
 from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 
@@ -124,8 +127,10 @@ class _Run:
     saved: dict = dataclasses.field(default_factory=dict)
     resume_from: Path | None = None
     saved_to: Path | None = None
+    schedule_change: str | None = None  # the resume line when run.steps changed (_schedule_change)
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # of one device, when known (MFU)
+    rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
 
 
 def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
@@ -145,11 +150,10 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     health = StepHealth(r, skipped=int(run.saved.get("skipped_steps", 0)) if run.start else 0)
     for step in range(run.start, r.steps):
         state.step = step + 1
-        record = _step(run, step, health)
+        record, signum = _step(run, step, health, stop)
         if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
             record["eval_loss"] = evaluate(run.pmodel, eval_batches)
             record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
-        signum = stop.agreed()
         metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
         _checkpoint_and_stop(run, step, record, health, signum)
         if run.trackers:
@@ -163,6 +167,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     bar.close()
     for tracker in run.acc.trackers:  # not acc.end_training(): it would also end torch.distributed
         tracker.finish()
+    run.rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
     _finish(cfg, run.pmodel, run.out, metrics.path, record, run.rank0)
     return record
 
@@ -170,6 +175,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
 def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str]]:
     """Checks, then the model, the data pipeline, the optimizer and the accelerate front end."""
     from accelerate import Accelerator
+    from tqdm.auto import tqdm
 
     from . import build_optimizer, prepare
     from .data import DataPipeline
@@ -179,7 +185,8 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
         torch.use_deterministic_algorithms(True)
     init_distributed(cfg.run.collective_timeout_s)
-    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=_model_config(cfg.model))
+    base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
+    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
     pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer
@@ -207,13 +214,15 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
         bucket_size=o.bucket_size,
         exclude_from_weight_decay=o.no_decay_rule(),
     )
+    pmodel.deferred_checks = True  # a bad id is read in opt.step()'s one host sync (hf3d/model.py)
     out = Path(cfg.run.output_dir)
     trackers, missing = available_trackers(cfg.run.report_to)
     # the loop is an accelerate loop: trackers, and the same refusals as any hf3d.prepare user
     acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=trackers or None, project_dir=str(out))
     pmodel, opt = prepare(acc, pmodel, opt)
     run = _Run(cfg, pmodel, opt, pipe, acc, out, rank0=dist.get_rank() == 0, trackers=trackers)
-    run.flops_per_token, run.peak_flops = flops_per_token(pmodel.config, cfg.data.seq_len), device_peak_flops()
+    run.peak_flops = device_peak_flops()
+    run.rope = StageRoPE(cfg, pmodel, pipe, base_config, tqdm.write if run.rank0 else None)
     return run, derived, missing
 
 
@@ -222,7 +231,7 @@ def _resume(run: _Run) -> None:
     cfg, opt = run.cfg, run.opt
     o, r, c = cfg.optim, cfg.run, cfg.checkpoint
     run.resume_from = resolve_resume(c.resume, run.out / "checkpoints")
-    torch.manual_seed(r.seed)  # a resumed run takes every rank's RNG state from the checkpoint instead
+    seed_streams(run.pmodel, r.seed)  # per-rank dropout streams; a resume at this mesh restores them instead
     offset = 0
     if run.resume_from is not None:
         step = load_checkpoint(run.resume_from, run.pmodel, opt if c.load_optimizer else None, extra=run.saved)
@@ -241,6 +250,23 @@ def _resume(run: _Run) -> None:
     run.sched = build_lr_scheduler(opt, o, max(1, r.steps - offset))  # a complete run (start == steps) trains nothing
     if run.resume_from is not None and c.load_scheduler and "scheduler" in run.saved:
         run.sched.load_state_dict(run.saved["scheduler"])
+        run.schedule_change = _schedule_change(run)
+
+
+def _schedule_change(run: _Run) -> str | None:
+    """One line when a resumed schedule's length differs from the one the checkpoint was trained under:
+    the schedule is rebuilt over the new run.steps at the same position, so the lr can move at once
+    (under cosine or linear it jumps; under WSD only the stable phase changes until the decay)."""
+    old, new = run.saved.get("run_steps"), run.cfg.run.steps
+    if old is None or old == new or run.start == new:
+        return None
+    before = run.saved.get("lr")
+    after = run.opt.param_groups[0]["lr"]
+    was = f"lr {before:.3g} at step {run.start}, " if before is not None else ""
+    return (
+        f"run.steps changed from {old} to {new} since the checkpoint: the {run.cfg.optim.schedule} schedule now "
+        f"spans {new} steps instead of {old}: {was}lr {after:.3g} at step {run.start + 1}"
+    )
 
 
 def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
@@ -264,6 +290,8 @@ def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
             parts = [k for k in ("optimizer", "scheduler", "step", "data_position") if getattr(c, f"load_{k}")]
             restored = ", ".join(parts) or "weights only"
             say(f"hf3d: resumed from {run.resume_from} at step {run.start} (restored: {restored})")
+            if run.schedule_change:
+                say(f"hf3d: {run.schedule_change}")
         if run.start == cfg.run.steps:
             say(f"hf3d: the run is complete at step {run.start} (run.steps); writing its final outputs again")
     if run.trackers:
@@ -275,11 +303,15 @@ def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
         run.acc.init_trackers("hf3d", config=flat)
 
 
-def _step(run: _Run, step: int, health: StepHealth) -> dict:
-    """One optimizer step: batch, forward + backward, update, lr; returns its metrics record."""
+def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[dict, int]:
+    """One optimizer step: batch, forward + backward, update, lr; returns its metrics record and the
+    stop signal the ranks agreed on (0: none). One host sync: the loss, the z-loss, the stop flag and
+    the out-of-vocabulary flag are read with the grad norm inside opt.step()."""
     from tqdm.auto import tqdm
 
     cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
+    run.rope.enter(step)  # a stage with other RoPE settings: the model's change in place
+    run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step))
     lr = opt.param_groups[0]["lr"]
     t0 = time.perf_counter()
     batch = pipe.next_batch(step)
@@ -290,20 +322,25 @@ def _step(run: _Run, step: int, health: StepHealth) -> dict:
         position_ids=batch["position_ids"],
         z_loss=cfg.optim.z_loss,
     )
-    grad_norm = opt.step()
+    riders = {"loss": loss, "stop": stop.agree()}
+    if cfg.optim.z_loss:
+        riders["z_loss"] = pmodel.last_z_loss
+    opt.read_with_step(**riders)
+    opt.step()
+    values = opt.last_values
     run.sched.step()
     opt.zero_grad()
     elapsed = time.perf_counter() - t0
-    warning = health.check(step + 1, loss.item(), grad_norm.item(), opt)
+    warning = health.check(step + 1, values["loss"], values["grad_norm"], opt)
     if warning and run.rank0:
         tqdm.write(f"hf3d: {warning}")
     consumed = pipe.consumed_tokens
-    tokens_per_step = cfg.run.global_batch * cfg.data.seq_len
+    tokens_per_step = cfg.run.global_batch * pipe.seq_len(step)
     record = {
         "step": step + 1,
-        "loss": loss.item(),
+        "loss": values["loss"],
         "lr": lr,
-        "grad_norm": grad_norm.item(),
+        "grad_norm": values["grad_norm"],
         "tokens": sum(consumed.values()),
         "consumed_tokens": sum(consumed.values()),
         **{f"consumed_tokens/{name}": n for name, n in consumed.items()},
@@ -315,10 +352,10 @@ def _step(run: _Run, step: int, health: StepHealth) -> dict:
         "skipped_steps": health.skipped,
     }
     if cfg.optim.z_loss:
-        record["z_loss"] = float(pmodel.last_z_loss)
+        record["z_loss"] = values["z_loss"]
     if len(pipe.stage_starts) > 1:
         record["stage"] = pipe.stage_index(step)
-    return record
+    return record, int(values["stop"])
 
 
 def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth, signum: int) -> None:
@@ -330,6 +367,11 @@ def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth,
     if signum or (c.every and ((step + 1) % c.every == 0 or step + 1 == run.cfg.run.steps)):
         t1 = time.perf_counter()
         extra = {"scheduler": run.sched, "data": run.pipe, "tokens": record["tokens"], "skipped_steps": health.skipped}
+        # the schedule's length and this step's lr (a resume with another run.steps says how the lr moves),
+        # and the run's record so far, which `hf3d convert to-hf` writes beside the weights for the model card
+        extra.update(run_steps=run.cfg.run.steps, lr=record["lr"])
+        if run.rank0:  # extra.pt is written by rank 0, the only rank that writes metrics.jsonl
+            extra["training"] = training_summary(run.cfg, run.out / "metrics.jsonl", record)
         path = run.out / "checkpoints" / f"step_{step + 1}"
         run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
         on_rank0(lambda: finish_save(run.out / "checkpoints", c.keep_last))
@@ -371,7 +413,8 @@ def _finish(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: dict,
 
     curve = None
     if rank0:
-        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name)
+        stages = [(s.start_step, s.name) for s in cfg.data.resolved_stages()]
+        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name, stages=stages)
         tqdm.write(f"hf3d: loss curve {curve}" if curve else "hf3d: no loss curve (pip install matplotlib)")
     if not cfg.run.save_final:
         return
@@ -380,7 +423,7 @@ def _finish(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: dict,
     if rank0:
         if curve:
             shutil.copy2(curve, final / curve.name)
-        _write_summary(cfg, final, metrics_path, last)
+        (final / SUMMARY_FILE).write_text(json.dumps(training_summary(cfg, metrics_path, last), indent=1))
         tqdm.write(f"hf3d: wrote {final} (load it with AutoModelForCausalLM.from_pretrained)")
         if cfg.run.sample_prompt:
             text = _sample(final, cfg.run.sample_prompt)
@@ -458,9 +501,11 @@ class StepHealth:
 
 class StopSignal:
     """SIGTERM and SIGINT (preemption, Ctrl-C, torchrun forwarding either) end the run cleanly: the
-    handler only records the signal; after each step the ranks agree (one max all-reduce, so a signal
-    that reached one rank stops all), save a checkpoint of that step and exit with 128 + the signal
-    number (143 for SIGTERM, 130 for SIGINT). `checkpoint.resume: auto` then continues exactly."""
+    handler only records the signal; in each step, after the backward, the ranks agree (one max
+    all-reduce, so a signal that reached one rank stops all; its result is read in the step's one host
+    sync), then save a checkpoint of that step and exit with 128 + the signal number (143 for SIGTERM,
+    130 for SIGINT). A signal that comes later in a step stops the next one. `checkpoint.resume: auto`
+    then continues exactly."""
 
     def __init__(self, device: torch.device):
         self.device, self.received = device, 0
@@ -470,32 +515,32 @@ class StopSignal:
     def _record(self, signum, frame) -> None:
         self.received = signum
 
-    def agreed(self) -> int:
-        flag = torch.tensor(self.received, device=self.device)
+    def agree(self) -> torch.Tensor:
+        """The largest signal number any rank received (0: none), as a device tensor: no host sync."""
+        flag = torch.full((), self.received, dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag)
+        return flag
 
 
-def _write_summary(cfg: TrainConfig, final: Path, metrics_path: Path, last: dict) -> None:
-    """The run's record next to the exported weights (hf3d_training.json): the model card is made from it."""
-    from .hub import SUMMARY_FILE
-
-    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+def training_summary(cfg: TrainConfig, metrics_path: Path, last: dict) -> dict:
+    """The run's record (hf3d_training.json beside the exported weights; also in each checkpoint's extra,
+    which `hf3d convert to-hf` writes out): the model card is made from it (hf3d/hub.py)."""
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.is_file() else []
     curve = [[rec["step"], rec["loss"]] for rec in records]
     evals = [rec["eval_loss"] for rec in records if "eval_loss" in rec]
-    model_path = cfg.model.path
-    from_hub = not Path(model_path).exists() and model_path.count("/") == 1
+    base_model, started_from = starting_point(cfg.model.path)
     sources = sorted({s.label for stage in cfg.data.resolved_stages() for s in stage.sources})
     hyper = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if k != "bucket_size"}
     summary = {
-        "base_model": model_path if from_hub else None,
+        "base_model": base_model,
+        "started_from": started_from,
         "datasets": sources,
         "license": cfg.export.license,
         "hyperparameters": {
             **hyper,
             "steps": cfg.run.steps,
             "global_batch": cfg.run.global_batch,
-            "seq_len": cfg.data.seq_len,
+            "seq_len": cfg.data.resolved_stages()[-1].seq_len,
             "document_masking": cfg.data.document_masking,
             "dtype": cfg.model.dtype,
         },
@@ -506,7 +551,28 @@ def _write_summary(cfg: TrainConfig, final: Path, metrics_path: Path, last: dict
     }
     if evals:
         summary["final_eval_loss"] = evals[-1]
-    (final / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def starting_point(model_path: str) -> tuple[str | None, str | None]:
+    """(the Hub id the weights descend from, or None; the local folder's name they were loaded from, or
+    None). A local folder's own record names its Hub origin: an export's hf3d_training.json, a
+    checkpoint's training summary, or config.json's `_name_or_path` when it is a Hub id."""
+    path = Path(model_path)
+    if not path.exists():
+        return (model_path if model_path.count("/") == 1 else None), None
+    if not (path / "model.safetensors").is_file() and not is_complete(path) and not any(path.glob("*.safetensors")):
+        return None, None  # a config-only folder: initialised from scratch
+    recorded: dict = {}
+    if (path / SUMMARY_FILE).is_file():
+        recorded = json.loads((path / SUMMARY_FILE).read_text())
+    elif (path / "extra.pt").is_file():
+        recorded = torch.load(path / "extra.pt", weights_only=True).get("training") or {}
+    base = recorded.get("base_model")
+    if base is None and (path / "config.json").is_file():
+        name = json.loads((path / "config.json").read_text()).get("_name_or_path")
+        base = name if isinstance(name, str) and name.count("/") == 1 and not Path(name).exists() else None
+    return base, path.resolve().name
 
 
 def _push_final(cfg: TrainConfig, final: Path) -> None:

@@ -33,6 +33,14 @@ def vocab_flag(pmodel, input_ids: torch.Tensor, labels: torch.Tensor | None = No
     return flag
 
 
+def drop_out_of_vocab(targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Targets outside [0, vocab_size) ignored (-100), without a host sync: a step whose check was deferred
+    runs its forward on them before it is refused. Input ids need no such care: the vocab-parallel
+    embedding reads zeros for ids outside its rows."""
+    bad = (targets >= vocab_size) | ((targets < 0) & (targets != IGNORE_INDEX))
+    return targets.masked_fill(bad, IGNORE_INDEX)
+
+
 def raise_out_of_vocab(
     pmodel, input_ids: torch.Tensor, labels: torch.Tensor | None, *, dp_group, labels_name: str = "labels"
 ) -> NoReturn:

@@ -46,9 +46,8 @@ def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, positi
 def hf3d_run(pmodel, data, rows: slice, **opt_kwargs):
     import hf3d
 
-    opt = hf3d.build_optimizer(
-        pmodel, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP, **opt_kwargs
-    )
+    kw = dict(lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP) | opt_kwargs
+    opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, **kw)
     losses, norms = [], []
     for ids, labels in data:
         losses.append(pmodel.train_step(ids[rows], labels[rows]).item())

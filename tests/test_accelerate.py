@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from asserts import assert_close  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
@@ -168,17 +169,17 @@ def results(tmp_path_factory):
 def test_accelerate_loop_matches_stock(results, mesh):
     res, (ref_losses, ref_sd) = results
     got = res[mesh]
-    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref_losses)) <= LOSS_RTOL
+    assert_close(got["losses"], ref_losses, rtol=LOSS_RTOL, what=f"{mesh} loss")
     assert got["lrs"] == [LR * _lr_lambda(s) for s in range(STEPS)]  # the scheduler steps once per call
     assert got["weights"].keys() == {k for k in ref_sd if k != "lm_head.weight"}
-    assert max((got["weights"][k] - ref_sd[k]).abs().max().item() for k in got["weights"]) <= WEIGHT_ATOL
+    assert_close(got["weights"], {k: ref_sd[k] for k in got["weights"]}, atol=WEIGHT_ATOL, what=f"{mesh} weights")
 
 
 def test_save_state_at_tp2_loads_at_pp2(results):
     res, (ref_losses, _) = results
     got = res["resumed"]
     assert got["lrs"] == res["tp2"]["lrs"][SAVE_AT:]  # scheduler position restored
-    assert max(abs(a - b) / b for a, b in zip(got["losses"], ref_losses[SAVE_AT:])) <= LOSS_RTOL
+    assert_close(got["losses"], ref_losses[SAVE_AT:], rtol=LOSS_RTOL, what="resumed loss")
 
 
 @pytest.mark.parametrize(

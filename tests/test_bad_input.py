@@ -252,6 +252,9 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     (tmp / "models" / "linked" / "tokenizer.json").symlink_to(tmp / "secret.txt")
     fx["linked"] = str(tmp / "models" / "linked")
     fx["run"] = str(tmp / "run")  # the spawned process saves a checkpoint of the tiny SmolLM here
+    # ... and two here, the newest truncated (its marker intact)
+    fx["damaged_root"] = str(ck / "damaged" / "checkpoints")
+    fx["damaged_step"] = str(ck / "damaged" / "checkpoints" / "step_2")
     fx["hf_home"] = str(tmp / "hf-home")
     return fx
 
@@ -278,6 +281,13 @@ def _check_run(*overrides: str, world_size: int = 1) -> list[str]:
 
     cfg = _set("parallel.tp=1", *overrides)
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_SMOLLM))
+
+
+def _long_stage(fx, **keys) -> str:
+    """--set data.stages=[...]: a first stage, then a stage `long` from step 2 with `keys` (YAML flow values)."""
+    extra = "".join(f"{k}: {v}, " for k, v in keys.items())
+    good = f"sources: [{{path: {fx['good']}}}]"
+    return f"data.stages=[{{{good}}}, {{name: long, start_step: 2, {extra}{good}}}]"
 
 
 def _stages(fx, *starts: int) -> str:
@@ -371,10 +381,11 @@ def _lr_scheduler_lr_mismatch(fx):
 def _data_state(fx, **change):
     pipe = _pipe(fx, path=fx["good"])
     state = pipe.state_dict()
-    if "seq_len" in change:
-        state["seq_len"] = change["seq_len"]
-    else:
-        state["sources"]["good"]["num_windows"] += 7
+    if "seq_len" in change:  # the state of a run at another seq_len: no position at this one
+        state["sources"]["good"]["seq_len"] = change["seq_len"]
+        pipe.load_state_dict(state)
+        return pipe.summary()[-1]
+    state["sources"]["good"]["num_windows"] += 7
     pipe.load_state_dict(state)
 
 
@@ -408,6 +419,15 @@ def _push_local(fx, repo_id: str):
     from hf3d.hub import push_to_hub
 
     return push_to_hub(fx["llama"], repo_id, token="hf_not_used")
+
+
+def _auto_over_damaged(fx) -> str:
+    """`resume: auto` over a damaged newest checkpoint: the previous one, and the warning line printed."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        found = _resolve(fx, "auto", fx["damaged_root"])
+    lines = err.getvalue().splitlines()
+    return f"{lines[0] if len(lines) == 1 else lines} -> resumes from {found}"
 
 
 def _ckpt(fx) -> str:
@@ -463,6 +483,11 @@ def _dist_world(fx: dict, out: str) -> None:
     opt = hf3d.build_optimizer(smol, torch.optim.AdamW, lr=3e-3)
     hf3d.save_checkpoint(Path(fx["run"]) / "checkpoints" / "step_2", smol, opt, step=2)
     finish_save(Path(fx["run"]) / "checkpoints", keep_last=2)
+    # two checkpoints of a run, the newest one's largest file cut in half (its marker intact)
+    for step in (1, 2):
+        hf3d.save_checkpoint(Path(fx["damaged_root"]) / f"step_{step}", smol, opt, step=step)
+    largest = max(Path(fx["damaged_step"]).iterdir(), key=lambda f: f.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 2)
     # a checkpoint of another shape (hidden 72, not 48)
     wide = hf3d.parallelize(fx["llama_wide"], hf3d.ParallelConfig())
     wide_ckpt = Path(fx["tmp"]) / "ckpt" / "wide" / "step_1"
@@ -470,6 +495,7 @@ def _dist_world(fx: dict, out: str) -> None:
 
     pm = hf3d.parallelize(fx["llama"], hf3d.ParallelConfig())
     ctx = {"fx": fx, "pm": pm, "opt": hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3), "wide_ckpt": wide_ckpt}
+    ctx.update(smol=smol, smol_opt=opt)
     res = {}
     for case in CASES:
         if case.how == "dist":
@@ -656,6 +682,27 @@ CASES: list[Case] = [
         lambda fx: _set(_stages(fx, 0, 5, 3)),
         ["data.stages must be sorted by start_step: stage 2 starts at 3, not after stage 1 (5)"],
     ),
+    _c(
+        "config-stage-seq-len",
+        CFG,
+        "a data stage with `seq_len: 1`",
+        lambda fx: _set(_long_stage(fx, seq_len=1)),
+        ["data.stages[1].seq_len must be at least 2, got 1"],
+    ),
+    _c(
+        "config-stage-rope-theta",
+        CFG,
+        "a data stage with `rope_theta: -1`",
+        lambda fx: _set(_long_stage(fx, rope_theta=-1)),
+        ["data.stages[1].rope_theta must be > 0, got -1.0"],
+    ),
+    _c(
+        "config-eval-fraction-stage-seq-len",
+        CFG,
+        "`data.eval.fraction` with a first-stage source read at another seq_len later",
+        lambda fx: _set(_long_stage(fx, seq_len=64), "data.seq_len=32", "data.eval.fraction=0.1", "data.eval.every=2"),
+        ["data.eval.fraction holds out", "data.stages[1] reads 'good' at seq_len 64", "use data.eval.path"],
+    ),
     # --- --set and the command line (hf3d.cli.main in this process; real subprocesses) ------------------
     _c(
         "set-no-equals",
@@ -757,6 +804,32 @@ CASES: list[Case] = [
         lambda fx: (["convert", "to-hf", fx["partial_step"], f"{fx['tmp']}/hf-out"], f"{fx['tmp']}/hf-out"),
         ["hf3d convert: error: <tmp>/ckpt/partial/checkpoints/step_3 is not a complete hf3d checkpoint"],
         how="subprocess",
+    ),
+    _c(
+        "cli-resume-damaged",
+        SET,
+        "`checkpoint.resume: PATH` of a checkpoint whose largest file was truncated (marker intact; real subprocess)",
+        lambda fx: (
+            [
+                "train",
+                "examples/configs/tiny-smollm.yaml",
+                "--set",
+                *ONE_PROCESS,
+                f"checkpoint.resume={fx['damaged_step']}",
+                f"run.output_dir={fx['tmp']}/run-damaged",
+            ],
+            f"{fx['tmp']}/run-damaged",
+        ),
+        ["hf3d train: ", "checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where"],
+        how="subprocess",
+    ),
+    _c(
+        "cli-convert-damaged",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose largest file was truncated",
+        lambda fx: ["convert", "to-hf", fx["damaged_step"], f"{fx['tmp']}/hf-damaged"],
+        ["hf3d convert: error: checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where"],
+        how="main",
     ),
     _c(
         "cli-push-no-token",
@@ -874,6 +947,30 @@ CASES: list[Case] = [
         "`data.seq_len` beyond the model's positions",
         lambda fx: _check_run("data.seq_len=1024"),
         ["data.seq_len=1024 is longer than the model's max_position_embeddings=512"],
+    ),
+    _c(
+        "launch-stage-seq-len",
+        LAUNCH,
+        "a data stage's `seq_len` beyond the model's positions, RoPE unchanged",
+        lambda fx: _check_run("run.steps=10", _long_stage(fx, seq_len=1024)),
+        [
+            "data.stages[1].seq_len=1024 is longer than the model's max_position_embeddings=512 in data stage 'long'",
+            "no RoPE setting changes",
+        ],
+    ),
+    _c(
+        "launch-stage-rope-max-pos",
+        LAUNCH,
+        "a data stage that changes `rope_theta` for longer rows but not `max_position_embeddings`",
+        lambda fx: _check_run("run.steps=10", _long_stage(fx, seq_len=1024, rope_theta="1.0e+6")),
+        ["data.stages[1].seq_len=1024", "of data stage 'long', which changes RoPE (rope_theta)", "at least 1024"],
+    ),
+    _c(
+        "launch-stage-rope-scaling",
+        LAUNCH,
+        "a data stage's `rope_scaling` without the keys of its type",
+        lambda fx: _check_run("run.steps=10", _long_stage(fx, rope_scaling="{rope_type: linear}")),
+        ["data.stages[1] (long): the RoPE settings", "Missing required keys", "{'factor'}"],
     ),
     _c(
         "launch-stage-after-end",
@@ -1167,6 +1264,34 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "ckpt-load-damaged",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose largest file was truncated (marker intact)",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["damaged_step"], ctx["smol"], ctx["smol_opt"]),
+        ["checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where", "use another checkpoint"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-resume-damaged",
+        CKPT,
+        "`checkpoint.resume: PATH` of a checkpoint whose largest file was truncated",
+        lambda fx: _resolve(fx, fx["damaged_step"], fx["damaged_root"]),
+        ["checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where"],
+    ),
+    _c(
+        "ckpt-auto-damaged",
+        CKPT,
+        "`checkpoint.resume: auto` when the newest checkpoint's largest file was truncated",
+        _auto_over_damaged,
+        [
+            "hf3d: warning: skipping the damaged checkpoint <tmp>/ckpt/damaged/checkpoints/step_2",
+            "bytes where",
+            "-> resumes from <tmp>/ckpt/damaged/checkpoints/step_1",
+        ],
+        error=False,
+        behaviour="one warning line; resumes from the previous checkpoint",
+    ),
+    _c(
         "ckpt-save-unwritable",
         CKPT,
         "`hf3d.save_checkpoint` under a path that is a file",
@@ -1181,7 +1306,9 @@ CASES: list[Case] = [
         CKPT,
         "resume data state saved with another `data.seq_len`",
         lambda fx: _data_state(fx, seq_len=64),
-        ["the saved data state has data.seq_len=64, the config 16", "resume with data.seq_len=64"],
+        ["data source 'good' is read at seq_len 16 from its first window", "its position at seq_len 64 only"],
+        error=False,
+        behaviour="the source starts over at the new seq_len (a long-context stage); its old position is kept",
     ),
     _c(
         "ckpt-data-changed",
@@ -1229,6 +1356,23 @@ CASES: list[Case] = [
         "`save_pretrained` into a folder holding a file of the user's",
         lambda ctx: ctx["pm"].save_pretrained(ctx["fx"]["not_hf"]),
         ["<tmp>/ckpt/not-hf holds 'notes.txt', which hf3d does not write there", "never deletes other files"],
+        how="dist",
+    ),
+    _c(
+        "api-trainer-push-token",
+        API,
+        "`hf3d.Trainer` with TrainingArguments(push_to_hub=True, hub_token=...)",
+        lambda ctx: __import__("hf3d").Trainer(
+            model=ctx["pm"],
+            args=__import__("transformers").TrainingArguments(
+                output_dir=ctx["fx"]["tmp"] + "/trainer",
+                use_cpu=True,
+                push_to_hub=True,
+                hub_model_id="me/x",
+                hub_token="hf_x",
+            ),
+        ),
+        ["push_to_hub=True, hub_token=...", "inside training_args.bin", "HF_TOKEN"],
         how="dist",
     ),
     _c(
@@ -1410,7 +1554,7 @@ def run_all(tmp: Path) -> dict[str, Result]:
         )
         procs[case.id] = (proc, out_dir, before)
 
-    late = {"cli-resume-bad-data"}  # needs the checkpoint the spawned process writes
+    late = {"cli-resume-bad-data", "cli-resume-damaged"}  # need the checkpoints the spawned process writes
     for case in CASES:
         if case.how == "subprocess" and case.id not in late:
             start(case)

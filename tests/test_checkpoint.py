@@ -26,13 +26,14 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from asserts import assert_close  # noqa: E402
 from crafted import payloads  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d import checkpoint  # noqa: E402
+from hf3d import checkpoint, optim_state  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, SEQ, STEPS, SAVE_AT = 4, 16, 6, 3
@@ -74,6 +75,34 @@ def _train(pm, opt, data) -> list[float]:
 
 def _masters(opt) -> list[torch.Tensor]:
     return [m.detach().clone() for _, m, _, _ in opt._masters]
+
+
+def _steps(opt) -> list[tuple[str, str]]:
+    return sorted({(str(st["step"].device), str(st["step"].dtype)) for st in opt.optimizer.state.values()})
+
+
+def _step_placement(model_dir, ckpt: str) -> dict:
+    """Where AdamW's step lands after a load through load_checkpoint and through opt.load_state_dict.
+    With no GPU at hand, optim_state's placement rule is asked as if the masters lived on another
+    device (meta stands in for CUDA): a fused optimizer's step must follow them on both paths."""
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt = _opt(pm)  # fused=True: build_optimizer's default on CPU
+    hf3d.load_checkpoint(ckpt, pm, opt)
+    res = dict(fused=[g["fused"] for g in opt.optimizer.param_groups], cpu=_steps(opt), num_steps=opt.num_steps)
+    sd, rule = opt.state_dict(), optim_state.step_tensor
+    optim_state.step_tensor = lambda step, group, master: rule(step, group, master.to("meta"))
+    try:
+        for way in ("load_checkpoint", "load_state_dict"):  # each into a fresh optimizer
+            pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+            opt = _opt(pm)
+            if way == "load_checkpoint":
+                hf3d.load_checkpoint(ckpt, pm, opt)
+            else:
+                opt.load_state_dict(sd)
+            res[way] = _steps(opt)
+    finally:
+        optim_state.step_tensor = rule
+    return res
 
 
 # -- worker side ----------------------------------------------------------------------------------
@@ -128,6 +157,8 @@ def _resume_world(dirs, out: str) -> None:
             aliased=opt2._aliased,
         )
 
+    res["step_placement"] = _step_placement(model_dir, f"{out}/zero1->zero0")
+
     # a weights-only checkpoint: step 0, the optimizer left fresh
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
     opt = _opt(pm)
@@ -181,23 +212,19 @@ def saved(tmp_path_factory):
     return dict(save=torch.load(root / "save.pt")[0], resume=torch.load(root / "resume.pt")[0], root=root)
 
 
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_resume_on_another_mesh_continues_the_run(saved, name):
     src = RESUMES[name][0]
     got, want = saved["resume"][name], saved["save"][src][SAVE_AT:]
     assert got["step"] == SAVE_AT and got["extra"] == {"note": src}
-    assert max(_rel(a, b) for a, b in zip(got["losses"], want)) <= MESH_RTOL
+    assert_close(got["losses"], want, rtol=MESH_RTOL, what=f"{name} resumed loss")
 
 
 @pytest.mark.parametrize("name", ["zero1->zero0", "zero0->zero1"])
 def test_resume_across_zero_stages(saved, name):
     got = saved["resume"][name]
     assert got["step"] == SAVE_AT and got["params_equal"]
-    assert max(_rel(a, b) for a, b in zip(got["resumed"], got["uninterrupted"])) <= MESH_RTOL
+    assert_close(got["resumed"], got["uninterrupted"], rtol=MESH_RTOL, what=f"{name} resumed loss")
 
 
 def test_bf16_master_weights_are_restored_exactly(saved):
@@ -205,6 +232,28 @@ def test_bf16_master_weights_are_restored_exactly(saved):
     assert not got["aliased"]  # bf16 params: the fp32 masters are separate tensors
     assert got["params_equal"] and got["masters_equal"]
     assert got["resumed"] == got["uninterrupted"]  # bit for bit
+
+
+def test_adamw_step_goes_where_its_kernel_reads_it(saved):
+    """A fused (or capturable) AdamW reads `step` on the parameters' device: after a resume through
+    load_checkpoint, as after opt.load_state_dict, it is there (before the shared rule, load_checkpoint
+    left it on the CPU, where CUDA's fused kernel refuses it)."""
+    got = saved["resume"]["step_placement"]
+    assert set(got["fused"]) == {True} and got["num_steps"] == SAVE_AT
+    assert got["cpu"] == [("cpu", "torch.float32")]
+    assert got["load_checkpoint"] == got["load_state_dict"] == [("meta", "torch.float32")]
+
+
+@pytest.mark.parametrize("group", [dict(fused=True), dict(capturable=True), dict(fused=False, capturable=False)])
+def test_step_placement_rule_is_torchs(group):
+    """optim_state.step_tensor places the step as torch's own Optimizer.load_state_dict does: on the
+    parameter's device for fused and capturable kernels, on the CPU otherwise; float32, a scalar."""
+    master = torch.empty(8, device="meta")
+    got = optim_state.step_tensor(3, group, master)
+    want = torch.optim.Optimizer._process_value_according_to_param_policy(
+        master, torch.tensor(3.0), 0, [{"params": [0], **group}], "step"
+    )
+    assert (got.device, got.dtype, got.dim()) == (want.device, torch.float32, 0)
 
 
 def test_weights_only_checkpoint_leaves_the_optimizer_fresh(saved):
@@ -277,6 +326,28 @@ def test_resume_picks_only_complete_checkpoints(tmp_path):
         checkpoint.resolve_resume(str(root / "step_6"), root)
     checkpoint.finish_save(root, keep_last=1)
     assert (root / "latest").read_text().strip() == "step_4" and not (root / "step_2").exists()
+
+
+def test_a_damaged_checkpoint_is_found_by_its_marker(tmp_path):
+    """The marker records each file's size and CRC-32: a missing file, a truncated one and one rewritten
+    at the same size are each named; a marker without the table (older checkpoints) is not verified."""
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    (ckpt / "config.json").write_text("{}")
+    checkpoint.write_marker(ckpt, {"kind": "training", "step": 1})
+    meta = checkpoint.read_marker(ckpt)
+    assert meta["files"]["__0_0.distcp"]["size"] == 16384 and checkpoint.find_damage(ckpt, meta) is None
+    data = ckpt / "__0_0.distcp"
+    data.write_bytes(bytes(range(256)) * 63 + bytes(range(255, -1, -1)))  # same size, other bytes
+    assert checkpoint.find_damage(ckpt, meta) == "__0_0.distcp does not match the checksum written with it"
+    os.truncate(data, 100)
+    assert checkpoint.find_damage(ckpt, meta) == "__0_0.distcp has 100 bytes where 16384 were written"
+    data.write_bytes(bytes(range(256)) * 64)
+    assert checkpoint.find_damage(ckpt, meta) is None
+    (ckpt / "config.json").unlink()
+    assert checkpoint.find_damage(ckpt, meta) == "config.json is missing"
+    assert checkpoint.find_damage(ckpt, {k: v for k, v in meta.items() if k != "files"}) is None
 
 
 # -- `hf3d train`: 10 steps == 5 + (killed while saving step 10) + resume + 5 ----------------------
@@ -368,3 +439,24 @@ def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path, straig
     _same_run(straight, killed)
     assert not (ckpts / "step_10.tmp").exists() and checkpoint.is_complete(ckpts / "step_10")
     assert (ckpts / "latest").read_text().strip() == "step_10"
+
+
+def test_auto_resume_passes_over_a_damaged_newest_checkpoint(tmp_path, straight, capfd):
+    """The uninterrupted run's folder with step_10's largest file cut in half (its marker intact): the same
+    command with resume: auto warns once, naming the file, and retrains steps 6-10 from step_5, exactly."""
+    out = tmp_path / "damaged"
+    shutil.copytree(straight, out)
+    largest = max((out / "checkpoints" / "step_10").iterdir(), key=lambda f: f.stat().st_size)
+    size = largest.stat().st_size
+    os.truncate(largest, size // 2)
+    capfd.readouterr()
+    spawn(_train_world, 2, str(out), None)
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("hf3d: warning") or "damaged" in line]
+    assert warnings == [
+        f"hf3d: warning: skipping the damaged checkpoint {largest.parent}: {largest.name} has {size // 2} bytes "
+        f"where {size} were written; trying step_5"
+    ], err[-2000:]
+    assert "Traceback" not in err
+    _same_run(straight, out)
+    assert checkpoint.find_damage(largest.parent, checkpoint.read_marker(largest.parent)) is None  # saved again

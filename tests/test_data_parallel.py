@@ -27,11 +27,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from asserts import assert_close  # noqa: E402
 from dist import spawn  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, hf3d_run, reference_run  # noqa: E402
 
 import hf3d  # noqa: E402
+from hf3d.layout import get_pieces  # noqa: E402
 
 BATCH, SEQ = 4, 16
 STEPS = 3
@@ -42,9 +44,11 @@ NORM_RTOL = 2e-5  # per-step grad norm, relative; measured 1.2e-6 (tp2-kvrep; dp
 NORM_RTOL_STEP1 = 1e-5  # step 1 only, the "counts every element once" check; measured 6.5e-7 (tp2-kvrep)
 # Exported weights. Element-wise, the error is AdamW's: it divides each gradient by its own running
 # magnitude, so float noise in near-zero gradients (llama-kvrep's k_proj bias) becomes weight noise near
-# lr times that noise's relative size. The update check sees a small error spread over many elements:
-# decaying the embedding, which exclude_from_weight_decay must spare, makes the update error 1.0e-3
-# here while no element moves by more than 4.7e-5.
+# lr times that noise's relative size. The update check sees a small error spread over many elements,
+# such as a wrong weight-decay group; to make that one large, the runs with
+# exclude_from_weight_decay decay by WD_GROUPS, 10x the other runs' WD. Leaving the embedding undecayed
+# (the rule before the Trainer's) then gives, at dp2-zero1, a loss error of 3.9e-5 (13x LOSS_RTOL), max
+# |Δw| 4.6e-4 and an update error of 1.0e-2 (66x UPDATE_RTOL); test_weight_decay_groups names the group.
 WEIGHT_ATOL = 8e-5  # max |Δw|, measured 5.3e-6 (tp2-kvrep; dp-only runs 1.3e-6)
 UPDATE_RTOL = 1.5e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 9.8e-6 (tp2-kvrep)
 RESHARD_WEIGHT_ATOL = 2e-7  # hf3d dp=2 vs hf3d tp=2 after a restored state_dict; measured 1.3e-8
@@ -58,6 +62,7 @@ BF16_LOSS_RTOL = 1.5e-3  # per-step loss, relative; measured 1.2e-4
 BF16_WEIGHT_ATOL = 8e-2  # max |Δw|, measured 6.8e-3 (a norm weight near 1, bf16 spacing 7.8e-3)
 BF16_UPDATE_RTOL = 0.6  # measured 5.6e-2; 1.0 means no update at all
 BF16_RUN = "mem-dp2"
+WD_GROUPS = 1.0  # weight decay of the exclude_from_weight_decay runs (the oracle's decayed group too)
 MEM_BUCKET = 3000  # elements: several buckets, so the padding bound is exercised per bucket
 
 # name: (world size, family, ParallelConfig kwargs, build_optimizer kwargs); fp32, STEPS steps
@@ -94,9 +99,19 @@ FP32_RUNS = {
     ),
     "tp2-kvrep": (2, "llama-kvrep", dict(tp=2), {}),
     "dp2-zero1-smollm3": (2, "smollm3", {}, dict(zero_stage=1)),  # tied; a NoPE + sliding-window layer
-    # no decay for 1-D params (norms, biases, fused qkv biases) and embeddings / lm_head
-    "dp2-zero1-exclude_from_weight_decay": (2, "llama", {}, dict(exclude_from_weight_decay=True)),
-    "tp2-kvrep-exclude_from_weight_decay": (2, "llama-kvrep", dict(tp=2), dict(exclude_from_weight_decay=True)),
+    # the Trainer's rule: no decay for norms and biases (fused qkv / gate_up biases), decay for the rest
+    "dp2-zero1-exclude_from_weight_decay": (
+        2,
+        "llama",
+        {},
+        dict(exclude_from_weight_decay=True, weight_decay=WD_GROUPS),
+    ),
+    "tp2-kvrep-exclude_from_weight_decay": (
+        2,
+        "llama-kvrep",
+        dict(tp=2),
+        dict(exclude_from_weight_decay=True, weight_decay=WD_GROUPS),
+    ),
     "dp4-zero1": (4, "llama", {}, dict(zero_stage=1)),
     "dp4-zero1-reduce_scatter-bucket1000": (
         4,
@@ -158,7 +173,12 @@ def _fp32_run(dirs, out, family, pkw, okw) -> dict:
     pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**pkw))
     losses, norms, opt = hf3d_run(pm, _data(), _rows(pm), **okw)
     pm.save_pretrained(out)
-    return dict(losses=losses, norms=norms, dp_identical=_dp_identical(pm), dp_size=pm.dp_size)
+    groups = {}  # HF names of the parameters this rank steps, by the weight decay their group applies
+    for g in opt.param_groups:
+        mine = {id(m) for m in g["params"]}
+        names = {pc.hf_name for p, m, _, _ in opt._masters if id(m) in mine for pc in get_pieces(p)}
+        groups.setdefault(g["weight_decay"], set()).update(names)
+    return dict(losses=losses, norms=norms, dp_identical=_dp_identical(pm), dp_size=pm.dp_size, groups=groups)
 
 
 def _memory_run(dirs, pkw, steps, out: str | None) -> dict:
@@ -305,12 +325,22 @@ def _worker(world: int, dirs: dict, out: str) -> None:
 
 
 # -- parent side ----------------------------------------------------------------------------------
+def _stock_decay_names(model) -> set[str]:
+    """The transformers Trainer's weight-decay rule on the stock model: every parameter but biases and norms."""
+    from transformers import Trainer
+
+    names = {n for n, _ in model.named_parameters()}  # a tied lm_head.weight is the embedding's
+    return names & set(Trainer.get_decay_parameter_names(None, model))  # a method that reads nothing from self
+
+
 def _no_decay_groups(model) -> list[dict]:
-    """exclude_from_weight_decay's rule on the stock model: 1-D params, embeddings and lm_head."""
-    decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        (no_decay if p.dim() < 2 or "embed_tokens" in n or "lm_head" in n else decay).append(p)
-    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """exclude_from_weight_decay=True on the stock model, with the weight decay of those runs."""
+    decay = _stock_decay_names(model)
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": WD_GROUPS},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
 
 
 def _ref_key(family: str, okw: dict) -> tuple[str, bool]:
@@ -378,9 +408,7 @@ def _check_weights(
     sd, init = _exported(path), _exported(Path(source))
     expected = set(ref_sd) - ({"lm_head.weight"} if tied else set())
     assert set(sd) == expected
-    err = {k: (sd[k].float() - ref_sd[k]).abs().max().item() for k in sd}
-    worst = max(err, key=err.get)
-    assert err[worst] <= atol, f"{worst}: max |dw| = {err[worst]:.3g}"
+    assert_close({k: v.float() for k, v in sd.items()}, {k: ref_sd[k] for k in sd}, atol=atol, what="exported")
     num = sum(float((sd[k].float() - ref_sd[k]).square().sum()) for k in sd)
     den = sum(float((ref_sd[k] - init[k].float()).square().sum()) for k in sd)
     assert (num / den) ** 0.5 <= update_rtol, f"the training update is off by {(num / den) ** 0.5:.3g} (relative)"
@@ -388,10 +416,8 @@ def _check_weights(
 
 def _check_losses_norms(res: dict, ref_losses, ref_norms, ranks) -> None:
     for r in ranks:
-        for step, (got, want) in enumerate(zip(res[r]["losses"], ref_losses)):
-            assert _rel(got, want) <= LOSS_RTOL, f"rank {r} step {step}: loss {got} vs {want}"
-        for step, (got, want) in enumerate(zip(res[r]["norms"], ref_norms)):
-            assert _rel(got, want) <= NORM_RTOL, f"rank {r} step {step}: grad norm {got} vs {want}"
+        assert_close(res[r]["losses"], ref_losses, rtol=LOSS_RTOL, what=f"rank {r} loss")
+        assert_close(res[r]["norms"], ref_norms, rtol=NORM_RTOL, what=f"rank {r} grad norm")
 
 
 @pytest.mark.parametrize("name", list(FP32_RUNS))
@@ -406,6 +432,23 @@ def test_matches_reference(request, env, name):
     assert all(runs[r]["dp_identical"] for r in range(world)), "params differ across dp ranks"
     assert runs[0]["dp_size"] == world // math.prod(FP32_RUNS[name][2].get(k, 1) for k in ("tp", "pp"))
     _check_weights(res["out"] / name, ref_sd, env["dirs"][family], tied=family in TIED)
+
+
+@pytest.mark.parametrize("name", [n for n in FP32_RUNS if "exclude_from_weight_decay" in n])
+def test_weight_decay_groups(request, env, name):
+    """exclude_from_weight_decay=True (hf3d train's default) decays what the transformers Trainer decays:
+    over all ranks, the HF parameters in the decayed group are exactly stock's
+    get_decay_parameter_names (embeddings and lm_head included), the others are in the no-decay group."""
+    from transformers import AutoModelForCausalLM
+
+    world, family, _, _ = FP32_RUNS[name]
+    res = _results(request, world)
+    stock = AutoModelForCausalLM.from_pretrained(env["dirs"][family])
+    decay = _stock_decay_names(stock)
+    got = {wd: set().union(*(res[r][name]["groups"].get(wd, set()) for r in range(world))) for wd in (WD_GROUPS, 0.0)}
+    assert got[WD_GROUPS] == decay, sorted(got[WD_GROUPS] ^ decay)
+    assert got[0.0] == {n for n, _ in stock.named_parameters()} - decay, sorted(got[0.0] & decay)
+    assert "model.embed_tokens.weight" in decay
 
 
 @pytest.mark.parametrize("with_overlap, without", OVERLAP_PAIRS)
@@ -467,8 +510,7 @@ def test_bf16_follows_fp32_reference(request, env):
     for r in range(2):
         losses = res[r][BF16_RUN]["losses"]
         assert len(losses) == BF16_STEPS
-        rel = [_rel(a, b) for a, b in zip(losses, ref_losses)]
-        assert max(rel) <= BF16_LOSS_RTOL, rel
+        assert_close(losses, ref_losses, rtol=BF16_LOSS_RTOL, what=f"rank {r} bf16 loss")
     assert res[0][BF16_RUN]["losses"] == res[1][BF16_RUN]["losses"]
     assert {v.dtype for v in _exported(res["out"] / BF16_RUN).values()} == {torch.bfloat16}
     _check_weights(
@@ -499,7 +541,7 @@ def test_nonfinite_grad_norm_skips_the_step(request, env, poison):
         assert run["unchanged"] == [False, True, False]
         # step 1's loss is computed before the poisoned gradient exists
         expected = [skip_losses[0], ref3_losses[1], skip_losses[1]]
-        assert all(_rel(a, b) <= LOSS_RTOL for a, b in zip(run["losses"], expected)), (run["losses"], expected)
+        assert_close(run["losses"], expected, rtol=LOSS_RTOL, what=f"rank {r} loss")
         assert _rel(run["norms"][0], skip_norms[0]) <= NORM_RTOL
         assert _rel(run["norms"][2], skip_norms[1]) <= NORM_RTOL
         assert run["dp_identical"]
@@ -531,7 +573,7 @@ def test_optimizer_state_dict_roundtrip_and_reshard(request):
         assert _rel(sd["norm"][2], sd["norm"][0]) <= NORM_RTOL
     a, b = _exported(res["out"] / "sd-uninterrupted"), _exported(res["out"] / "sd-resharded")
     assert a.keys() == b.keys()
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= RESHARD_WEIGHT_ATOL
+    assert_close(b, a, atol=RESHARD_WEIGHT_ATOL, what="resharded")
 
 
 def test_build_optimizer_rejects_bad_input(request):

@@ -334,3 +334,26 @@ def test_card_of_a_run_without_summary_curve_still_shows_the_png(tmp_path):
     assert "Final eval loss" not in body
     with pytest.raises(ValueError, match="'final_eval_loss'"):
         write_model_card(path, {"final_eval_loss": "low"})
+
+
+def test_the_starting_point_of_a_run_is_recorded(tmp_path):
+    """A Hub id is the base model; a local export or checkpoint is named (its folder only) and its own
+    record, or config.json's _name_or_path, gives the Hub model it descends from; a config-only folder
+    is a run from scratch."""
+    from hf3d.trainer import starting_point
+
+    assert starting_point("HuggingFaceTB/SmolLM2-135M") == ("HuggingFaceTB/SmolLM2-135M", None)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (scratch / "config.json").write_text("{}")
+    assert starting_point(str(scratch)) == (None, None)
+    export = tmp_path / "exported"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"")
+    (export / "config.json").write_text(json.dumps({"_name_or_path": "org/from-config"}))
+    assert starting_point(str(export)) == ("org/from-config", "exported")
+    (export / "hf3d_training.json").write_text(json.dumps({"base_model": "org/base"}))
+    assert starting_point(str(export)) == ("org/base", "exported")
+    card = write_model_card(export, {"base_model": "org/base", "started_from": "exported"}).read_text()
+    assert "- Continued from `exported` (local weights of [org/base](https://huggingface.co/org/base))" in card
+    assert "base_model: org/base" in card

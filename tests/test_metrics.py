@@ -109,6 +109,21 @@ def test_loss_curve_png(tmp_path, with_eval):
     assert not list(out.parent.glob("*.tmp"))
 
 
+def test_loss_curve_marks_the_stage_starts(tmp_path):
+    """A stage starting at step s (0-based) is the record of step s + 1 on: its line falls between the
+    records s and s + 1; stage 0 and starts outside the plotted steps get none; the lines are drawn."""
+    pytest.importorskip("matplotlib")
+    from hf3d.plots import stage_marks
+
+    stages = [(0, "short"), (40, "long-32k"), (80, "long-64k"), (500, "later")]
+    assert stage_marks(stages, [float(s) for s in range(1, 121)]) == [(40.5, "long-32k"), (80.5, "long-64k")]
+    records = [{"step": s, "loss": 8.0 / s**0.5} for s in range(1, 121)]
+    path = _write_metrics(tmp_path / "metrics.jsonl", records)
+    plain = plot_loss_curve(path, tmp_path / "plain.png").read_bytes()
+    marked = plot_loss_curve(path, tmp_path / "marked.png", stages=stages).read_bytes()
+    assert marked != plain
+
+
 def test_loss_curve_without_matplotlib_returns_none(tmp_path, monkeypatch):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")] or ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)  # makes `import matplotlib...` raise ImportError

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from asserts import assert_close
 from dist import _free_port, _worker
 from models import VOCAB, make_model_dir, tiny_config
 from reference import BETAS, CLIP, LR, WD, batches, reference_run
@@ -462,11 +463,9 @@ def _check_losses(recs, ref_losses, ref_norms):
     losses0 = recs[0]["losses"]
     for r in recs[1:]:  # the global-batch loss is the same on every rank
         assert r["losses"] == losses0, (r["pp_rank"], r["losses"], losses0)
-    rel = [_rel(a, b) for a, b in zip(losses0, ref_losses)]
-    assert len(losses0) == len(ref_losses) and max(rel) <= LOSS_RTOL, (losses0, ref_losses, rel)
+    assert_close(losses0, ref_losses, rtol=LOSS_RTOL, what="loss")
     for r in recs:
-        nrel = [_rel(a, b) for a, b in zip(r["norms"], ref_norms)]
-        assert max(nrel) <= NORM_RTOL, (r["pp_rank"], r["norms"], ref_norms, nrel)
+        assert_close(r["norms"], ref_norms, rtol=NORM_RTOL, what=f"pp rank {r['pp_rank']} grad norm")
 
 
 def _check_export(export_dir, ref_state, tied, source_dir):
@@ -476,8 +475,7 @@ def _check_export(export_dir, ref_state, tied, source_dir):
     init = load_file(str(Path(source_dir) / "model.safetensors"))
     expected = {k for k in ref_state if not (tied and k == "lm_head.weight")}
     assert set(sd) == expected, sorted(set(sd) ^ expected)
-    worst = max(((sd[k] - ref_state[k]).abs().max().item(), k) for k in sd)
-    assert worst[0] <= WEIGHT_ATOL, f"exported {worst[1]} differs from stock by {worst[0]:.3g}"
+    assert_close(sd, {k: ref_state[k] for k in sd}, atol=WEIGHT_ATOL, what="exported")
     # the relative error of what training changed, over every tensor
     num = sum(float((sd[k] - ref_state[k]).square().sum()) for k in sd)
     den = sum(float((ref_state[k] - init[k]).square().sum()) for k in sd)

@@ -177,3 +177,123 @@ def test_rerunning_a_finished_run_trains_nothing_and_writes_the_final_outputs_ag
     assert sorted((p.relative_to(out), p.stat().st_mtime_ns) for p in (out / "checkpoints").rglob("*")) == checkpoints
     assert (out / "final" / "model.safetensors").read_bytes() == weights
     assert sorted(p.name for p in (out / "final").iterdir()) == exported
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+NOT_HF3D_READS = {
+    "device_mesh.py": "a DeviceMesh's rank tensor always lives on the host",
+    "masking_utils.py": "stock transformers' packed-sequence detection: one read per forward (README)",
+}
+
+
+def _count_host_syncs(tmp: str) -> None:
+    """hf3d train's steps with every host read of a tensor counted (the reads that make a GPU run wait)."""
+    import torch
+    from dist import report, start_watchdog
+
+    from hf3d import trainer
+    from hf3d.data import DataPipeline
+    from hf3d.train_config import TrainConfig
+
+    start_watchdog(300)
+    reads: list[str] = []
+    counting = [False]
+
+    def counted(name, original):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            # the fused loss's backward reads its incoming gradient only on CPU (`device.type != "cpu" or`)
+            cpu_only = caller.co_name == "backward" and caller.co_filename.endswith("tensor_parallel.py")
+            exempt = Path(caller.co_filename).name in NOT_HF3D_READS
+            if counting[0] and not (cpu_only or exempt):
+                reads.append(f"{name} in {caller.co_name}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    next_batch = DataPipeline.next_batch
+
+    def host_batch(self, step):  # host data: its own tensors live on the host
+        counting[0] = False
+        try:
+            return next_batch(self, step)
+        finally:
+            counting[0] = True
+
+    DataPipeline.next_batch = host_batch
+    step = trainer._step
+    per_step = []
+
+    def counting_step(*args, **kwargs):
+        reads.clear()
+        counting[0] = True
+        try:
+            return step(*args, **kwargs)
+        finally:
+            counting[0] = False
+            per_step.append(list(reads))
+
+    trainer._step = counting_step
+    settings = [s for s in ONE_PROCESS if not s.startswith("parallel.")] + ["parallel.tp=1", "optim.z_loss=1e-4"]
+    settings += ["run.steps=3", "checkpoint.every=0", "run.save_final=false", f"run.output_dir={tmp}/run"]
+    trainer.train(TrainConfig.from_yaml(str(ROOT / "examples/configs/tiny-smollm.yaml"), settings))
+    report(per_step, Path(tmp) / "res.pt")
+
+
+def test_a_step_of_hf3d_train_reads_the_device_once(tmp_path):
+    """The out-of-vocabulary flag, the loss, the z-loss, the grad norm (and with it the skip decision) and
+    the stop signal travel in one small tensor: one host read per step (main had 6: the vocab flag, the
+    norm, the loss and norm twice more, the z-loss, the stop signal), here on 2 dp ranks."""
+    import torch
+    from dist import spawn
+
+    spawn(_count_host_syncs, 2, str(tmp_path))
+    for per_step in torch.load(tmp_path / "res.pt"):
+        assert len(per_step) == 3
+        assert all(reads == ["tolist in _read_values"] for reads in per_step), per_step
+
+
+def _deferred_bad_label(tmp: str) -> None:
+    import torch
+    from dist import report, start_watchdog
+    from models import make_model_dir
+
+    import hf3d
+
+    start_watchdog(120)
+    make_model_dir(Path(tmp) / "model", "llama")
+    pmodel = hf3d.parallelize(Path(tmp) / "model", hf3d.ParallelConfig(tp=1))
+    pmodel.deferred_checks = True
+    opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, lr=1e-3)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    pmodel.train_step(ids, ids)
+    opt.step()
+    opt.zero_grad()
+    before = {n: p.detach().clone() for n, p in pmodel.unique_parameters()}
+    state = [v.clone() for st in opt.state.values() for v in st.values()]
+    labels = ids.clone()
+    labels[1, 5] = 5000  # the forward runs on it (ignored) before opt.step() refuses the step
+    pmodel.train_step(ids, labels)
+    try:
+        opt.step()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    unchanged = all(torch.equal(p, before[n]) for n, p in pmodel.unique_parameters())
+    now = [v for st in opt.state.values() for v in st.values()]
+    state_unchanged = len(now) == len(state) and all(torch.equal(a, b) for a, b in zip(now, state))
+    pmodel.train_step(ids, ids)  # the refused step left nothing half done
+    opt.step()
+    report({"error": error, "unchanged": unchanged and state_unchanged, "steps": opt.num_steps}, Path(tmp) / "res.pt")
+
+
+def test_a_deferred_bad_label_is_refused_by_opt_step_with_the_weights_unchanged(tmp_path):
+    import torch
+    from dist import spawn
+
+    spawn(_deferred_bad_label, 1, str(tmp_path))
+    (res,) = torch.load(tmp_path / "res.pt")
+    assert res["error"] and "labels[1, 5] = 5000" in res["error"] and "vocab_size=" in res["error"], res
+    assert res["unchanged"] and res["steps"] == 2, res

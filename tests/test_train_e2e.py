@@ -107,6 +107,44 @@ def test_resume_from_a_middle_checkpoint_trains_the_same_steps(runs):
     assert full[-1]["eval_loss"] == resumed[-1]["eval_loss"]
 
 
+def test_a_longer_resumed_run_says_how_the_lr_moves_and_its_checkpoint_carries_the_card(runs, tmp_path):
+    """Resuming step 8 of the 12-step cosine run with run.steps=16 rebuilds the schedule over 16 steps: one
+    line gives the old and new length and the lr before and after. The new run starts from an export
+    (model.path: a local folder), and `convert to-hf` of its checkpoint writes the run's record, from
+    which the card says where it continued from."""
+    from hf3d.convert import checkpoint_to_hf
+    from hf3d.hub import write_model_card
+
+    base, _, _ = runs
+    out = tmp_path / "longer"
+    proc = _train(
+        [sys.executable],
+        out,
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "parallel.num_microbatches=1",
+        "run.steps=16",
+        "checkpoint.every=8",
+        "run.save_final=false",
+        f"model.path={base / 'full' / 'final'}",
+        f"checkpoint.resume={base / 'full' / 'checkpoints' / 'step_8'}",
+    )
+    full, longer = _records(base / "full"), _records(out)
+    lines = [line for line in proc.stdout.splitlines() if "run.steps changed" in line]
+    assert lines == [
+        f"hf3d: run.steps changed from 12 to 16 since the checkpoint: the cosine schedule now spans 16 steps "
+        f"instead of 12: lr {full[7]['lr']:.3g} at step 8, lr {longer[0]['lr']:.3g} at step 9"
+    ], proc.stdout[-3000:]
+    assert longer[0]["lr"] > 1.1 * full[8]["lr"]  # the jump the line warns about
+    hf = checkpoint_to_hf(out / "checkpoints" / "step_16", tmp_path / "hf")
+    summary = json.loads((hf / "hf3d_training.json").read_text())
+    assert [step for step, _ in summary["loss_curve"]] == list(range(9, 17))
+    assert summary["hyperparameters"]["steps"] == 16 and summary["datasets"] == ["shakespeare"]
+    assert summary["started_from"] == "final" and summary["base_model"] is None
+    card = write_model_card(hf, summary).read_text()
+    assert "Continued from `final` (local weights)" in card and "from scratch" not in card
+
+
 def test_init_from_a_checkpoint_is_not_a_resume(runs, tmp_path):
     """A run that continues another run's checkpoint with every load_* switch off: the weights come from
     step 8 (at another mesh: one process), but the step counter, the lr schedule (warm-up again), the
@@ -162,6 +200,22 @@ def test_weight_decay_patterns_pick_the_parameters_without_decay():
     assert rule("model.layers.0.input_layernorm.weight", None) and rule("model.layers.0.self_attn.q_proj.bias", None)
     assert not rule("model.layers.0.mlp.gate_up_proj.weight", None) and not rule("model.embed_tokens.weight", None)
     assert OptimConfig(exclude_from_weight_decay=True).no_decay_rule() is True
+    assert OptimConfig().no_decay_rule() is True  # the default: the Trainer's rule, as build_optimizer applies it
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-kvrep", "qwen2", "qwen3"])
+def test_default_weight_decay_rule_is_the_transformers_trainers(family):
+    """hf3d train's default (exclude_from_weight_decay: true) leaves undecayed exactly what the transformers
+    Trainer leaves undecayed: biases and norm weights (Qwen3's q_norm / k_norm too); embeddings decay."""
+    from models import tiny_config  # tests/ is on sys.path (pytest's prepend import mode)
+    from transformers import Trainer
+
+    from hf3d.optim import no_decay_names
+
+    model = AutoModelForCausalLM.from_config(tiny_config(family))
+    names = {n for n, _ in model.named_parameters()}
+    assert no_decay_names(model) == names - set(Trainer.get_decay_parameter_names(None, model))
+    assert "model.embed_tokens.weight" not in no_decay_names(model)
 
 
 def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):

@@ -75,7 +75,9 @@ class SourceConfig:
 
 @dataclass
 class StageConfig:
-    """A stage of training: from `start_step` on, rows are drawn from this weighted mixture."""
+    """A stage of training: from `start_step` on, rows are drawn from this weighted mixture, at this
+    stage's seq_len, and the model runs with its RoPE settings (a long-context stage; what a stage
+    does not give it keeps from the stages before it)."""
 
     start_step: int = 0
     """First step of this stage; the first stage starts at 0, later ones in increasing order."""
@@ -83,6 +85,20 @@ class StageConfig:
     """The mixture: each row of a global batch comes from one source, drawn by weight."""
     name: str | None = None
     """Label in logs; default `stage<i>`."""
+    seq_len: int | None = None
+    """Tokens per row from this stage on; default: the previous stage's (the first stage's: data.seq_len).
+    The rows per step stay run.global_batch, so the tokens per step change with it."""
+    rope_theta: float | None = None
+    """The model's RoPE base from this stage on (as model.rope_theta; kept by later stages that give none)."""
+    rope_scaling: dict | None = None
+    """The model's RoPE scaling from this stage on (as model.rope_scaling), e.g. {rope_type: yarn, factor: 4.0}."""
+    max_position_embeddings: int | None = None
+    """The model's maximum sequence length from this stage on (as model.max_position_embeddings)."""
+
+    def model_overrides(self) -> dict:
+        """The model settings this stage gives (a resolved stage: also those it keeps from earlier stages)."""
+        keys = ("rope_theta", "rope_scaling", "max_position_embeddings")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
 @dataclass
@@ -154,7 +170,8 @@ class DataConfig:
     stages: list[StageConfig] = field(default_factory=list)
     """Mixtures that change over the run (e.g. an annealing stage at the end)."""
     seq_len: int = 128
-    """Tokens per training row; windows of seq_len + 1 tokens give inputs and shifted labels."""
+    """Tokens per training row; windows of seq_len + 1 tokens give inputs and shifted labels. Stages may
+    give their own (data.stages[].seq_len); evaluation always reads rows of data.seq_len."""
     seed: int = 0
     """Seed of the window order and of the mixture draws."""
     document_masking: bool = True
@@ -184,17 +201,33 @@ class DataConfig:
             raise ValueError(f"data.num_proc must be >= 1, got {self.num_proc}")
         if self.sources and self.stages:
             raise ValueError("data: give sources (one mixture) or stages (mixtures over the run), not both")
-        _check_stages(self.resolved_stages())
+        stages = self.resolved_stages()
+        _check_stages(stages)
+        first = {s.label for s in stages[0].sources}
+        for i, stage in enumerate(stages if self.eval.every and self.eval.fraction else ()):
+            for s in stage.sources:
+                if s.label in first and stage.seq_len != self.seq_len:
+                    raise ValueError(
+                        f"data.eval.fraction holds out the tail of each first-stage source in rows of data.seq_len="
+                        f"{self.seq_len}, but data.stages[{i}] reads {s.label!r} at seq_len {stage.seq_len}: "
+                        "use data.eval.path for the held-out data"
+                    )
 
     def resolved_stages(self) -> list[StageConfig]:
-        """The stages this config describes, named (single-source and one-mixture shorthands expanded)."""
+        """The stages this config describes, named (single-source and one-mixture shorthands expanded),
+        each with its seq_len and the model settings it runs with (those given by an earlier stage carry on)."""
         if self.stages:
             stages = self.stages
         elif self.sources:
             stages = [StageConfig(start_step=0, sources=self.sources)]
         else:
             stages = [StageConfig(start_step=0, sources=[SourceConfig(path=self.path, text_field=self.text_field)])]
-        return [dataclasses.replace(s, name=s.name or f"stage{i}") for i, s in enumerate(stages)]
+        out, seq_len, model = [], self.seq_len, {}
+        for i, s in enumerate(stages):
+            seq_len = s.seq_len if s.seq_len is not None else seq_len
+            model = {**model, **s.model_overrides()}
+            out.append(dataclasses.replace(s, name=s.name or f"stage{i}", seq_len=seq_len, **model))
+        return out
 
 
 def _built(cls, value, where: str):
@@ -219,6 +252,14 @@ def _check_stages(stages: list[StageConfig]) -> None:
     for i, stage in enumerate(stages):
         if not stage.sources:
             raise ValueError(f"data.stages[{i}] ({stage.name}) has no sources")
+        if stage.seq_len < 2:
+            raise ValueError(f"data.stages[{i}].seq_len must be at least 2, got {stage.seq_len}")
+        if stage.rope_theta is not None and not stage.rope_theta > 0:
+            raise ValueError(f"data.stages[{i}].rope_theta must be > 0, got {stage.rope_theta}")
+        if stage.max_position_embeddings is not None and stage.max_position_embeddings < 2:
+            raise ValueError(
+                f"data.stages[{i}].max_position_embeddings must be at least 2, got {stage.max_position_embeddings}"
+            )
         total = sum(s.weight for s in stage.sources)
         if not total > 0:
             raise ValueError(f"data.stages[{i}] ({stage.name}): source weights sum to {total}; give positive weights")

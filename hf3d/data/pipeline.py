@@ -8,6 +8,11 @@ choice (index arithmetic only) and reads and packs just its rows [d * B / dp, (d
 dp ranks are disjoint and together cover the global batch. The state is a few integers per source
 (cursor, epoch, consumed tokens), so a checkpoint resumes mid-epoch and mid-stage on the same next
 batch; taking a later step than the next one replays the skipped steps' draws without reading data.
+
+Stages may read rows of different lengths (data.stages[].seq_len). A source read at two lengths is two
+views of its tokens, each with its own windows, permutation and cursor (`name@seq_len`; the plain name
+is the view at data.seq_len, which evaluation also reads): a view at a new length starts at its first
+window, and the position of each other view is kept in the checkpoint for a stage that returns to it.
 """
 
 from __future__ import annotations
@@ -78,8 +83,11 @@ class DataPipeline:
             if "eval" in specs:
                 raise ValueError("a training source may not be named 'eval' (the name of data.eval's source)")
             specs["eval"] = eval_spec
-        self.sources = self._open(specs, tokenizer, local_main, barrier)
-        self.eval_source = self.sources.pop("eval") if eval_spec is not None else None
+        tokens = self._open(specs, tokenizer, local_main, barrier)
+        self._build_views(tokens)
+        self.eval_source = None
+        if eval_spec is not None:
+            self.eval_source = self._window(eval_spec, tokens["eval"], cfg.seq_len, "data.eval")
 
         # training windows of each source: all of them, or all but the held-out tail (eval.fraction)
         self.num_train = {name: src.num_windows for name, src in self.sources.items()}
@@ -94,13 +102,44 @@ class DataPipeline:
                     )
                 self.num_train[s.label] = n - held
         self._state = {name: dict(cursor=0, epoch=0, consumed_tokens=0) for name in self.sources}
+        self._kept: dict[str, dict] = {}  # restored views no stage of this run reads (another seq_len)
+        self._notes: list[str] = []  # what a restore could not continue (summary lines)
         self._next_step = 0
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
         self._eval: list[dict] | None = None
 
     # --- building / opening the sources ---------------------------------------------------------
 
-    def _open(self, specs: dict[str, SourceConfig], tokenizer, local_main: bool, barrier) -> dict[str, TokenSource]:
+    def _build_views(self, tokens: dict[str, tuple]) -> None:
+        """self.sources: view -> TokenSource (windows of its seq_len + 1), and which source and seq_len each is."""
+        self.view_source: dict[str, str] = {}
+        self.view_seq_len: dict[str, int] = {}
+        self.stage_views = [[self._view(s.label, stage.seq_len) for s in stage.sources] for stage in self.stages]
+        self.sources: dict[str, TokenSource] = {}
+        for stage, views in zip(self.stages, self.stage_views):
+            for s, view in zip(stage.sources, views):
+                if view not in self.sources:
+                    where = f"data stage {stage.name}"
+                    self.sources[view] = self._window(s, tokens[s.label], stage.seq_len, where)
+                    self.view_source[view], self.view_seq_len[view] = s.label, stage.seq_len
+
+    def _view(self, label: str, seq_len: int) -> str:
+        return label if seq_len == self.cfg.seq_len else f"{label}@{seq_len}"
+
+    @staticmethod
+    def _window(s: SourceConfig, opened: tuple, seq_len: int, where: str) -> TokenSource:
+        segments, meta = opened
+        src = TokenSource(s.label, segments, meta, seq_len + 1)
+        if src.num_windows == 0:
+            raise ValueError(
+                f"data source {s.label!r} ({s.path}) holds {src.num_tokens} tokens in {src.num_docs} documents, "
+                f"fewer than one window of seq_len + 1 = {seq_len + 1} ({where}); lower data.seq_len (or the stage's) "
+                "or add data"
+            )
+        return src
+
+    def _open(self, specs: dict[str, SourceConfig], tokenizer, local_main: bool, barrier) -> dict[str, tuple]:
+        """Each source's tokenised (segments, meta), tokenising on the node's main process when not cached."""
         cfg = self.cfg
         resolved = {name: resolve(s) for name, s in specs.items()}
         root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
@@ -129,7 +168,6 @@ class DataPipeline:
             barrier()
         if error is not None:
             raise error
-        window = cfg.seq_len + 1
         out = {}
         for name, s in specs.items():
             if name in folders:
@@ -137,13 +175,7 @@ class DataPipeline:
             else:
                 segments, meta = open_datatrove(s, resolved[name].files, tokenizer)
             meta["kind"] = resolved[name].kind
-            src = TokenSource(name, segments, meta, window)
-            if src.num_windows == 0:
-                raise ValueError(
-                    f"data source {name!r} ({s.path}) holds {src.num_tokens} tokens in {src.num_docs} documents, "
-                    f"fewer than one window of seq_len + 1 = {window}; lower data.seq_len or add data"
-                )
-            out[name] = src
+            out[name] = (segments, meta)
         return out
 
     # --- the order ----------------------------------------------------------------------------
@@ -156,10 +188,14 @@ class DataPipeline:
     def stage_starts(self) -> list[tuple[int, str]]:
         return [(s.start_step, s.name) for s in self.stages]
 
+    def seq_len(self, step: int) -> int:
+        """The row length of `step` (its stage's seq_len)."""
+        return self.stages[self.stage_index(step)].seq_len
+
     def _choices(self, step: int) -> tuple[list[str], np.ndarray]:
-        """The stage's source names and each global row's source index [global_batch]."""
-        sources = self.stages[self.stage_index(step)].sources
-        names = [s.label for s in sources]
+        """The stage's source views and each global row's source index [global_batch]."""
+        i = self.stage_index(step)
+        sources, names = self.stages[i].sources, self.stage_views[i]
         if len(sources) == 1:
             return names, np.zeros(self.global_batch, dtype=np.int64)
         weights = np.array([s.weight for s in sources], dtype=np.float64)
@@ -196,7 +232,7 @@ class DataPipeline:
             idx = np.flatnonzero(choice == i)
             for r, k in zip(idx, self._take(name, len(idx))):
                 rows[r] = (name, int(k))
-            self._state[name]["consumed_tokens"] += len(idx) * self.cfg.seq_len
+            self._state[name]["consumed_tokens"] += len(idx) * self.view_seq_len[name]
         self._next_step = step + 1
         return rows
 
@@ -223,35 +259,61 @@ class DataPipeline:
 
     @property
     def consumed_tokens(self) -> dict[str, int]:
-        """Training tokens (inputs) drawn from each source so far, over all dp ranks."""
-        return {name: st["consumed_tokens"] for name, st in self._state.items()}
+        """Training tokens (inputs) drawn from each source so far, over all dp ranks (all its seq_lens)."""
+        out = dict.fromkeys(self.view_source.values(), 0)
+        for view, st in self._state.items():
+            out[self.view_source[view]] += st["consumed_tokens"]
+        for st in self._kept.values():
+            out[st["source"]] += st["consumed_tokens"]
+        return out
 
     # --- state ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        views = {}
+        for name, st in self._state.items():
+            views[name] = {**st, "num_windows": self.num_train[name], "source": self.view_source[name]}
+            views[name]["seq_len"] = self.view_seq_len[name]
         return {
             "next_step": self._next_step,
             "seed": self.cfg.seed,
             "seq_len": self.cfg.seq_len,
-            "sources": {name: {**st, "num_windows": self.num_train[name]} for name, st in self._state.items()},
+            "sources": {**self._kept, **views},
         }
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "seq_len"):
-            if state[key] != getattr(self.cfg, key):
-                raise ValueError(
-                    f"the saved data state has data.{key}={state[key]}, the config {getattr(self.cfg, key)}; "
-                    f"resume with data.{key}={state[key]}"
-                )
+        """Restore a state_dict, also one saved at other seq_lens: a source's view at a seq_len the state
+        does not hold starts at its first window, and views no stage reads now are kept for later saves."""
+        if state["seed"] != self.cfg.seed:
+            raise ValueError(
+                f"the saved data state has data.seed={state['seed']}, the config {self.cfg.seed}; "
+                f"resume with data.seed={state['seed']}"
+            )
+        labels, restored = set(self.view_source.values()), set()
         for name, saved in state["sources"].items():
-            if name not in self._state:
+            label, seq_len = saved.get("source", name), int(saved.get("seq_len", state["seq_len"]))
+            view = self._view(label, seq_len)
+            if label not in labels:
                 continue  # a source of an earlier configuration, no longer used
-            if saved["num_windows"] != self.num_train[name]:
+            if view not in self._state:
+                self._kept[view] = {**saved, "source": label, "seq_len": seq_len}
+                continue
+            if saved["num_windows"] != self.num_train[view]:
                 raise ValueError(
-                    f"data source {name!r} had {saved['num_windows']} training windows when saved and has "
-                    f"{self.num_train[name]} now: its data, seq_len or eval split changed; resume with the same data"
+                    f"data source {label!r} had {saved['num_windows']} training windows when saved and has "
+                    f"{self.num_train[view]} now (of {seq_len + 1} tokens): its data or eval split changed; resume "
+                    "with the same data"
                 )
-            self._state[name] = {k: int(saved[k]) for k in ("cursor", "epoch", "consumed_tokens")}
+            self._state[view] = {k: int(saved[k]) for k in ("cursor", "epoch", "consumed_tokens")}
+            restored.add(view)
+        for view in self._state.keys() - restored:
+            label = self.view_source[view]
+            others = sorted(k["seq_len"] for k in self._kept.values() if k["source"] == label)
+            if others:
+                self._notes.append(
+                    f"data source {label!r} is read at seq_len {self.view_seq_len[view]} from its first window: the "
+                    f"checkpoint holds its position at seq_len {', '.join(map(str, others))} only (kept for those)"
+                )
         self._next_step = int(state["next_step"])
 
     # --- evaluation ---------------------------------------------------------------------------------
@@ -285,6 +347,11 @@ class DataPipeline:
 
     # --- reporting --------------------------------------------------------------------------------
 
+    def _varies(self) -> bool:
+        """Whether some stage has another seq_len or model setting than the first."""
+        first = self.stages[0]
+        return any((s.seq_len, s.model_overrides()) != (first.seq_len, first.model_overrides()) for s in self.stages)
+
     def summary(self) -> list[str]:
         """Lines for the start of a run: each source, each stage, the eval split."""
         rows_of = dict.fromkeys(self.sources, 0.0)  # expected rows per source over the run
@@ -293,10 +360,11 @@ class DataPipeline:
             end = self.stages[i + 1].start_step if i + 1 < len(self.stages) else self.total_steps
             total = sum(s.weight for s in stage.sources)
             parts = ", ".join(f"{s.label} {s.weight / total:.1%}" for s in stage.sources)
-            lines.append(f"data stage {stage.name}: steps {stage.start_step}..{end - 1}: {parts}")
-            for s in stage.sources:
-                rows_of[s.label] += (end - stage.start_step) * self.global_batch * s.weight / total
-        window = self.cfg.seq_len + 1
+            model = "".join(f", {k} {v}" for k, v in stage.model_overrides().items())
+            length = f" at seq_len {stage.seq_len}{model}" if self._varies() else ""
+            lines.append(f"data stage {stage.name}: steps {stage.start_step}..{end - 1}{length}: {parts}")
+            for s, view in zip(stage.sources, self.stage_views[i]):
+                rows_of[view] += (end - stage.start_step) * self.global_batch * s.weight / total
         head = []
         for name, src in self.sources.items():
             held = src.num_windows - self.num_train[name]
@@ -304,7 +372,7 @@ class DataPipeline:
             head.append(
                 f"data source {name} ({src.meta['kind']}, {src.meta['path']}): {src.num_tokens:,} tokens, "
                 f"{src.num_docs:,} documents" + (f" ({skipped:,} empty or missing skipped)" if skipped else "") + ", "
-                f"{self.num_train[name]:,} training windows of {window} tokens"
+                f"{self.num_train[name]:,} training windows of {src.window} tokens"
                 + (f" (+{held:,} held out for eval)" if held else "")
                 + f"; {rows_of[name] / self.num_train[name]:.2f} epochs over the run"
             )
@@ -319,4 +387,6 @@ class DataPipeline:
                 f"rows from {where}"
             )
         masking = "document masking" if self.cfg.document_masking else "no document masking"
-        return head + lines + [f"data packing: seq_len {self.cfg.seq_len}, {masking}, seed {self.cfg.seed}"]
+        return (
+            head + lines + [f"data packing: seq_len {self.cfg.seq_len}, {masking}, seed {self.cfg.seed}"] + self._notes
+        )

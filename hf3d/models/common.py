@@ -12,6 +12,7 @@ t/g ranks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..context_parallel import CPMask, context_attention
 from ..layout import Piece, concat_pieces, set_pieces, shard_range, whole
+from ..rng import DropoutRNG
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -43,6 +45,8 @@ class TPContext:
     size: int
     sequence_parallel: bool = False
     dtype: torch.dtype | None = None
+    rng: DropoutRNG | None = None
+    """This rank's tensor-parallel dropout stream (hf3d/rng.py): attention dropout draws from it."""
 
 
 def mark_tp_partial(param: nn.Parameter, ctx: TPContext) -> None:
@@ -125,6 +129,7 @@ class TPAttention(nn.Module):
         self.config, self.layer_idx = config, stock.layer_idx
         self.head_dim, self.scaling = stock.head_dim, stock.scaling
         self.attention_dropout, self.is_causal = stock.attention_dropout, True
+        self.rng = ctx.rng
         self.sliding_window = getattr(stock, "sliding_window", None)
         self.use_rope = bool(getattr(stock, "use_rope", True))  # stock's per-layer flag (SmolLM3 NoPE: 0)
         h, g, t, r = config.num_attention_heads, config.num_key_value_heads, ctx.size, ctx.rank
@@ -195,19 +200,14 @@ class TPAttention(nn.Module):
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
+        dropout = self.attention_dropout if self.training else 0.0
         if isinstance(attention_mask, CPMask):  # context parallel: keys and values of the whole sequence
             attention = functools.partial(context_attention, attention)
-        out, weights = attention(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            **extra,
-            **kwargs,
-        )
+        # masks over this rank's heads come from its own stream (hf3d/rng.py); no dropout, no RNG work
+        with self.rng.fork() if dropout and self.rng is not None else contextlib.nullcontext():
+            out, weights = attention(
+                self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs
+            )
         out = out.reshape(*input_shape, -1).contiguous()
         return self.o_proj(out), weights
 
