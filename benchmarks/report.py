@@ -274,6 +274,21 @@ def _recompute(d: dict) -> str:
     )
 
 
+def _cp(d: dict) -> str:
+    s = d["summary"]
+    met = {cp: "met" if s[cp]["saved_ratio"] <= t else "missed" for cp, t in (("2", 0.55), ("4", 0.3))}
+    return (
+        f"{d['shape']['num_hidden_layers']} layers, 1 x {d['args']['seq']} tokens: activation memory per rank "
+        f"(saved for backward) cp=2 {s['2']['saved_ratio']:.2f}x (target ≤ 0.55x: {met['2']}), cp=4 "
+        f"{s['4']['saved_ratio']:.2f}x (target ≤ 0.3x: {met['4']}) of cp=1; peak RSS above rest "
+        f"{s['2']['rss_ratio']:.2f}x, {s['4']['rss_ratio']:.2f}x; train_step time cp=2 "
+        f"{s['2']['step_time_ratio']:.2f}x of cp=1 (same tokens, 2 processes vs 1); K/V received per rank "
+        f"{s['2']['kv_bytes_per_rank'] / 2**20:.1f} MiB (cp=2), {s['4']['kv_bytes_per_rank'] / 2**20:.1f} MiB "
+        f"(cp=4) per step, as counted = expected: "
+        f"{all(v['kv_bytes_per_rank'] == v['kv_bytes_expected'] for v in s.values())}"
+    )
+
+
 def _default_run(d: dict) -> str:
     evals = d["eval_losses"]
     return (
@@ -386,6 +401,13 @@ ROWS: list[Row] = [
         "fp32, one process",
         "python benchmarks/bench_recompute.py",
         _recompute,
+    ),
+    (
+        "cp",
+        "context parallelism (`ParallelConfig(cp=...)`) / cp=1, SmolLM2-135M shape cut to 2 layers, fp32, "
+        "seq 8192, one process per cp rank",
+        "python benchmarks/bench_cp.py",
+        _cp,
     ),
     (
         "gpu_smollm",

@@ -13,7 +13,7 @@ Document masking (position ids that restart at each document) costs different th
   as `cu_seq_lens_q/k` and `max_length_q/k`, which the flash path takes ahead of the position ids.
 
 "auto" (the default) picks: on CUDA, flash_attention_2 when the flash-attn package imports, else
-flex_attention when documents are masked, else sdpa; on CPU, sdpa.
+flex_attention when documents are masked, else sdpa; on CPU, and under context parallelism, sdpa.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ def flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
-def resolve_attn_implementation(requested: str, device: str, *, document_masking: bool, flash_available: bool) -> str:
+def resolve_attn_implementation(
+    requested: str, device: str, *, document_masking: bool, flash_available: bool, cp: int = 1
+) -> str:
     """The attention backend to build the model with: `requested` itself unless it is "auto"."""
     if requested != AUTO:
         return requested
-    if device != "cuda":
+    if device != "cuda" or cp > 1:  # context parallelism runs sdpa or eager (hf3d.context_parallel)
         return "sdpa"
     if flash_available:
         return "flash_attention_2"

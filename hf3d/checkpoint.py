@@ -395,10 +395,11 @@ SHAPE_FIELDS = (
 
 def _write_ranges(pmodel, opt):
     """(param, a, b): the element range of each parameter this rank writes. With an optimizer, dp
-    rank d writes the d-th 1/dp of every gradient bucket (the ZeRO shard), so all ranks write in
-    parallel; without one, dp rank 0 writes its parameters whole."""
+    rank d (of dp x cp) writes the d-th 1/(dp*cp) of every gradient bucket (the ZeRO shard), so all ranks write in
+    parallel; without one, dp rank 0 (cp rank 0) writes its parameters whole."""
     if opt is None:
-        return [(p, 0, p.numel()) for _, p in pmodel.unique_parameters()] if pmodel.dp_rank == 0 else []
+        first = pmodel.dp_rank == 0 and pmodel.cp_rank == 0  # parameters are replicated over dp and cp
+        return [(p, 0, p.numel()) for _, p in pmodel.unique_parameters()] if first else []
     out = []
     for b in opt.buckets:
         lo, hi = opt._my_shard(b)

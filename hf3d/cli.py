@@ -28,7 +28,7 @@ def _train(args) -> int:
 
         cfg = TrainConfig.from_yaml(args.config, args.set or [])  # a bad config fails before the slow imports
         p = cfg.parallel
-        state.place(p.tp, p.pp, int(os.environ.get("WORLD_SIZE", "1")))
+        state.place(p.tp, p.pp, int(os.environ.get("WORLD_SIZE", "1")), cp=p.cp)
         from .trainer import train
 
         train(cfg, state=state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ ENV_VARS = {
     "tp": "HF3D_TP",
     "pp": "HF3D_PP",
     "dp": "HF3D_DP",
+    "cp": "HF3D_CP",
     "pp_schedule": "HF3D_PP_SCHEDULE",
     "num_microbatches": "HF3D_NUM_MICROBATCHES",
 }
@@ -43,6 +45,22 @@ RECOMPUTE_SPLIT_BACKWARD = (
 )
 
 
+def check_cp_seq_len(
+    seq_len: int, *, cp: int, tp: int, sequence_parallel: bool, where: str = "the sequence length"
+) -> None:
+    """Context parallelism cuts each sequence into 2*cp chunks (and sequence parallelism each cp rank's
+    S/cp tokens into tp parts): raise one line when `seq_len` does not divide."""
+    if cp == 1:
+        return
+    need = math.lcm(2 * cp, cp * tp) if sequence_parallel else 2 * cp
+    if seq_len % need:
+        why = f"2*cp = {2 * cp}" + (f" and cp*tp = {cp * tp} under sequence_parallel" if sequence_parallel else "")
+        raise ValueError(
+            f"{where}={seq_len} is not a multiple of {need} ({why}): context parallelism cuts each sequence into "
+            f"2*cp chunks; use a sequence length that is a multiple of {need}"
+        )
+
+
 def _check_recompute(value) -> str:
     if value is True or value is False:
         return "full" if value else "none"
@@ -59,8 +77,9 @@ def _check_recompute(value) -> str:
 class ParallelConfig:
     """How one training job is split over processes.
 
-    The device mesh has axes ("pp", "dp", "tp"), pp outermost and tp innermost, so tensor
-    parallel peers are neighbouring ranks (same node on GPU clusters).
+    The device mesh has axes ("pp", "dp", "cp", "tp"), pp outermost and tp innermost, cp next to it,
+    so tensor- and context-parallel peers are neighbouring ranks (same node on GPU clusters); pp and
+    dp span nodes. The world size is tp * pp * dp * cp.
     """
 
     tp: int = 1
@@ -68,7 +87,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: the decoder layers are split into pp stages."""
     dp: int | None = None
-    """Data-parallel degree; None means world_size // (tp * pp)."""
+    """Data-parallel degree; None means world_size // (tp * pp * cp)."""
     pp_schedule: str = "1f1b"
     """Pipeline schedule: one of PP_SCHEDULES."""
     num_microbatches: int | None = None
@@ -81,6 +100,11 @@ class ParallelConfig:
     """0: optimizer replicated over dp, gradients all-reduced; 1: optimizer state sharded over dp."""
     sequence_parallel: bool = False
     """Shard norms and residuals along the sequence inside tensor-parallel regions."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is cut into 2*cp chunks and cp rank r holds chunks r and
+    2*cp-1-r (causal load balance); attention all-gathers keys and values over cp (hf3d.context_parallel).
+    Every tp/pp/cp rank of a dp replica passes the same full rows; gradients are reduced and ZeRO-1 shards
+    over dp x cp."""
     recompute: str = "none"
     """Activation recompute: "none"; "full" (every decoder layer keeps only its input and runs its
     forward again in backward); "every_<k>" (layers k-1, 2k-1, ... of the whole model, counted from 0,
@@ -92,7 +116,7 @@ class ParallelConfig:
             self.num_microbatches = 1 if self.pp == 1 else self.pp * (2 if v_shaped else 1)
         if self.virtual_stages is None:
             self.virtual_stages = 2 if self.pp_schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
-        for name in ("tp", "pp", "num_microbatches", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -185,17 +209,18 @@ class ParallelConfig:
         return self.pp * (self.virtual_stages if self.pp > 1 else 1)
 
     def resolve(self, world_size: int) -> ParallelConfig:
-        """Fill in dp from the world size and check that tp * pp * dp == world_size."""
-        if world_size % (self.tp * self.pp) != 0:
+        """Fill in dp from the world size and check that tp * pp * dp * cp == world_size."""
+        tp, pp, cp = self.tp, self.pp, self.cp
+        if world_size % (tp * pp * cp) != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by tp * pp = {self.tp} * {self.pp} = "
-                f"{self.tp * self.pp}; launch tp * pp * dp processes"
+                f"world size {world_size} is not divisible by tp * pp * cp = {tp} * {pp} * {cp} = "
+                f"{tp * pp * cp}; launch tp * pp * dp * cp processes"
             )
-        dp = self.dp if self.dp is not None else world_size // (self.tp * self.pp)
-        if self.tp * self.pp * dp != world_size:
+        dp = self.dp if self.dp is not None else world_size // (tp * pp * cp)
+        if tp * pp * dp * cp != world_size:
             raise ValueError(
-                f"tp * pp * dp = {self.tp} * {self.pp} * {dp} = {self.tp * self.pp * dp} but the world "
-                f"size is {world_size}; launch exactly tp * pp * dp processes or set dp=None"
+                f"tp * pp * dp * cp = {tp} * {pp} * {dp} * {cp} = {tp * pp * dp * cp} but the world "
+                f"size is {world_size}; launch exactly tp * pp * dp * cp processes or set dp=None"
             )
         self.dp = dp
         return self

@@ -1,6 +1,6 @@
 """`ParallelModel.save_pretrained`: the sharded model written as one stock HF directory.
 
-Who writes. Only dp rank 0's replica takes part; each exported tensor lives on one pipeline stage, split
+Who writes. Only dp rank 0's replica (its cp rank 0) takes part; each exported tensor lives on one pipeline stage, split
 over that stage's tp ranks (or whole on one of them).
 
 - One writer, rank 0, when pp = 1 or when the model fits in one file (a single model.safetensors cannot
@@ -50,7 +50,7 @@ def save_hf(pmodel, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAUL
     for which ranks write). An existing out_dir
     is replaced only when it holds nothing but an HF export's files; any other is refused on every rank."""
     mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
-    if pmodel.dp_rank == 0:
+    if pmodel.dp_rank == 0 and pmodel.cp_rank == 0:  # parameters are replicated over dp and cp
         for _, param in pmodel.unique_parameters():
             for p in get_pieces(param):
                 if p.owner:

@@ -85,21 +85,22 @@ class RunState:
 
     rank: int = field(default_factory=lambda: int(os.environ.get("RANK", "0")))
     coords: dict[str, int] | None = None
-    """Mesh coordinates, {"pp": ., "dp": ., "tp": .}."""
+    """Mesh coordinates, {"pp": ., "dp": ., "cp": ., "tp": .}."""
     step: int = 0
     """The step being trained, counted from 1 as in metrics.jsonl; 0 before the first."""
 
     def locate(self, mesh) -> None:
-        """Take the coordinates from the run's ("pp", "dp", "tp") DeviceMesh."""
+        """Take the coordinates from the run's ("pp", "dp", "cp", "tp") DeviceMesh."""
         self.coords = {name: mesh.get_local_rank(name) for name in mesh.mesh_dim_names}
 
-    def place(self, tp: int, pp: int, world_size: int) -> None:
+    def place(self, tp: int, pp: int, world_size: int, cp: int = 1) -> None:
         """Coordinates from the degrees alone (the mesh is pp-major, tp-minor over the global ranks), for
         errors raised before the mesh exists; left unset when the degrees do not fit the world."""
-        if tp < 1 or pp < 1 or world_size % (tp * pp):
+        if tp < 1 or pp < 1 or cp < 1 or world_size % (tp * pp * cp):
             return
-        dp = world_size // (tp * pp)
-        self.coords = {"pp": self.rank // (dp * tp), "dp": self.rank // tp % dp, "tp": self.rank % tp}
+        dp = world_size // (tp * pp * cp)
+        r = self.rank
+        self.coords = {"pp": r // (dp * cp * tp), "dp": r // (cp * tp) % dp, "cp": r // tp % cp, "tp": r % tp}
 
     def where(self) -> str:
         coords = ", ".join(f"{k}={v}" for k, v in (self.coords or {}).items())
@@ -142,7 +143,7 @@ def one_line(e: BaseException) -> str:
 def fail(e: BaseException, state: RunState, command: str) -> int:
     """Report `e`, raised on this rank, and end the process without waiting for any peer.
 
-    The first rank of the job to fail prints `<command>: rank R (pp=., dp=., tp=.) failed at step S:
+    The first rank of the job to fail prints `<command>: rank R (pp=., dp=., cp=., tp=.) failed at step S:
     Type: message` (a traceback first when `e` is not an error a user can cause); later ones print
     nothing. Returns the exit code when this process has no peers (no process group, or a world of
     one), so the caller can return it; otherwise leaves with `os._exit`."""

@@ -1,4 +1,11 @@
-"""torch.distributed start-up and the ("pp", "dp", "tp") device mesh."""
+"""torch.distributed start-up and the ("pp", "dp", "cp", "tp") device mesh.
+
+Axis order, outermost first: pp, dp, cp, tp. tp is innermost and cp next to it, so their peers are
+neighbouring ranks (the same node on GPU clusters: tp, then cp, carry the most traffic per step);
+pp and dp span nodes. The cp axis is always there (size 1 by default). Expert parallelism folds into
+dp (or dp x cp), as in Megatron and torchtitan, and adds no world factor. The flattened ("dp", "cp")
+axis, "dp_cp", is the group over which replicated parameters' gradients are reduced and ZeRO-1 shards.
+"""
 
 from __future__ import annotations
 
@@ -82,7 +89,18 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
     """Validate the degrees against the world size and build the named mesh."""
     world_size = dist.get_world_size()
     pcfg.resolve(world_size)
-    return init_device_mesh(device_type(), (pcfg.pp, pcfg.dp, pcfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(
+        device_type(), (pcfg.pp, pcfg.dp, pcfg.cp, pcfg.tp), mesh_dim_names=("pp", "dp", "cp", "tp")
+    )
+    if pcfg.cp > 1:  # collective: every rank creates every dp x cp group; torch wants the flat mesh kept
+        mesh.hf3d_dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh
+
+
+def data_parallel_group(mesh: DeviceMesh):
+    """The group that reduces gradients of replicated parameters and shards ZeRO-1: dp, or dp x cp."""
+    flat = getattr(mesh, "hf3d_dp_cp", None)
+    return flat.get_group() if flat is not None else mesh.get_group("dp")
 
 
 def on_rank0(fn) -> None:

@@ -11,8 +11,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .config import ParallelConfig
+from .config import ParallelConfig, check_cp_seq_len
+from .context_parallel import CPContext
 from .hf import DEFAULT_MAX_SHARD_BYTES
+from .mesh import data_parallel_group
 from .pipeline import relay_forward, run_pipeline
 from .stage import StageModule
 from .tensor_parallel import IGNORE_INDEX
@@ -37,6 +39,7 @@ class ParallelModel(nn.Module):
         tokenizer_dir: Path | None,
         stage_owners: list[int],
         layer_split: list[list[int]],
+        cp: CPContext | None = None,
     ):
         super().__init__()
         self.hf_model = hf_model
@@ -45,6 +48,9 @@ class ParallelModel(nn.Module):
         self.config = hf_model.config
         self.hf_shapes, self.tokenizer_dir = hf_shapes, tokenizer_dir
         self.stage_owners, self.layer_split = stage_owners, layer_split
+        # context parallel: this rank's place on the cp axis; every cp rank gets the full rows and keeps its
+        # 2 of 2*cp sequence chunks (hf3d.context_parallel)
+        self.cp = cp if cp is not None else CPContext(None, 0, 1)
         self.grad_sync = None  # set by build_optimizer: receives train_step's start-of-step signal
         self._pipeline = None
         self.last_z_loss: torch.Tensor | None = None  # the z-loss term of the last train_step, global mean
@@ -65,6 +71,19 @@ class ParallelModel(nn.Module):
     @property
     def dp_size(self) -> int:
         return self.mesh["dp"].size()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.rank
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp.size
+
+    def _replica_sum(self, sums: torch.Tensor) -> None:
+        """All-reduce per-rank partial sums over dp x cp (each cp rank summed its own tokens only)."""
+        if self.dp_size * self.cp.size > 1:
+            dist.all_reduce(sums, group=data_parallel_group(self.mesh))
 
     @property
     def tp_rank(self) -> int:
@@ -93,6 +112,8 @@ class ParallelModel(nn.Module):
     # -- forward ----------------------------------------------------------------------------------
     def _positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         b, s = input_ids.shape
+        pcfg = self.pcfg
+        check_cp_seq_len(s, cp=pcfg.cp, tp=pcfg.tp, sequence_parallel=pcfg.sequence_parallel)
         if self.pcfg.sequence_parallel and s % self.pcfg.tp:
             raise ValueError(f"sequence_parallel needs the sequence length ({s}) to be a multiple of tp={self.pcfg.tp}")
         if position_ids is None:
@@ -169,12 +190,13 @@ class ParallelModel(nn.Module):
         # a forward never waits on another replica (one replica may evaluate alone).
         if vocab_flag(self, input_ids).item():
             raise_out_of_vocab(self, input_ids, None, dp_group=None)
+        local_ids = self.cp.split(input_ids)  # under cp the stages take this rank's tokens and all positions
         if self.pcfg.pp == 1:
-            return self.lm_head.full_logits(self.stages[0](input_ids, position_ids))
-        local_logits = relay_forward(self, input_ids, position_ids)
+            return self.cp.gather(self.lm_head.full_logits(self.stages[0](local_ids, position_ids)))
+        local_logits = relay_forward(self, local_ids, position_ids)
         last_owner = self.stage_owners[-1]
         if local_logits is not None:
-            logits = self.lm_head.full_logits(local_logits).contiguous()
+            logits = self.cp.gather(self.lm_head.full_logits(local_logits)).contiguous()
         else:
             b, s = input_ids.shape
             logits = torch.empty(b, s, self.config.vocab_size, dtype=self.param_dtype, device=self.device)
@@ -190,7 +212,8 @@ class ParallelModel(nn.Module):
         shift_labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of token losses, number of non-ignored targets) over this dp rank's rows, summed over dp.
+        """(sum of token losses, number of non-ignored targets) over this dp rank's rows, summed over dp
+        (and over cp, whose ranks each count their own tokens).
 
         Collective over the whole mesh; every rank gets the global values (their ratio is the token-mean
         loss). One forward, no grad, no micro-batches: the batch size bounds the memory. The vocab-parallel
@@ -202,6 +225,7 @@ class ParallelModel(nn.Module):
         check_vocab(self, input_ids, given, name)
         was_training = self.training
         self.eval()  # dropout off, as in stock evaluation
+        input_ids, targets = self.cp.split(input_ids), self.cp.split(targets)
         try:
             if self.pcfg.pp == 1:
                 local_logits = self.stages[0](input_ids, position_ids)
@@ -216,8 +240,7 @@ class ParallelModel(nn.Module):
         del local_logits
         if self.pcfg.pp > 1:
             dist.broadcast(sums, group=self.mesh.get_group("pp"), group_src=self.stage_owners[-1])
-        if self.dp_size > 1:
-            dist.all_reduce(sums, group=self.mesh.get_group("dp"))
+        self._replica_sum(sums)  # every cp rank counted its own targets
         return sums[0], sums[1]
 
     # -- training ---------------------------------------------------------------------------------
@@ -237,7 +260,8 @@ class ParallelModel(nn.Module):
         of seq_len + 1 tokens pass `input_ids=w[:, :-1], shift_labels=w[:, 1:]`).
 
         Returns the cross-entropy as the exact token mean over the global batch: sum of token losses /
-        non-ignored targets over all dp ranks. z_loss > 0 adds z_loss * logsumexp(logits)^2, averaged over
+        non-ignored targets over all dp ranks. Under cp every cp rank passes the same full rows; each runs
+        its own tokens and the parts are summed over cp. z_loss > 0 adds z_loss * logsumexp(logits)^2, averaged over
         the same tokens, to what is backpropagated (PaLM's z-loss) but not to the returned value; that term's
         global mean is left in `self.last_z_loss`.
         """
@@ -262,20 +286,21 @@ class ParallelModel(nn.Module):
             dist.all_reduce(counts, group=dp_group)
             num_tokens, out_of_vocab = counts.unbind()
 
+        full_ids = input_ids  # the rows as given (fail() names a bad id's place in them)
+
         def fail() -> None:
-            raise_out_of_vocab(
-                self, input_ids, given, dp_group=dp_group if self.dp_size > 1 else None, labels_name=name
-            )
+            raise_out_of_vocab(self, full_ids, given, dp_group=dp_group if self.dp_size > 1 else None, labels_name=name)
 
         deferred = self.deferred_checks and self.grad_sync is not None
         if not deferred and out_of_vocab.item():
             fail()
-        num_tokens = num_tokens.clamp_min(1.0)
+        num_tokens = num_tokens.clamp_min(1.0)  # counted over the full rows: the global count on every cp rank
         if self.grad_sync is not None:
             self.grad_sync.start_step(m)
         if deferred:  # the forward of a step that opt.step() will refuse must not index outside the vocabulary
             self.grad_sync.defer_check(out_of_vocab, fail)
             targets = drop_out_of_vocab(targets, self.config.vocab_size)
+        input_ids, targets = self.cp.split(input_ids), self.cp.split(targets)  # position_ids stay full
 
         z_loss = float(z_loss)
         if self.pcfg.pp == 1:
@@ -294,8 +319,7 @@ class ParallelModel(nn.Module):
                 sums += torch.stack([ce, z])
         else:
             sums = run_pipeline(self, input_ids, position_ids, targets, num_tokens, z_loss=z_loss)
-        if self.dp_size > 1:
-            dist.all_reduce(sums, group=dp_group)
+        self._replica_sum(sums)
         total, self.last_z_loss = sums.unbind()
         return total
 

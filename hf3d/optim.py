@@ -26,6 +26,7 @@ from torch import nn
 from . import optim_state
 from .grad_buffer import Bucket, GradBuffer
 from .layout import get_pieces
+from .mesh import data_parallel_group
 
 ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside AccumulateGrad
 # torch optimizers whose update of an element depends on the whole tensor (factored moments,
@@ -35,12 +36,14 @@ WHOLE_TENSOR_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 
 def reduction_groups(pmodel, params: list[nn.Parameter]) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
     """[(group, params)]: the process group over which each parameter's gradient is summed and its
-    optimizer state sharded. Every parameter is replicated over the data-parallel ranks."""
-    return [(pmodel.mesh.get_group("dp"), params)]
+    optimizer state sharded. Every parameter is replicated over the data-parallel ranks, and over the
+    context-parallel ranks, which each saw other tokens of the same rows: the group is dp x cp."""
+    return [(data_parallel_group(pmodel.mesh), params)]
 
 
 class ParallelOptimizer(torch.optim.Optimizer):
-    """Wraps a torch optimizer class with ZeRO-0/1 over dp and global-norm clipping over the mesh.
+    """Wraps a torch optimizer class with ZeRO-0/1 over dp (dp x cp under context parallelism) and
+    global-norm clipping over the mesh.
 
     It is a torch.optim.Optimizer whose `param_groups` and `state` are the wrapped optimizer's own
     (over this rank's fp32 master fragments), so LR schedulers and accelerate drive the real step."""
@@ -375,19 +378,18 @@ def _uses_per_step(pmodel) -> dict[int, int]:
 
 
 def _tied_embedding_group(pmodel):
-    """For tied embeddings split over two pipeline ranks: a group {first, last} per (dp, tp) place.
+    """For tied embeddings split over two pipeline ranks: a group {first, last} per (dp, cp, tp) place.
     Every rank creates every group (new_group is collective)."""
     owners = pmodel.stage_owners
     if not pmodel.config.tie_word_embeddings or owners[0] == owners[-1]:
         return None
-    ranks = pmodel.mesh.mesh  # [pp, dp, tp] -> global rank
+    ranks = pmodel.mesh.mesh.flatten(1)  # [pp, dp * cp * tp] -> global rank
     mine = None
-    for d in range(ranks.shape[1]):
-        for t in range(ranks.shape[2]):
-            pair = [int(ranks[owners[0], d, t]), int(ranks[owners[-1], d, t])]
-            g = dist.new_group(pair)
-            if dist.get_rank() in pair:
-                mine = g
+    for place in range(ranks.shape[1]):
+        pair = [int(ranks[owners[0], place]), int(ranks[owners[-1], place])]
+        g = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = g
     return mine
 
 

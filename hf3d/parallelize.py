@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
 from .config import ParallelConfig, check_attn_implementation
+from .context_parallel import CPContext, check_attention
 from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
 from .init import InitSource, has_weights
 from .layout import get_pieces
@@ -36,7 +37,7 @@ def parallelize(
     attn_implementation: str = AUTO,
     config_overrides: dict | None = None,
 ) -> ParallelModel:
-    """Split a stock transformers causal LM over the ("pp", "dp", "tp") mesh.
+    """Split a stock transformers causal LM over the ("pp", "dp", "cp", "tp") mesh.
 
     model_or_path: a stock model instance, an HF directory, or a Hub id. A local directory with a
     config.json and no weights is initialised from scratch, sharded (hf3d/init.py): the weights of
@@ -59,7 +60,7 @@ def parallelize(
     check_attn_implementation(attn_implementation)
     init_distributed()
     attn_implementation = resolve_attn_implementation(
-        attn_implementation, device_type(), document_masking=False, flash_available=flash_attn_installed()
+        attn_implementation, device_type(), document_masking=False, flash_available=flash_attn_installed(), cp=pcfg.cp
     )
     if isinstance(model_or_path, nn.Module):
         config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
@@ -80,6 +81,7 @@ def parallelize(
         config = override_config(config, config_overrides, loading_weights=source is not None)
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
+    check_attention(attn_implementation, pcfg.cp)
     mesh = build_mesh(pcfg)
     device = (
         torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
@@ -87,6 +89,7 @@ def parallelize(
 
     tp_group = mesh.get_group("tp")
     pp_rank = mesh.get_local_rank("pp")
+    cp = CPContext(mesh.get_group("cp"), mesh.get_local_rank("cp"), pcfg.cp)
     rng = DropoutRNG((pp_rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp")), device)
     ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype, rng)
 
@@ -129,6 +132,7 @@ def parallelize(
             last=s == pcfg.num_stages - 1,
             stage_index=s,
             recompute=[pcfg.recomputes(i) for i in layer_split[s]],
+            cp=cp,
             dropout_rng=rng if getattr(config, "attention_dropout", 0.0) else None,
         )
         for s in my_stages
@@ -142,6 +146,7 @@ def parallelize(
         tokenizer_dir=tokenizer_dir,
         stage_owners=owners,
         layer_split=layer_split,
+        cp=cp,
     )
     pmodel.dropout_rng = rng
     return pmodel

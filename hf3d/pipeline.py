@@ -3,7 +3,9 @@
 hf3d owns the split (hf3d.stage) and what crosses between stages: hidden states
 [micro_batch, seq (/tp under SP), hidden] as the activation, position ids as a keyword argument
 that the schedule splits per micro-batch and hands to every stage (each stage rebuilds rotary
-cos/sin and masks from them, so packed sequences work). The schedules are PyTorch's own.
+cos/sin and masks from them, so packed sequences work). Under context parallelism the activations and
+token ids hold this cp rank's S/cp tokens while the position ids stay the full [micro_batch, S] rows.
+The schedules are PyTorch's own.
 
 The loss of each micro-batch is its token-loss sum divided by the token count of the whole
 global batch, and the schedule does not rescale gradients (scale_grads=False): summing over

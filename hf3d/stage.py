@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .attention import is_flash, varlen_kwargs
+from .context_parallel import CPContext
 
 
 class StageModule(nn.Module):
@@ -32,6 +33,7 @@ class StageModule(nn.Module):
         last: bool,
         stage_index: int,
         recompute: list[bool] | None = None,
+        cp: CPContext | None = None,
         dropout_rng=None,
     ):
         super().__init__()
@@ -48,18 +50,24 @@ class StageModule(nn.Module):
         self.layer_types = [types[i] for i in layer_ids]
         self.recompute = list(recompute) if recompute is not None else [False] * len(self.layers)
         assert len(self.recompute) == len(self.layers)
+        self.cp = cp if cp is not None and cp.active else None
         self.dropout_rng = dropout_rng  # when the layers draw dropout masks: recompute replays them
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
         """x: token ids [b, s] (first stage) or hidden states [b, s(/tp under SP), h].
 
         Returns hidden states, or [b, s, V/tp] logits on the last stage; head=False stops the last
-        stage after its final norm (the caller runs the lm_head itself)."""
+        stage after its final norm (the caller runs the lm_head itself). Under cp, s is this rank's
+        S/cp tokens and position_ids are the FULL [b, S] ones (the masks need every token's)."""
         hidden = self.embed_tokens(x) if self.first else x
+        if self.cp is not None:
+            full_positions, position_ids = position_ids, self.cp.local_positions(position_ids)
         b, s = position_ids.shape
         shape_probe = hidden.new_empty((b, s, 1))  # the mask builders read batch, seq, dtype, device
         masks = {}
-        for kind in set(self.layer_types):
+        for kind in set(self.layer_types) if self.cp is not None else ():
+            masks[kind] = self.cp.masks(self.config, kind, full_positions, hidden.dtype)
+        for kind in set(self.layer_types) if self.cp is None else ():
             build = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             masks[kind] = build(
                 config=self.config,

@@ -2,7 +2,7 @@
 
     model        which stock HF model, its dtype and attention, long-context overrides
     data         sources, stages and mixtures, packing, document masking, eval split (hf3d/data)
-    parallel     tp / pp / dp, schedule, micro-batches, recompute (hf3d.ParallelConfig)
+    parallel     tp / pp / dp / cp, schedule, micro-batches, recompute (hf3d.ParallelConfig)
     optim        AdamW, weight decay, clipping, z-loss, and the lr schedule (hf3d/schedules.py)
     run          steps, batch, output dir, logging, trackers
     checkpoint   how often to save, what to keep, what to resume and which parts of it
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation
+from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
 from .configfile import build_section
 from .data import DataConfig
 from .schedules import ScheduleConfig, decay_start_step, describe_schedule
@@ -269,14 +269,16 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
         from .hf import check_output_dir, is_export_file
 
         check_output_dir(Path(r.output_dir) / "final", is_export_file)
-    tp_pp = p.tp * p.pp
+    tp_pp = p.tp * p.pp * p.cp
     if world_size % tp_pp or (p.dp is not None and p.dp * tp_pp != world_size):
         dp = "dp" if p.dp is None else f"dp={p.dp}"
         raise ValueError(
-            f"world size {world_size} is not tp·pp·{dp} = {p.tp}·{p.pp}·{p.dp or '?'}: launch tp·pp·dp processes "
-            f"(e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change parallel.tp/pp/dp"
+            f"world size {world_size} is not tp·pp·{dp}·cp = {p.tp}·{p.pp}·{p.dp or '?'}·{p.cp}: launch "
+            f"tp·pp·dp·cp processes (e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
+            "parallel.tp/pp/dp/cp"
         )
     dp = world_size // tp_pp
+    check_cp_seq_len(cfg.data.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=p.sequence_parallel, where="data.seq_len")
     m = p.num_microbatches
     if r.global_batch % (dp * m):
         raise ValueError(
@@ -286,6 +288,9 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     stages = cfg.data.resolved_stages()
     for i, stage in enumerate(stages):
         _check_stage_model(cfg, i, stage, model_config)
+        if cfg.data.stages and cfg.data.stages[i].seq_len is not None:  # a stage's own length cuts over cp too
+            sp = p.sequence_parallel
+            check_cp_seq_len(stage.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=sp, where=f"data.stages[{i}].seq_len")
     seq = stages[0].seq_len
     ends = [s.start_step for s in stages[1:]] + [r.steps]
     total = sum(

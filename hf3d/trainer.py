@@ -62,6 +62,7 @@ def _load_model(cfg: ModelConfig, pcfg, document_masking: bool):
             device_type(),
             document_masking=document_masking,
             flash_available=flash_attn_installed(),
+            cp=pcfg.cp,
         ),
         config_overrides=cfg.overrides() or None,
     )
@@ -280,7 +281,7 @@ def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
         (run.out / "config.yaml").write_text(resolved)
         say("hf3d: resolved config (also in " + str(run.out / "config.yaml") + "):\n" + resolved.rstrip())
         p = cfg.parallel
-        say(f"hf3d: mesh pp={p.pp} dp={run.pmodel.dp_size} tp={p.tp} on {dist.get_world_size()} processes")
+        say(f"hf3d: mesh pp={p.pp} dp={run.pmodel.dp_size} cp={p.cp} tp={p.tp} on {dist.get_world_size()} processes")
         for line in derived + run.pipe.summary():
             say(f"hf3d: {line}")
         if missing:

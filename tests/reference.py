@@ -22,16 +22,19 @@ def batches(num_steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
     return out
 
 
-def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None):
+def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None):
     """Losses, grad norms and final state dict of the stock model trained on `data`.
 
-    param_groups(model) -> AdamW parameter groups (default: every parameter, weight decay WD)."""
+    param_groups(model) -> AdamW parameter groups (default: every parameter, weight decay WD).
+    position_ids: the same for every batch (packed documents: stock builds the document mask from
+    them when no cache is made, hence use_cache=False)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
     groups = param_groups(model) if param_groups else model.parameters()
     opt = torch.optim.AdamW(groups, lr=LR, weight_decay=WD, betas=BETAS)
     losses, norms = [], []
     for ids, labels in data:
-        loss = model(ids, labels=labels).loss
+        extra = {} if position_ids is None else dict(position_ids=position_ids, use_cache=False)
+        loss = model(ids, labels=labels, **extra).loss
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()

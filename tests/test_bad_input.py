@@ -911,14 +911,28 @@ CASES: list[Case] = [
         LAUNCH,
         "1 process launched for `parallel.tp: 2`",
         lambda fx: _check_run("parallel.tp=2", world_size=1),
-        ["world size 1 is not tp·pp·dp = 2·1·?", "torchrun --nproc-per-node 2"],
+        ["world size 1 is not tp·pp·dp·cp = 2·1·?·1", "torchrun --nproc-per-node 2"],
     ),
     _c(
         "launch-dp-product",
         LAUNCH,
         "`parallel.dp: 3` on 4 processes",
         lambda fx: _check_run("parallel.dp=3", world_size=4),
-        ["world size 4 is not tp·pp·dp=3 = 1·1·3"],
+        ["world size 4 is not tp·pp·dp=3·cp = 1·1·3·1"],
+    ),
+    _c(
+        "launch-cp-world-size",
+        LAUNCH,
+        "2 processes launched for `parallel.tp: 2, cp: 2`",
+        lambda fx: _check_run("parallel.tp=2", "parallel.cp=2", world_size=2),
+        ["world size 2 is not tp·pp·dp·cp = 2·1·?·2", "torchrun --nproc-per-node 4", "parallel.tp/pp/dp/cp"],
+    ),
+    _c(
+        "launch-cp-seq-len",
+        LAUNCH,
+        "`data.seq_len` not divisible by 2·cp",
+        lambda fx: _check_run("parallel.cp=2", "data.seq_len=30", world_size=2),
+        ["data.seq_len=30 is not a multiple of 4 (2*cp = 4)", "use a sequence length that is a multiple of 4"],
     ),
     _c(
         "launch-global-batch",
@@ -1392,6 +1406,23 @@ CASES: list[Case] = [
         lambda ctx: __import__("hf3d").build_optimizer(ctx["pm"], "adamw", lr=1e-3),
         ["optimizer_cls must be a torch.optim.Optimizer subclass, got 'adamw'"],
         how="dist",
+    ),
+    _c(
+        "api-cp-attention",
+        API,
+        "`parallelize(..., ParallelConfig(cp=2), attn_implementation='flex_attention')`",
+        lambda ctx: __import__("hf3d").parallelize(
+            ctx["fx"]["llama"], __import__("hf3d").ParallelConfig(cp=2), attn_implementation="flex_attention"
+        ),
+        ["cp=2 cannot run with attn_implementation='flex_attention'", "sdpa or eager", "or use cp=1"],
+        how="dist",
+    ),
+    _c(
+        "api-cp-world-size",
+        API,
+        "`ParallelConfig(tp=2, dp=2, cp=2)` on 4 processes",
+        lambda fx: __import__("hf3d").ParallelConfig(tp=2, dp=2, cp=2).resolve(4),
+        ["tp * pp * dp * cp = 2 * 1 * 2 * 2 = 8", "world size is 4"],
     ),
     _c(
         "api-parallel-config",

@@ -54,6 +54,15 @@ def test_benchmark_runs_at_smallest_size(script, tmp_path):
                 for axis in ("tp", "pp", "dp"):
                     pred, meas = rank["sent_predicted"][axis], rank["sent_measured"][axis]
                     assert abs(pred - meas) <= 64, (row["mesh"], rank["coords"], axis, pred, meas)
+    if script == "bench_cp.py":  # the counted K/V bytes are the formula's; every cp trains the same numbers
+        data = json.loads((tmp_path / "quick" / "cp.json").read_text())
+        for cp, s in data["summary"].items():
+            assert s["kv_bytes_per_rank"] == s["kv_bytes_expected"], (
+                cp,
+                s["kv_bytes_per_rank"],
+                s["kv_bytes_expected"],
+            )
+            assert (s["kv_bytes_per_rank"] > 0) == (cp != "1"), cp
     if script == "bench_scaling.py":
         assert (tmp_path / "quick" / "scaling.png").stat().st_size > 0
 

@@ -95,14 +95,18 @@ def test_virtual_stages_explicit_values():
 
 
 def test_parallel_config_world_size_product():
-    """resolve() is what parallelize uses: the message spells out tp * pp * dp."""
+    """resolve() is what parallelize uses: the message spells out tp * pp * dp * cp."""
     with pytest.raises(ValueError) as e:
         hf3d.ParallelConfig(tp=2, dp=2).resolve(2)
-    assert "2 * 1 * 2 = 4" in str(e.value) and "world size is 2" in str(e.value), str(e.value)
+    assert "2 * 1 * 2 * 1 = 4" in str(e.value) and "world size is 2" in str(e.value), str(e.value)
     with pytest.raises(ValueError) as e:
         hf3d.ParallelConfig(tp=2, pp=2, pp_schedule="afab").resolve(6)
-    assert "6" in str(e.value) and "2 * 2 = 4" in str(e.value), str(e.value)
+    assert "6" in str(e.value) and "2 * 2 * 1 = 4" in str(e.value), str(e.value)
     assert hf3d.ParallelConfig(tp=2).resolve(6).dp == 3
+    with pytest.raises(ValueError) as e:
+        hf3d.ParallelConfig(tp=2, cp=2, dp=2).resolve(4)
+    assert "tp * pp * dp * cp = 2 * 1 * 2 * 2 = 8" in str(e.value), str(e.value)
+    assert hf3d.ParallelConfig(tp=2, cp=2).resolve(8).dp == 2
 
 
 @pytest.fixture
@@ -115,9 +119,10 @@ def hf3d_env(monkeypatch):
 
 def test_from_env_reads_every_variable(hf3d_env):
     assert hf3d.ParallelConfig.from_env() == hf3d.ParallelConfig()  # nothing set: the defaults
-    hf3d_env(HF3D_TP="2", HF3D_PP=" 2 ", HF3D_DP="3", HF3D_PP_SCHEDULE="zbv", HF3D_NUM_MICROBATCHES="8")
+    hf3d_env(HF3D_TP="2", HF3D_PP=" 2 ", HF3D_DP="3", HF3D_PP_SCHEDULE="zbv", HF3D_NUM_MICROBATCHES="8", HF3D_CP="2")
     pcfg = hf3d.ParallelConfig.from_env()
     assert (pcfg.tp, pcfg.pp, pcfg.dp, pcfg.pp_schedule, pcfg.num_microbatches) == (2, 2, 3, "zbv", 8)
+    assert pcfg.cp == 2
     assert pcfg.virtual_stages == 2  # derived as in the constructor
     hf3d_env(HF3D_DP="", HF3D_NUM_MICROBATCHES="")  # set but empty: unset
     pcfg = hf3d.ParallelConfig.from_env()
@@ -306,8 +311,8 @@ EXPECTED = {
         "ValueError",
         ["tp=4", "6 query heads", "2 KV heads", "Valid tp values: 1, 2, 6"],
     ),
-    "world_size_product": ("ValueError", ["tp * pp * dp = 2 * 1 * 2 = 4", "world size is 2"]),
-    "world_not_divisible": ("ValueError", ["world size 2", "tp * pp = 4 * 1 = 4"]),
+    "world_size_product": ("ValueError", ["tp * pp * dp * cp = 2 * 1 * 2 * 1 = 4", "world size is 2"]),
+    "world_not_divisible": ("ValueError", ["world size 2", "tp * pp * cp = 4 * 1 * 1 = 4"]),
     "unknown_model_type_dir": ("ValueError", ["'mistral'", "not supported", "supported:", *SUPPORTED]),
     "unknown_model_type_instance": ("ValueError", ["'mistral'", "not supported", "supported:", *SUPPORTED]),
     "missing_shard": ("ValueError", ["{missing-shard-file}", "missing"]),

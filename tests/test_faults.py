@@ -209,7 +209,12 @@ def test_die_with_parent_ends_a_child_whose_parent_is_killed(tmp_path):
 
 # -- 2. a rank that fails ------------------------------------------------------------------------------
 MESH = ["parallel.tp=1", "parallel.pp=2", "parallel.num_microbatches=2", "checkpoint.every=0", "run.save_final=false"]
-COORDS = {0: "pp=0, dp=0, tp=0", 1: "pp=0, dp=1, tp=0", 2: "pp=1, dp=0, tp=0", 3: "pp=1, dp=1, tp=0"}
+COORDS = {
+    0: "pp=0, dp=0, cp=0, tp=0",
+    1: "pp=0, dp=1, cp=0, tp=0",
+    2: "pp=1, dp=0, cp=0, tp=0",
+    3: "pp=1, dp=1, cp=0, tp=0",
+}
 INJECTED = {
     "forward": "ValueError: injected failure in forward",
     "dp": "RuntimeError: injected failure in the dp reduction",
@@ -342,7 +347,11 @@ def test_run_state_coordinates_follow_the_mesh_layout():
     for rank in range(12):
         s = faults.RunState(rank=rank)
         s.place(tp=2, pp=3, world_size=12)
-        assert s.coords == {"pp": rank // 4, "dp": rank // 2 % 2, "tp": rank % 2}
+        assert s.coords == {"pp": rank // 4, "dp": rank // 2 % 2, "cp": 0, "tp": rank % 2}
+    for rank in range(16):  # pp=2, dp=2, cp=2, tp=2
+        s = faults.RunState(rank=rank)
+        s.place(tp=2, pp=2, world_size=16, cp=2)
+        assert s.coords == {"pp": rank // 8, "dp": rank // 4 % 2, "cp": rank // 2 % 2, "tp": rank % 2}
     s = faults.RunState(rank=1)
     s.place(tp=4, pp=1, world_size=2)
     assert s.coords is None and s.where() == "rank 1 failed before the first step"

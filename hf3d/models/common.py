@@ -13,6 +13,7 @@ t/g ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..context_parallel import CPMask, context_attention
 from ..layout import Piece, concat_pieces, set_pieces, shard_range, whole
 from ..rng import DropoutRNG
 from ..tensor_parallel import (
@@ -199,6 +201,8 @@ class TPAttention(nn.Module):
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager)
         extra = {"sliding_window": self.sliding_window} if self.sliding_window is not None else {}
         dropout = self.attention_dropout if self.training else 0.0
+        if isinstance(attention_mask, CPMask):  # context parallel: keys and values of the whole sequence
+            attention = functools.partial(context_attention, attention)
         # masks over this rank's heads come from its own stream (hf3d/rng.py); no dropout, no RNG work
         with self.rng.fork() if dropout and self.rng is not None else contextlib.nullcontext():
             out, weights = attention(
