@@ -427,15 +427,16 @@ def _rng_state(pmodel) -> dict:
 
 
 def _restore_rng(path: Path, meta: dict, pmodel) -> None:
-    """This rank's RNG streams, when the checkpoint was written at this mesh (the same pp, dp and tp
+    """This rank's RNG streams, when the checkpoint was written at this mesh (the same pp, dp, cp and tp
     degrees): a resumed run then draws what the uninterrupted one would. At another mesh nothing is
     restored (a saved rank's streams belong to other coordinates): the default generators keep the
     seeding they had, and the dropout stream starts afresh from its seed and the checkpoint's step, so
     the masks after the resume differ from the uninterrupted run's, with the same statistics."""
-    saved_mesh = [(meta.get("parallel") or {}).get(k) for k in ("pp", "dp", "tp")]
+    saved_mesh = [(meta.get("parallel") or {}).get(k, 1 if k == "cp" else None) for k in ("pp", "dp", "cp", "tp")]
     same_mesh = meta.get("world_size") == dist.get_world_size() and saved_mesh == [
         pmodel.pcfg.pp,
         pmodel.dp_size,
+        pmodel.cp_size,
         pmodel.pcfg.tp,
     ]
     rng = path / f"rng_{dist.get_rank()}.pt"

@@ -90,7 +90,7 @@ def parallelize(
     tp_group = mesh.get_group("tp")
     pp_rank = mesh.get_local_rank("pp")
     cp = CPContext(mesh.get_group("cp"), mesh.get_local_rank("cp"), pcfg.cp)
-    rng = DropoutRNG((pp_rank, mesh.get_local_rank("dp"), mesh.get_local_rank("tp")), device)
+    rng = DropoutRNG((pp_rank, mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh.get_local_rank("tp")), device)
     ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype, rng)
 
     layer_split = split_layers(pcfg.num_stages, *layer_costs(config))

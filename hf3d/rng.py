@@ -7,12 +7,12 @@ another's masks on other layers and other rows. hf3d keeps two streams per rank:
 
 - the tensor-parallel stream (`DropoutRNG`): dropout inside a tensor-parallel region, i.e. attention
   dropout over this rank's heads (`TPAttention`), draws from a generator state of its own, seeded from
-  (seed, pp rank, dp rank, tp rank). The attention call swaps it in as the default generator's state
+  (seed, pp rank, dp rank, cp rank, tp rank). The attention call swaps it in as the default generator's state
   and back out (`fork`), so every attention backend (eager, sdpa, flex) draws from it unchanged;
 - the shared stream: dropout on activations replicated over tp (none in the families supported
   today) must draw the same mask on every tp rank. It is torch's default generator, which
-  `seed_streams` seeds from (seed, pp rank, dp rank): the same on the tp ranks of one (pp, dp)
-  coordinate, different across pp stages and dp replicas.
+  `seed_streams` seeds from (seed, pp rank, dp rank, cp rank): the same on the tp ranks of one (pp, dp,
+  cp) coordinate, different across pp stages, dp replicas and the cp ranks' tokens.
 
 So masks are independent Bernoulli(1 - p) draws per head, row and layer, as in stock: the statistics
 of stock dropout, not its exact masks (those depend on how the heads and rows are split). With
@@ -46,11 +46,11 @@ def _generator_state(device: torch.device, seed: int) -> torch.Tensor:
 class DropoutRNG:
     """This rank's tensor-parallel dropout stream: a generator state, swapped in by `fork`.
 
-    coords: this rank's (pp, dp, tp) ranks. Seeded by `manual_seed`, or, when nothing seeded it, on
+    coords: this rank's (pp, dp, cp, tp) ranks. Seeded by `manual_seed`, or, when nothing seeded it, on
     first use from `torch.initial_seed()` (what the last `torch.manual_seed` set), so a plain
     `torch.manual_seed(s)` before training seeds it too."""
 
-    def __init__(self, coords: tuple[int, int, int], device: torch.device):
+    def __init__(self, coords: tuple[int, ...], device: torch.device):
         self.coords, self.device = tuple(int(c) for c in coords), torch.device(device)
         self.seed: int | None = None
         self._state: torch.Tensor | None = None
@@ -111,7 +111,7 @@ class DropoutRNG:
 
 def seed_streams(pmodel, seed: int) -> None:
     """Seed this rank's two dropout streams from `seed` (every rank passes the same seed): torch's
-    default generator from (seed, pp, dp), shared by the tp ranks; the model's tensor-parallel stream
-    from (seed, pp, dp, tp)."""
-    torch.manual_seed(derive_seed(int(seed), _SHARED, pmodel.pp_rank, pmodel.dp_rank))
+    default generator from (seed, pp, dp, cp), shared by the tp ranks; the model's tensor-parallel stream
+    from (seed, pp, dp, cp, tp)."""
+    torch.manual_seed(derive_seed(int(seed), _SHARED, pmodel.pp_rank, pmodel.dp_rank, pmodel.cp_rank))
     pmodel.dropout_rng.manual_seed(seed)

@@ -167,15 +167,15 @@ def test_no_dropout_and_eval_mode_draw_nothing(world):
 
 
 def test_streams_differ_over_every_mesh_coordinate():
-    """The tensor-parallel stream differs over pp, dp and tp; the shared one (torch's default generator)
-    is the same on the tp ranks of one (pp, dp) coordinate and differs over pp and dp."""
-    coords = [(pp, dp, tp) for pp in (0, 1) for dp in (0, 1) for tp in (0, 1)]
+    """The tensor-parallel stream differs over pp, dp, cp and tp; the shared one (torch's default generator)
+    is the same on the tp ranks of one (pp, dp, cp) coordinate and differs over pp, dp and cp."""
+    coords = [(pp, dp, cp, tp) for pp in (0, 1) for dp in (0, 1) for cp in (0, 1) for tp in (0, 1)]
     tp_states, shared = {}, {}
     with torch.random.fork_rng(devices=[]):
         for c in coords:
             rng = DropoutRNG(c, torch.device("cpu"))
-            seed_streams(types.SimpleNamespace(pp_rank=c[0], dp_rank=c[1], dropout_rng=rng), 7)
+            seed_streams(types.SimpleNamespace(pp_rank=c[0], dp_rank=c[1], cp_rank=c[2], dropout_rng=rng), 7)
             tp_states[c], shared[c] = bytes(rng.state().numpy()), torch.initial_seed()
     assert len(set(tp_states.values())) == len(coords)
-    assert all(shared[(pp, dp, 0)] == shared[(pp, dp, 1)] for pp, dp, _ in coords)
-    assert len(set(shared.values())) == 4
+    assert all(shared[(pp, dp, cp, 0)] == shared[(pp, dp, cp, 1)] for pp, dp, cp, _ in coords)
+    assert len(set(shared.values())) == 8
