@@ -124,7 +124,7 @@ def _tiny_example(tmp: Path, model_path: Path, out: Path) -> Path:
     """The shipped config with its model, data, mesh and length scaled to a CPU test; its stages kept."""
     cfg = yaml.safe_load(EXAMPLE.read_text())
     cfg["model"].update(path=str(model_path), dtype="float32")
-    cfg["parallel"] = {"tp": 1, "pp": 2, "num_microbatches": 2}  # no cp on this branch; pp=2: a pipeline per shape
+    cfg["parallel"] = {"tp": 1, "cp": 2, "num_microbatches": 2}  # each row split over 2 cp ranks, as the recipe does
     data = cfg["data"]
     data.update(seq_len=TINY["seq_len"], num_proc=1)
     for stage, start in zip(data["stages"], (0, TINY["switch"])):
@@ -148,7 +148,6 @@ def test_the_long_context_example_ships_the_smollm3_recipe(tmp_path):
     check_run against a 4k-position SmolLM3-3B-shaped config (Llama-shaped here) on 8 processes."""
     from transformers import LlamaConfig
 
-    from hf3d.config import ParallelConfig
     from hf3d.train_config import TrainConfig, check_run
 
     raw = yaml.safe_load(EXAMPLE.read_text())
@@ -156,8 +155,6 @@ def test_the_long_context_example_ships_the_smollm3_recipe(tmp_path):
     assert raw["parallel"]["cp"] == 4
     stages = [(s["seq_len"], s["rope_theta"], s["max_position_embeddings"]) for s in raw["data"]["stages"]]
     assert stages == [(32768, 2e6, 32768), (65536, 5e6, 65536)]
-    if "cp" not in ParallelConfig.__dataclass_fields__:  # a build without cp: the same file, cp dropped
-        raw["parallel"].pop("cp")
     path = tmp_path / "example.yaml"
     path.write_text(yaml.safe_dump(raw))
     cfg = TrainConfig.from_yaml(str(path))
@@ -169,9 +166,9 @@ def test_the_long_context_example_ships_the_smollm3_recipe(tmp_path):
 
 
 def test_the_long_context_example_runs_switches_resumes_and_exports(tmp_path):
-    """At a tiny size, on 2 processes (pp=2): a 1-process run at 16-token rows writes a checkpoint; the
+    """At a tiny size, on 2 processes (cp=2): a 1-process run at 16-token rows writes a checkpoint; the
     example starts from it (model.path) at 32-token rows and theta 2M, doubles to 64 at theta 5M from step
-    4 on (the pipeline rebuilt for the new shape), exports the last stage's settings and marks the stages
+    4 on (each row split over the 2 cp ranks), exports the last stage's settings and marks the stages
     on the loss curve; a run resumed after step 4 (in the middle of the 64-token stage) repeats steps 5
     and 6 bit for bit, which it cannot with the wrong seq_len or RoPE."""
     model_dir = _tiny_model(tmp_path)
