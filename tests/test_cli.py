@@ -68,12 +68,12 @@ def test_import_and_the_command_line_load_torch_only_when_needed():
 
 def test_bad_config_is_one_clear_error_and_nonzero_exit(tmp_path):
     proc = _run(
-        ["train", "examples/configs/tiny-smollm.yaml", "--set", "parallel.tp=4", f"run.output_dir={tmp_path / 'x'}"],
+        ["train", "examples/configs/tiny-smollm.yaml", "--set", "parallel.tp=2", f"run.output_dir={tmp_path / 'x'}"],
         tmp_path,
     )
     assert proc.returncode == 1
     assert proc.stderr.count("hf3d train: error:") == 1
-    assert "world size 1 is not tp·pp·dp = 4·1·?" in proc.stderr
+    assert "world size 1 is not tp·pp·dp·cp = 2·1·?·1" in proc.stderr
     assert not (tmp_path / "x" / "final").exists()
 
     proc = _run(["train", "--set", "parallel.nope=1"], tmp_path)
