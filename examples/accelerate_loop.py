@@ -61,7 +61,7 @@ def main() -> None:
     acc.save_state(f"{args.output_dir}/state")  # collective, sharded: acc.load_state resumes at any mesh
     pmodel.save_pretrained(f"{args.output_dir}/final")  # a stock HF directory
     acc.print(f"wrote {args.output_dir}/final")
-    acc.end_training()
+    # in place of acc.end_training(), which would destroy the process group before the ranks meet
     hf3d.finish()  # every rank exits together, without gloo's interpreter-teardown abort
 
 

@@ -202,7 +202,13 @@ def finish(code: int = 0) -> NoReturn:
     """The last call of a script that trains with hf3d on several processes (an accelerate loop, the
     Trainer): every rank waits for the others, then exits with `code` without interpreter teardown,
     which with gloo's threads up can abort a finished run (SIGABRT, exit 134). Close loggers and files
-    first: atexit handlers do not run. Without a process group it is `sys.exit(code)`."""
+    first: atexit handlers do not run. Without a process group it is `sys.exit(code)`, unless a launcher
+    started several processes and the group is already gone (accelerate's `end_training` destroys it):
+    then no barrier is left to wait in, and the process still leaves without the teardown."""
     if not (dist.is_available() and dist.is_initialized()):
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os._exit(code)
         raise SystemExit(code)
     leave(code)
