@@ -306,7 +306,7 @@ class DataPipeline:
                 )
             self._state[view] = {k: int(saved[k]) for k in ("cursor", "epoch", "consumed_tokens")}
             restored.add(view)
-        for view in self._state.keys() - restored:
+        for view in [v for v in self._state if v not in restored]:  # in stage order: the notes read the same each run
             label = self.view_source[view]
             others = sorted(k["seq_len"] for k in self._kept.values() if k["source"] == label)
             if others:
