@@ -1,4 +1,9 @@
-"""Run a function on N gloo processes on this CPU (a free port each time, no retries)."""
+"""Run a function on N gloo processes on this CPU (a free port each time, no retries).
+
+The processes fork from one forkserver per test session that has imported torch, transformers and hf3d
+already: a spawned process would import them again (about 8 s of CPU on this machine), which was most of
+the suite's time. A worker takes the caller's environment, working directory, stdout and stderr (reopened
+through /proc, so pytest's capture sees what the ranks print), not the server's."""
 
 from __future__ import annotations
 
@@ -19,7 +24,49 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
+START_METHOD = "forkserver"
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.smollm3.modeling_smollm3",
+    "hf3d.parallelize",
+    "hf3d.trainer",
+    "models",
+    "reference",
+]
+mp.set_forkserver_preload(_PRELOAD)
+
+
+def _caller() -> tuple[dict, str, int]:
+    """What a worker takes from the test that starts it: its environment, working directory and process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return dict(os.environ), os.getcwd(), os.getpid()
+
+
+def _adopt(caller: tuple[dict, str, int]) -> None:
+    env, cwd, pid = caller
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    for fd in (1, 2):  # the caller's stdout and stderr now, not the ones the server started with
+        try:
+            new = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_APPEND)
+        except OSError:
+            continue
+        os.dup2(new, fd)
+        os.close(new)
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, caller=None) -> None:
+    if caller is not None:
+        _adopt(caller)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -36,7 +83,13 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
 
 def spawn(fn, world_size: int, *args) -> None:
     """Run fn(*args) on world_size processes; an exception on any rank fails the caller."""
-    mp.spawn(_worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+    mp.start_processes(
+        _worker,
+        args=(world_size, _free_port(), fn, args, _caller()),
+        nprocs=world_size,
+        join=True,
+        start_method=START_METHOD,
+    )
 
 
 def start_watchdog(seconds: float) -> None:
