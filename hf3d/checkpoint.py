@@ -398,8 +398,7 @@ def _write_ranges(pmodel, opt):
     rank d (of dp x cp) writes the d-th 1/(dp*cp) of every gradient bucket (the ZeRO shard), so all ranks write in
     parallel; without one, dp rank 0 (cp rank 0) writes its parameters whole."""
     if opt is None:
-        first = pmodel.dp_rank == 0 and pmodel.cp_rank == 0  # parameters are replicated over dp and cp
-        return [(p, 0, p.numel()) for _, p in pmodel.unique_parameters()] if first else []
+        return [(p, 0, p.numel()) for _, p in pmodel.unique_parameters() if pmodel.exports(p)]
     out = []
     for b in opt.buckets:
         lo, hi = opt._my_shard(b)

@@ -16,6 +16,7 @@ ENV_VARS = {
     "pp": "HF3D_PP",
     "dp": "HF3D_DP",
     "cp": "HF3D_CP",
+    "ep": "HF3D_EP",
     "pp_schedule": "HF3D_PP_SCHEDULE",
     "num_microbatches": "HF3D_NUM_MICROBATCHES",
 }
@@ -109,6 +110,11 @@ class ParallelConfig:
     """Activation recompute: "none"; "full" (every decoder layer keeps only its input and runs its
     forward again in backward); "every_<k>" (layers k-1, 2k-1, ... of the whole model, counted from 0,
     like every k-th block in torchtitan). True and False mean "full" and "none"."""
+    ep: int = 1
+    """Expert-parallel degree (MoE models): each MoE layer's experts are split ep ways over groups of ep
+    neighbouring dp ranks, which exchange tokens all-to-all (hf3d.expert_parallel). ep divides dp and adds
+    no world factor; an expert's parameters are replicated over the dp // ep ranks that hold it (times cp),
+    and its gradients are reduced and ZeRO-1 shards there."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
@@ -116,7 +122,7 @@ class ParallelConfig:
             self.num_microbatches = 1 if self.pp == 1 else self.pp * (2 if v_shaped else 1)
         if self.virtual_stages is None:
             self.virtual_stages = 2 if self.pp_schedule in ("interleaved-1f1b", "zbv", "dualpipev") else 1
-        for name in ("tp", "pp", "cp", "num_microbatches", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "ep", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig.{name} must be a positive integer, got {value!r}")
@@ -221,6 +227,11 @@ class ParallelConfig:
             raise ValueError(
                 f"tp * pp * dp * cp = {tp} * {pp} * {dp} * {cp} = {tp * pp * dp * cp} but the world "
                 f"size is {world_size}; launch exactly tp * pp * dp * cp processes or set dp=None"
+            )
+        if dp % self.ep:
+            raise ValueError(
+                f"ep={self.ep} does not divide dp={dp}: expert-parallel groups are made of dp ranks (ep adds no "
+                f"world factor); use an ep that divides {dp}, or launch more processes"
             )
         self.dp = dp
         return self

@@ -87,13 +87,16 @@ def _single_process():
 
 
 def _state_dict_order(config) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of the stock model of `config`, in state-dict order (built on the meta device)."""
+    """{name: shape} of the stock model of `config`, in state-dict order (built on the meta device), under the
+    names stock saves (a MoE model's fused experts per expert)."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
+    from .models import get_adapter
+
     with torch.device("meta"), no_init_weights():  # init functions still run on meta tensors: 2/3 of the time
         model = AutoModelForCausalLM.from_config(config)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return get_adapter(config.model_type).disk_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
 
 
 # -- checkpoint -> HF -----------------------------------------------------------------------------

@@ -50,8 +50,8 @@ def save_hf(pmodel, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAUL
     for which ranks write). An existing out_dir
     is replaced only when it holds nothing but an HF export's files; any other is refused on every rank."""
     mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
-    if pmodel.dp_rank == 0 and pmodel.cp_rank == 0:  # parameters are replicated over dp and cp
-        for _, param in pmodel.unique_parameters():
+    for _, param in pmodel.unique_parameters():
+        if pmodel.exports(param):  # the first copy over dp x cp
             for p in get_pieces(param):
                 if p.owner:
                     mine.setdefault(p.hf_name, {})[(p.dim, p.hf_start, p.hf_stop)] = p.local(param).detach()

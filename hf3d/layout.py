@@ -9,6 +9,9 @@ A piece held by several tensor-parallel ranks (norms, replicated KV heads) has e
 `owner`, who exports it and counts it in the gradient norm. A replicated KV-head piece is
 also `partial_grad`: each holder computes only its own query heads' share of the gradient,
 so the holders' gradients are summed before the optimizer step.
+
+A 3-D runtime parameter is a stack of 2-D slabs (a MoE layer's local experts, [experts, rows, cols]):
+its pieces name the slab they lie in (`stack`), and `dim` is a dim of that slab.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ class Piece:
     local_stop: int
     owner: bool = True
     partial_grad: bool = False  # several tp ranks hold it and each has a partial gradient
+    stack: int | None = None  # the slab of a 3-D runtime parameter this piece lies in
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.narrow(self.dim, self.local_start, self.local_stop - self.local_start)
+        slab = tensor if self.stack is None else tensor[self.stack]
+        return slab.narrow(self.dim, self.local_start, self.local_stop - self.local_start)
 
 
 def concat_pieces(
@@ -94,13 +99,29 @@ def hf_boxes(param, flat, flat_start: int, a: int, z: int, *, owned_only: bool):
     layout pieces; vocab padding (covered by no piece) is skipped, and so are replicas this rank does
     not own when `owned_only`."""
     shape = tuple(param.shape)
+    if len(shape) == 3:  # a stack of slabs: each slab's part of [a, z) on its own
+        size = shape[1] * shape[2]
+        slabs = [(k, shape[1:], k * size) for k in range(shape[0]) if k * size < z and a < (k + 1) * size]
+    else:
+        slabs = [(None, shape, 0)]
+    for stack, slab, base in slabs:
+        lo, hi = max(a, base) - base, min(z, base + _numel(slab)) - base
+        yield from _slab_boxes(param, slab, stack, flat, flat_start - base, lo, hi, owned_only)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _slab_boxes(param, shape, stack, flat, flat_start, a, z, owned_only):
     for offsets, sizes, start in _flat_boxes(shape, a, z):
-        n = 1
-        for s in sizes:
-            n *= s
+        n = _numel(sizes)
         box = flat[start - flat_start : start - flat_start + n].view(sizes)
         for piece in get_pieces(param):
-            if owned_only and not piece.owner:
+            if (owned_only and not piece.owner) or piece.stack != stack:
                 continue
             d = piece.dim
             lo, hi = max(offsets[d], piece.local_start), min(offsets[d] + sizes[d], piece.local_stop)

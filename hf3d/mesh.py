@@ -5,6 +5,12 @@ neighbouring ranks (the same node on GPU clusters: tp, then cp, carry the most t
 pp and dp span nodes. The cp axis is always there (size 1 by default). Expert parallelism folds into
 dp (or dp x cp), as in Megatron and torchtitan, and adds no world factor. The flattened ("dp", "cp")
 axis, "dp_cp", is the group over which replicated parameters' gradients are reduced and ZeRO-1 shards.
+
+Expert parallelism splits the dp axis in two, dp = edp * ep with ep inner: dp rank d is expert rank
+d % ep of the expert group d // ep. The ep peers (same pp, cp and tp coordinates) exchange tokens; an
+expert's copies live on the edp ranks of one expert rank, and its gradients are reduced over those
+times cp ("edp_cp"). A second mesh ("pp", "edp", "ep", "cp", "tp") over the same ranks names these
+groups; with ep = 1 it is not built (the expert group is trivial and edp is dp).
 """
 
 from __future__ import annotations
@@ -94,6 +100,12 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
     )
     if pcfg.cp > 1:  # collective: every rank creates every dp x cp group; torch wants the flat mesh kept
         mesh.hf3d_dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    mesh.hf3d_experts = None
+    if pcfg.ep > 1:
+        shape = (pcfg.pp, pcfg.dp // pcfg.ep, pcfg.ep, pcfg.cp, pcfg.tp)
+        experts = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+        experts.hf3d_edp_cp = experts["edp", "cp"]._flatten("edp_cp") if pcfg.cp > 1 else None
+        mesh.hf3d_experts = experts
     return mesh
 
 
@@ -101,6 +113,22 @@ def data_parallel_group(mesh: DeviceMesh):
     """The group that reduces gradients of replicated parameters and shards ZeRO-1: dp, or dp x cp."""
     flat = getattr(mesh, "hf3d_dp_cp", None)
     return flat.get_group() if flat is not None else mesh.get_group("dp")
+
+
+def expert_group(mesh: DeviceMesh):
+    """The group whose ranks exchange tokens and split each MoE layer's experts; None when ep = 1."""
+    experts = getattr(mesh, "hf3d_experts", None)
+    return None if experts is None else experts.get_group("ep")
+
+
+def expert_data_parallel_group(mesh: DeviceMesh):
+    """The group that reduces expert gradients and shards their ZeRO-1 state: the ranks holding the same
+    experts (edp, or edp x cp); the data-parallel group when ep = 1."""
+    experts = getattr(mesh, "hf3d_experts", None)
+    if experts is None:
+        return data_parallel_group(mesh)
+    flat = experts.hf3d_edp_cp
+    return flat.get_group() if flat is not None else experts.get_group("edp")
 
 
 def on_rank0(fn) -> None:

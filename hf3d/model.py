@@ -13,12 +13,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import ParallelConfig, check_cp_seq_len
 from .context_parallel import CPContext
+from .expert_parallel import is_expert
 from .hf import DEFAULT_MAX_SHARD_BYTES
 from .mesh import data_parallel_group
-from .pipeline import relay_forward, run_pipeline
+from .microbatches import train_step
+from .pipeline import relay_forward
 from .stage import StageModule
 from .tensor_parallel import IGNORE_INDEX
-from .vocab import check_vocab, drop_out_of_vocab, raise_out_of_vocab, vocab_flag
+from .vocab import check_vocab, raise_out_of_vocab, vocab_flag
 
 # HF call arguments that change nothing here (no KV cache while training; outputs are always a dataclass)
 IGNORED_KWARGS = {"use_cache", "return_dict", "num_items_in_batch", "output_attentions", "output_hidden_states"}
@@ -54,6 +56,9 @@ class ParallelModel(nn.Module):
         self.grad_sync = None  # set by build_optimizer: receives train_step's start-of-step signal
         self._pipeline = None
         self.last_z_loss: torch.Tensor | None = None  # the z-loss term of the last train_step, global mean
+        # a MoE model with output_router_logits: stock's load-balancing loss of the last train_step, the mean
+        # over its forwards (dp ranks x micro-batches); None for other models
+        self.last_aux_loss: torch.Tensor | None = None
         # train_step at pp=1 and under 1f1b: the lm_head matmul and the loss run chunk by chunk, with no
         # [tokens, vocab] logits (tensor_parallel._FusedHeadLoss); False runs the plain head + loss_terms
         self.fused_loss = True
@@ -61,6 +66,7 @@ class ParallelModel(nn.Module):
         # sync reads the flag with the grad norm, before any weight changes; False: train_step reads it at
         # once (a sync before the forward). Either way the step raises the same ValueError.
         self.deferred_checks = False
+        self.router_stats = None  # the MoE router statistics of the load-balancing loss, set by parallelize
         self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/rng.py), set by parallelize
 
     # -- mesh coordinates -------------------------------------------------------------------------
@@ -79,6 +85,27 @@ class ParallelModel(nn.Module):
     @property
     def cp_size(self) -> int:
         return self.cp.size
+
+    def exports(self, param: nn.Parameter) -> bool:
+        """Whether this rank writes `param` in checkpoints without an optimizer and in exports: the first of
+        its copies over dp x cp (for an expert, over the ranks holding the same experts)."""
+        if self.cp_rank:
+            return False
+        return self.dp_rank < self.pcfg.ep if is_expert(param) else self.dp_rank == 0
+
+    def expert_load(self) -> torch.Tensor | None:
+        """Collective: the last train_step's top-k picks per (MoE layer, expert) over the whole step, the same
+        on every rank; None for a dense model."""
+        stats = self.router_stats
+        if stats is None or stats.load is None:
+            return None
+        if stats.global_load is None:  # once per step
+            load = stats.load.clone()
+            dist.all_reduce(load)
+            if not self.pcfg.sequence_parallel:
+                load /= self.pcfg.tp  # every tp rank routed the same tokens
+            stats.global_load = load
+        return stats.global_load
 
     def _replica_sum(self, sums: torch.Tensor) -> None:
         """All-reduce per-rank partial sums over dp x cp (each cp rank summed its own tokens only)."""
@@ -264,64 +291,13 @@ class ParallelModel(nn.Module):
         its own tokens and the parts are summed over cp. z_loss > 0 adds z_loss * logsumexp(logits)^2, averaged over
         the same tokens, to what is backpropagated (PaLM's z-loss) but not to the returned value; that term's
         global mean is left in `self.last_z_loss`.
+
+        A MoE model whose config has `output_router_logits: true` also backpropagates router_aux_loss_coef
+        times stock's load-balancing loss, averaged over the step's forwards (every dp rank x micro-batch,
+        micro-batch j being the j-th contiguous chunk of the rank's rows); that mean is left in
+        `self.last_aux_loss` (the same on every rank) and the returned value stays the cross-entropy.
         """
-        if not isinstance(z_loss, (int, float)) or not z_loss >= 0.0 or z_loss == float("inf"):
-            raise ValueError(f"z_loss must be a finite number >= 0 (0 turns it off), got {z_loss!r}")
-        input_ids = input_ids.to(self.device)
-        targets, given, name = self._targets(input_ids, labels, shift_labels)
-        position_ids = self._positions(input_ids, position_ids)
-        m = self.pcfg.num_microbatches
-        if input_ids.shape[0] % m:
-            raise ValueError(
-                f"num_microbatches={m} does not divide this dp rank's batch of {input_ids.shape[0]} rows; "
-                f"use a per-rank batch that is a multiple of {m}"
-            )
-        num_tokens = (targets != IGNORE_INDEX).sum().to(torch.float32)
-        out_of_vocab = vocab_flag(self, input_ids, given)
-        dp_group = self.mesh.get_group("dp")
-        if self.dp_size > 1:
-            # the bad-id flag rides on the token count's all-reduce, so a bad id in one replica's rows
-            # stops every replica (the ranks of one replica hold the same rows)
-            counts = torch.stack([num_tokens, out_of_vocab])
-            dist.all_reduce(counts, group=dp_group)
-            num_tokens, out_of_vocab = counts.unbind()
-
-        full_ids = input_ids  # the rows as given (fail() names a bad id's place in them)
-
-        def fail() -> None:
-            raise_out_of_vocab(self, full_ids, given, dp_group=dp_group if self.dp_size > 1 else None, labels_name=name)
-
-        deferred = self.deferred_checks and self.grad_sync is not None
-        if not deferred and out_of_vocab.item():
-            fail()
-        num_tokens = num_tokens.clamp_min(1.0)  # counted over the full rows: the global count on every cp rank
-        if self.grad_sync is not None:
-            self.grad_sync.start_step(m)
-        if deferred:  # the forward of a step that opt.step() will refuse must not index outside the vocabulary
-            self.grad_sync.defer_check(out_of_vocab, fail)
-            targets = drop_out_of_vocab(targets, self.config.vocab_size)
-        input_ids, targets = self.cp.split(input_ids), self.cp.split(targets)  # position_ids stay full
-
-        z_loss = float(z_loss)
-        if self.pcfg.pp == 1:
-            sums = torch.zeros(2, device=self.device)  # [cross-entropy, z-loss]
-            for ids, pos, tgt in zip(input_ids.chunk(m), position_ids.chunk(m), targets.chunk(m)):
-                if self.fused_loss:
-                    hidden = self.stages[0](ids, pos, head=False)
-                    objective, ce, z = self.lm_head.fused_loss_terms(hidden, tgt, num_tokens, z_loss=z_loss)
-                    del hidden
-                else:  # no name holds the logits: a logits tensor kept alive through backward would be a
-                    # third [tokens, vocab] buffer at the peak (backward needs only the saved log-softmax)
-                    objective, ce, z = self.lm_head.loss_terms(
-                        self.stages[0](ids, pos).flatten(0, 1), tgt.flatten(), num_tokens, z_loss=z_loss
-                    )
-                objective.backward()
-                sums += torch.stack([ce, z])
-        else:
-            sums = run_pipeline(self, input_ids, position_ids, targets, num_tokens, z_loss=z_loss)
-        self._replica_sum(sums)
-        total, self.last_z_loss = sums.unbind()
-        return total
+        return train_step(self, input_ids, labels, position_ids, shift_labels=shift_labels, z_loss=z_loss)
 
     # -- export -----------------------------------------------------------------------------------
     def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:

@@ -24,9 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from . import optim_state
+from .expert_parallel import is_expert
 from .grad_buffer import Bucket, GradBuffer
 from .layout import get_pieces
-from .mesh import data_parallel_group
+from .mesh import data_parallel_group, expert_data_parallel_group
 
 ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside AccumulateGrad
 # torch optimizers whose update of an element depends on the whole tensor (factored moments,
@@ -36,9 +37,15 @@ WHOLE_TENSOR_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
 
 def reduction_groups(pmodel, params: list[nn.Parameter]) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
     """[(group, params)]: the process group over which each parameter's gradient is summed and its
-    optimizer state sharded. Every parameter is replicated over the data-parallel ranks, and over the
-    context-parallel ranks, which each saw other tokens of the same rows: the group is dp x cp."""
-    return [(data_parallel_group(pmodel.mesh), params)]
+    optimizer state sharded. A parameter is replicated over the data-parallel ranks, and over the
+    context-parallel ranks, which each saw other tokens of the same rows: the group is dp x cp. An expert
+    of a MoE layer lives on one rank of each expert group and already got the tokens of the whole group
+    by the all-to-all: its group is the ranks holding the same experts (hf3d.mesh)."""
+    experts = [p for p in params if is_expert(p)]
+    if not experts or pmodel.pcfg.ep == 1:
+        return [(data_parallel_group(pmodel.mesh), params)]
+    dense = [p for p in params if not is_expert(p)]
+    return [(data_parallel_group(pmodel.mesh), dense), (expert_data_parallel_group(pmodel.mesh), experts)]
 
 
 class ParallelOptimizer(torch.optim.Optimizer):

@@ -18,12 +18,13 @@ from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
 from .config import ParallelConfig, check_attn_implementation
 from .context_parallel import CPContext, check_attention
+from .expert_parallel import RouterStats, check_load_balance
 from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
 from .init import InitSource, has_weights
 from .layout import get_pieces
-from .mesh import build_mesh, device_type, init_distributed
+from .mesh import build_mesh, device_type, expert_group, init_distributed
 from .model import ParallelModel
-from .models import TPContext, get_adapter
+from .models import EPContext, TPContext, get_adapter
 from .rng import DropoutRNG
 from .stage import StageModule, layer_costs, split_layers, stage_ranks
 
@@ -36,6 +37,8 @@ def parallelize(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = AUTO,
     config_overrides: dict | None = None,
+    moe_load_balance: str = "aux_loss",
+    moe_bias_rate: float = 1e-3,
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "cp", "tp") mesh.
 
@@ -58,6 +61,7 @@ def parallelize(
     """
     pcfg = pcfg or ParallelConfig()
     check_attn_implementation(attn_implementation)
+    check_load_balance(moe_load_balance, moe_bias_rate)
     init_distributed()
     attn_implementation = resolve_attn_implementation(
         attn_implementation, device_type(), document_masking=False, flash_available=flash_attn_installed(), cp=pcfg.cp
@@ -81,6 +85,7 @@ def parallelize(
         config = override_config(config, config_overrides, loading_weights=source is not None)
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
+    adapter.check_ep(config, pcfg.ep)
     check_attention(attn_implementation, pcfg.cp)
     mesh = build_mesh(pcfg)
     device = (
@@ -92,20 +97,21 @@ def parallelize(
     cp = CPContext(mesh.get_group("cp"), mesh.get_local_rank("cp"), pcfg.cp)
     rng = DropoutRNG((pp_rank, mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh.get_local_rank("tp")), device)
     ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype, rng)
+    ep = _expert_context(config, adapter, mesh, pcfg, moe_load_balance, moe_bias_rate)
 
-    layer_split = split_layers(pcfg.num_stages, *layer_costs(config))
+    layer_split = split_layers(pcfg.num_stages, *layer_costs(config, adapter.mlp_costs(config)))
     owners = stage_ranks(pcfg.num_stages, pcfg.pp, pcfg.pp_schedule)
     my_stages = [s for s in range(pcfg.num_stages) if owners[s] == pp_rank]
     has_first, has_last = 0 in my_stages, pcfg.num_stages - 1 in my_stages
 
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    hf_shapes = {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+    hf_shapes = adapter.disk_shapes({k: tuple(v.shape) for k, v in hf_model.state_dict().items()})
     base = hf_model.model
     keep = [i for s in my_stages for i in layer_split[s]]
     base.layers = nn.ModuleDict({str(i): base.layers[i] for i in keep})  # stock names: model.layers.<i>
     for i in keep:
-        adapter.swap_layer(base.layers[str(i)], f"model.layers.{i}", ctx)
+        adapter.swap_layer(base.layers[str(i)], f"model.layers.{i}", ctx, ep)
     tied = bool(config.tie_word_embeddings)
     base.embed_tokens = adapter.make_embedding(config, ctx) if has_first else None
     if has_last:
@@ -120,7 +126,8 @@ def parallelize(
         base.rotary_emb = type(base.rotary_emb)(config=config)  # buffers are computed, not loaded
     if source is None:  # fp32 draws, cast per tensor by _load_pieces
         pieces = [piece for p in hf_model.parameters() for piece in get_pieces(p)]
-        source = InitSource(config, seed=seed, pieces=pieces)
+        source = InitSource(config, seed=seed, pieces=adapter.source_pieces(pieces, config))
+    source = adapter.wrap_source(source, config, saved=isinstance(source, SafetensorsSource))
     _load_pieces(hf_model, source, dtype)
     del source
 
@@ -149,7 +156,22 @@ def parallelize(
         cp=cp,
     )
     pmodel.dropout_rng = rng
+    pmodel.router_stats = ep.stats
     return pmodel
+
+
+def _expert_context(config, adapter, mesh, pcfg: ParallelConfig, balance: str, rate: float) -> EPContext:
+    """This rank's expert group and, when the config asks for stock's load-balancing loss
+    (`output_router_logits`), the router statistics its MoE layers tally."""
+    moe_layers = adapter.moe_layers(config)
+    stats = None
+    if moe_layers:
+        shards = [mesh.get_group("tp")] if pcfg.sequence_parallel else []
+        aux = bool(getattr(config, "output_router_logits", False))
+        groups = [*shards, mesh.get_group("cp")]
+        stats = RouterStats(config.num_experts, moe_layers, aux=aux, shard_groups=groups, balance=balance)
+        stats.bias_rate = float(rate)
+    return EPContext(expert_group(mesh), mesh.get_local_rank("dp") % pcfg.ep, pcfg.ep, stats)
 
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")

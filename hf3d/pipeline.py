@@ -32,6 +32,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from .expert_parallel import close_forward
+
 SCHEDULES = {
     "afab": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -43,15 +45,29 @@ SINGLE_STAGE = ("afab", "1f1b")
 FUSED_HEAD_SCHEDULES = ("1f1b",)  # one micro-batch alive at a time on the last stage
 
 
-class _WithoutHead(nn.Module):
-    """The last stage up to its final norm: the schedule's loss function runs the head."""
+class _Carrying(nn.Module):
+    """A stage that also passes on the router statistics of a MoE model's load-balancing loss: a [2, E]
+    activation from stage to stage (hf3d.expert_parallel.RouterStats), which the first stage starts."""
 
-    def __init__(self, stage: nn.Module):
+    def __init__(self, inner: nn.Module, stats):
         super().__init__()
-        self.stage = stage
+        self.inner, self.stats = inner, stats
+
+    def forward(self, x: torch.Tensor, *chain: torch.Tensor, position_ids: torch.Tensor):
+        self.stats.start(chain[0] if chain else None, x.device)
+        out = self.inner(x, position_ids=position_ids)
+        return out, self.stats.stop().clone()  # a node of this stage's own, even with no MoE layer here
+
+
+class _Staged(nn.Module):
+    """stage(x, position_ids) with the head or without it (the schedule's loss function runs it)."""
+
+    def __init__(self, stage: nn.Module, head: bool):
+        super().__init__()
+        self.stage, self.head = stage, head
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.stage(x, position_ids, head=False)
+        return self.stage(x, position_ids, head=self.head)
 
 
 class _Pipeline:
@@ -66,22 +82,30 @@ class _Pipeline:
         # static stage metadata (no shape-inference pass, which would run tp collectives on fake data);
         # floating activations carry requires_grad so the schedule exchanges their gradients
         hidden = torch.empty(b, s_local, cfg.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        stats = pmodel.router_stats
+        self.pmodel, self.stats = pmodel, stats if stats is not None and stats.aux else None
         self.num_tokens, self.z_loss = torch.ones(()), 0.0
-        self.parts: list[torch.Tensor] = []  # [cross-entropy, z-loss] of each micro-batch, this step
+        self.parts: list[torch.Tensor] = []  # [cross-entropy, z-loss, load balance] of each micro-batch, this step
         self.stages = []
+        chain = ()
+        if self.stats is not None:
+            chain = (torch.empty(2, self.stats.num_experts, device="meta", requires_grad=True),)
         for st in pmodel.stages:
             inp = torch.empty(b, s, dtype=torch.long, device="meta") if st.first else hidden
             out = hidden
             if st.last and not fused_head:
                 out = torch.empty(b, s, st.lm_head.num_local, dtype=dtype, device="meta", requires_grad=True)
+            module = _Staged(st, head=not (st.last and fused_head))
+            if self.stats is not None:
+                module = _Carrying(module, self.stats)
             self.stages.append(
                 PipelineStage(
-                    _WithoutHead(st) if st.last and fused_head else st,
+                    module,
                     st.stage_index,
                     pcfg.num_stages,
                     device,
-                    input_args=(inp,),
-                    output_args=(out,),
+                    input_args=(inp,) if st.first else (inp, *chain),
+                    output_args=(out, *chain),
                     group=pmodel.mesh.get_group("pp"),
                 )
             )
@@ -93,21 +117,24 @@ class _Pipeline:
         self.has_first = any(st.first for st in pmodel.stages)
         self.has_last = last is not None
 
-    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """out: the last stage's hidden states (fused head) or its local logits."""
+    def _loss(self, out, targets: torch.Tensor) -> torch.Tensor:
+        """out: the last stage's hidden states (fused head) or its local logits (with the router
+        statistics' chain for a MoE model's load-balancing loss)."""
+        out, chain = out if self.stats is not None else (out, None)
         if self.fused_head:
             objective, ce, z = self.lm_head.fused_loss_terms(out, targets, self.num_tokens, z_loss=self.z_loss)
         else:
             objective, ce, z = self.lm_head.loss_terms(
                 out.flatten(0, 1), targets.flatten(), self.num_tokens, z_loss=self.z_loss
             )
-        self.parts.append(torch.stack([ce, z]))
+        objective, aux = close_forward(self.stats, self.pmodel.cp.rank, objective, chain)
+        self.parts.append(torch.stack([ce, z, aux]))
         return objective
 
 
 def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss: float = 0.0) -> torch.Tensor:
-    """One training step's forward + backward through the schedule; returns [cross-entropy, z-loss], each
-    summed over micro-batches, the same on every pipeline rank (the schedule sees their sum)."""
+    """One training step's forward + backward through the schedule; returns [cross-entropy, z-loss, load
+    balance], each summed over micro-batches, the same on every pipeline rank (the schedule sees their sum)."""
     m = pmodel.pcfg.num_microbatches
     mb_shape = (input_ids.shape[0] // m, input_ids.shape[1])
     fused_head = pmodel.fused_loss and pmodel.pcfg.pp_schedule in FUSED_HEAD_SCHEDULES
@@ -121,7 +148,7 @@ def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss
     # return_outputs=False: the last stage would otherwise keep every micro-batch's logits shard until
     # the next step, plus a merged copy
     pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, position_ids=position_ids)
-    sums = torch.zeros(2, device=pmodel.device)
+    sums = torch.zeros(3, device=pmodel.device)
     for part in pipe.parts:  # in micro-batch order, as the last stage ran them
         sums += part
     pipe.parts = []

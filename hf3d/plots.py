@@ -45,7 +45,8 @@ def plot_loss_curve(
     metrics_jsonl: Path, out_png: Path, *, title: str | None = None, stages: list[tuple[int, str]] = ()
 ) -> Path | None:
     """Draw train loss against step from a metrics.jsonl, with `eval_loss` points where records have
-    them, into `out_png`; returns its path, or None when matplotlib is not installed.
+    them (and a MoE run's expert load imbalance on a right axis), into `out_png`; returns its path, or None
+    when matplotlib is not installed.
 
     stages: (start_step, name) of the data stages; each start after step 0 inside the plotted steps is
     marked by a vertical line with the stage's name (a stage starting at step s is the record of step s + 1 on).
@@ -100,6 +101,12 @@ def plot_loss_curve(
     ax.set_ylabel("loss")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper right")
+    load_steps, imbalance = _points(records, "moe/load_imbalance")
+    if load_steps:  # a MoE run: the expert load on its own axis, at the right
+        right = ax.twinx()
+        right.plot(load_steps, imbalance, color="tab:green", lw=0.8, alpha=0.7)
+        right.set_ylabel("expert load max / mean (worst layer)", color="tab:green")
+        right.tick_params(axis="y", colors="tab:green")
     top = _token_axis(ax, records)
     if top is not None:
         top.xaxis.set_major_formatter(EngFormatter(sep=""))  # 200k, 1.5M

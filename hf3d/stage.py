@@ -94,14 +94,17 @@ class StageModule(nn.Module):
         return hidden
 
 
-def layer_costs(config) -> tuple[float, list[float], float]:
-    """Parameter counts as the balance measure: (embedding, each layer, lm_head)."""
+def layer_costs(config, mlp_costs: list[float] | None = None) -> tuple[float, list[float], float]:
+    """The parameters a token meets as the balance measure: (embedding, each layer, lm_head).
+
+    mlp_costs: each layer's MLP cost when the layers differ (a MoE family's adapter gives the router, the
+    top-k experts a token runs through and a shared expert); default a dense SwiGLU MLP in every layer."""
     h, inter = config.hidden_size, config.intermediate_size
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads
     attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
-    layer = attn + 3 * h * inter
+    mlp = mlp_costs if mlp_costs is not None else [3.0 * h * inter] * config.num_hidden_layers
     vocab = h * config.vocab_size
-    return float(vocab), [float(layer)] * config.num_hidden_layers, float(vocab)
+    return float(vocab), [float(attn + c) for c in mlp], float(vocab)
 
 
 def split_layers(num_stages: int, embed_cost: float, costs: list[float], head_cost: float) -> list[list[int]]:

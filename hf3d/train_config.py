@@ -2,7 +2,7 @@
 
     model        which stock HF model, its dtype and attention, long-context overrides
     data         sources, stages and mixtures, packing, document masking, eval split (hf3d/data)
-    parallel     tp / pp / dp / cp, schedule, micro-batches, recompute (hf3d.ParallelConfig)
+    parallel     tp / pp / dp / cp / ep, schedule, micro-batches, recompute (hf3d.ParallelConfig)
     optim        AdamW, weight decay, clipping, z-loss, and the lr schedule (hf3d/schedules.py)
     run          steps, batch, output dir, logging, trackers
     checkpoint   how often to save, what to keep, what to resume and which parts of it
@@ -194,6 +194,23 @@ class ExportConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts models (Qwen3-MoE, Qwen2-MoE); ignored for dense ones."""
+
+    load_balance: str = "aux_loss"
+    """aux_loss: stock's load-balancing loss, weighted by the model config's router_aux_loss_coef, when its
+    output_router_logits is true; bias: aux-loss-free balancing, a per-expert bias on the router's scores for
+    the top-k pick, moved after every step towards the mean load (saved in checkpoints, not exported); none."""
+    bias_update_rate: float = 1e-3
+    """How far each step moves an expert's bias (load_balance: bias)."""
+
+    def __post_init__(self) -> None:
+        from .expert_parallel import check_load_balance
+
+        check_load_balance(self.load_balance, self.bias_update_rate, ("moe.load_balance", "moe.bias_update_rate"))
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -202,6 +219,7 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         if self.export.push_to_hub and not self.run.save_final:
@@ -262,9 +280,11 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     try:  # before the world size: launching another number of processes would not help
         from .models import get_adapter
 
-        get_adapter(model_config.model_type).check_tp(model_config, p.tp)
+        adapter = get_adapter(model_config.model_type)
+        adapter.check_tp(model_config, p.tp)
+        adapter.check_ep(model_config, p.ep)
     except ValueError as e:
-        raise ValueError(f"parallel.{e}" if str(e).startswith("tp=") else str(e)) from None
+        raise ValueError(f"parallel.{e}" if str(e).startswith(("tp=", "ep=")) else str(e)) from None
     if r.save_final:  # the export at the end replaces only an earlier export there
         from .hf import check_output_dir, is_export_file
 
@@ -278,6 +298,11 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
             "parallel.tp/pp/dp/cp"
         )
     dp = world_size // tp_pp
+    if dp % p.ep:
+        raise ValueError(
+            f"parallel.ep={p.ep} does not divide dp={dp}: expert-parallel groups are made of dp ranks; use an ep "
+            f"that divides {dp}, or launch more processes"
+        )
     check_cp_seq_len(cfg.data.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=p.sequence_parallel, where="data.seq_len")
     m = p.num_microbatches
     if r.global_batch % (dp * m):

@@ -25,6 +25,7 @@ import yaml
 
 from .attention import flash_attn_installed, resolve_attn_implementation
 from .checkpoint import finish_save, is_complete, load_checkpoint, resolve_resume, save_checkpoint
+from .expert_parallel import load_metrics
 from .faults import RunState, leave, store_barrier
 from .hub import SUMMARY_FILE
 from .mesh import device_type, on_rank0
@@ -45,7 +46,7 @@ from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 __all__ = ["TrainConfig", "train"]
 
 
-def _load_model(cfg: ModelConfig, pcfg, document_masking: bool):
+def _load_model(cfg: ModelConfig, pcfg, document_masking: bool, moe):
     """The parallel model. A weightless HF directory is initialised from its config by `parallelize`
     itself: every rank draws the stock init in stock order and keeps only its own slices, so the
     model equals `torch.manual_seed(init_seed); from_config(config, dtype=torch.float32)` (then cast
@@ -65,6 +66,8 @@ def _load_model(cfg: ModelConfig, pcfg, document_masking: bool):
             cp=pcfg.cp,
         ),
         config_overrides=cfg.overrides() or None,
+        moe_load_balance=moe.load_balance,
+        moe_bias_rate=moe.bias_update_rate,
     )
     if is_complete(cfg.path):  # start from a checkpoint's weights: step 0, fresh optimizer
         load_checkpoint(cfg.path, pmodel)
@@ -187,7 +190,7 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
     init_distributed(cfg.run.collective_timeout_s)
     base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
-    pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking)
+    pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer
 
@@ -234,6 +237,8 @@ def _resume(run: _Run) -> None:
     seed_streams(run.pmodel, r.seed)  # per-rank dropout streams; a resume at this mesh restores them instead
     offset = 0
     if run.resume_from is not None:
+        if run.pmodel.router_stats is not None:  # the expert bias of aux-loss-free balancing
+            run.saved["moe"] = run.pmodel.router_stats
         step = load_checkpoint(run.resume_from, run.pmodel, opt if c.load_optimizer else None, extra=run.saved)
         run.start = step if c.load_step else 0
         offset = run.start if not c.load_scheduler else 0  # a restarted schedule spans the steps left
@@ -281,7 +286,8 @@ def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
         (run.out / "config.yaml").write_text(resolved)
         say("hf3d: resolved config (also in " + str(run.out / "config.yaml") + "):\n" + resolved.rstrip())
         p = cfg.parallel
-        say(f"hf3d: mesh pp={p.pp} dp={run.pmodel.dp_size} cp={p.cp} tp={p.tp} on {dist.get_world_size()} processes")
+        mesh = f"pp={p.pp} dp={run.pmodel.dp_size}" + (f" ep={p.ep}" if p.ep > 1 else "") + f" cp={p.cp} tp={p.tp}"
+        say(f"hf3d: mesh {mesh} on {dist.get_world_size()} processes")
         for line in derived + run.pipe.summary():
             say(f"hf3d: {line}")
         if missing:
@@ -325,6 +331,9 @@ def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[d
     riders = {"loss": loss, "stop": stop.agree()}
     if cfg.optim.z_loss:
         riders["z_loss"] = pmodel.last_z_loss
+    if pmodel.last_aux_loss is not None:
+        riders["aux_loss"] = pmodel.last_aux_loss
+    load = pmodel.expert_load()
     opt.read_with_step(**riders)
     opt.step()
     values = opt.last_values
@@ -353,6 +362,10 @@ def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[d
     }
     if cfg.optim.z_loss:
         record["z_loss"] = values["z_loss"]
+    if "aux_loss" in values:
+        record["moe/aux_loss"] = values["aux_loss"]
+    if load is not None:
+        record.update(load_metrics(load, pmodel.router_stats.layers))
     if len(pipe.stage_starts) > 1:
         record["stage"] = pipe.stage_index(step)
     return record, int(values["stop"])
@@ -367,6 +380,8 @@ def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth,
     if signum or (c.every and ((step + 1) % c.every == 0 or step + 1 == run.cfg.run.steps)):
         t1 = time.perf_counter()
         extra = {"scheduler": run.sched, "data": run.pipe, "tokens": record["tokens"], "skipped_steps": health.skipped}
+        if run.pmodel.router_stats is not None:
+            extra["moe"] = run.pmodel.router_stats
         # the schedule's length and this step's lr (a resume with another run.steps says how the lr moves),
         # and the run's record so far, which `hf3d convert to-hf` writes beside the weights for the model card
         extra.update(run_steps=run.cfg.run.steps, lr=record["lr"])

@@ -5,7 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    SmolLM3Config,
+)
 
 VOCAB = 101  # prime: padded under every tp > 1
 
@@ -38,7 +46,42 @@ FAMILIES = {
             eos_token_id=2,
         ),
     ),
+    # MoE: 4 experts, top-2, renormalised, stock's load-balancing loss on (a large weight, so that it shows)
+    "qwen3-moe": (
+        Qwen3MoeConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            moe_intermediate_size=32,
+            output_router_logits=True,
+            router_aux_loss_coef=0.05,
+        ),
+    ),
+    # a shared expert with its sigmoid gate; layer 1 of 3 dense (mlp_only_layers), top-2 not renormalised
+    "qwen2-moe": (
+        Qwen2MoeConfig,
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            output_router_logits=True,
+            router_aux_loss_coef=0.05,
+        ),
+    ),
 }
+MOE_FAMILIES = ("qwen3-moe", "qwen2-moe")
 
 
 def tiny_config(family: str, **overrides):

@@ -43,6 +43,53 @@ def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, positi
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def moe_reference_run(model_dir, data, forwards: int):
+    """`reference_run` for a MoE model under hf3d's contract: each step backpropagates the cross-entropy's
+    global token mean plus router_aux_loss_coef times the mean, over `forwards` contiguous chunks of the rows
+    (dp ranks x micro-batches), of stock's load-balancing loss on each chunk. Returns (cross-entropy per
+    step, load-balancing loss per step, grad norms, state dict in the names stock saves)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = model.config
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
+    losses, auxes, norms = [], [], []
+    for ids, labels in data:
+        targets = labels[:, 1:]
+        n = (targets != -100).sum()
+        ce, aux = 0.0, 0.0
+        for c_ids, c_targets in zip(ids.chunk(forwards), targets.chunk(forwards)):
+            out = model(c_ids, output_router_logits=True)
+            logits = out.logits[:, :-1].flatten(0, 1).float()
+            ce = ce + torch.nn.functional.cross_entropy(logits, c_targets.flatten(), reduction="sum") / n
+            aux = aux + load_balancing_loss_func(out.router_logits, cfg.num_experts, cfg.num_experts_per_tok)
+        aux = aux / forwards
+        (ce + cfg.router_aux_loss_coef * aux).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(ce.item())
+        auxes.append(aux.item())
+    return losses, auxes, norms, saved_names(model.state_dict(), cfg.moe_intermediate_size)
+
+
+def saved_names(state_dict: dict, inter: int) -> dict:
+    """Stock's in-memory state dict with its fused experts cut into the per-expert tensors stock saves."""
+    out = {}
+    for k, v in state_dict.items():
+        v = v.detach().clone()
+        if k.endswith(".experts.gate_up_proj"):
+            for e in range(v.shape[0]):
+                out[f"{k[: -len('gate_up_proj')]}{e}.gate_proj.weight"] = v[e, :inter]
+                out[f"{k[: -len('gate_up_proj')]}{e}.up_proj.weight"] = v[e, inter:]
+        elif k.endswith(".experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[f"{k[: -len('down_proj')]}{e}.down_proj.weight"] = v[e]
+        else:
+            out[k] = v
+    return out
+
+
 def hf3d_run(pmodel, data, rows: slice, **opt_kwargs):
     import hf3d
 

@@ -49,6 +49,7 @@ from models import VOCAB, make_model_dir  # noqa: E402
 DOC = ROOT / "docs" / "bad-input.md"
 TOKENIZER_DIR = ROOT / "examples" / "tokenizer"
 TINY_SMOLLM = ROOT / "examples" / "models" / "tiny-smollm"
+TINY_MOE = ROOT / "examples" / "models" / "tiny-qwen3-moe"
 MAX_MESSAGE = 400
 WATCHDOG_S = 300
 CATEGORIES = (
@@ -281,6 +282,24 @@ def _check_run(*overrides: str, world_size: int = 1) -> list[str]:
 
     cfg = _set("parallel.tp=1", *overrides)
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_SMOLLM))
+
+
+def _check_moe_run(*overrides: str, world_size: int) -> list[str]:
+    """check_run of the tiny Qwen3-MoE example (8 experts)."""
+    from transformers import AutoConfig
+
+    from hf3d.train_config import check_run
+
+    cfg = _set("parallel.tp=1", f"model.path={TINY_MOE}", *overrides)
+    return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_MOE))
+
+
+def _check_other_router() -> list[str]:
+    from transformers import MixtralConfig
+
+    from hf3d.train_config import check_run
+
+    return check_run(_set("parallel.tp=1"), world_size=1, model_config=MixtralConfig(num_hidden_layers=1))
 
 
 def _long_stage(fx, **keys) -> str:
@@ -648,6 +667,13 @@ CASES: list[Case] = [
         ["unknown parallel.pp_schedule 'gpipe'", "known schedules: afab, 1f1b"],
     ),
     _c(
+        "config-moe-load-balance",
+        CFG,
+        "`moe.load_balance: fair` (unknown)",
+        lambda fx: _set("moe.load_balance=fair"),
+        ["moe.load_balance must be one of aux_loss, bias, none, got 'fair'"],
+    ),
+    _c(
         "config-tp-zero",
         CFG,
         "`parallel.tp: 0`",
@@ -891,6 +917,34 @@ CASES: list[Case] = [
         "`parallel.tp: 3` for a model of 6 query and 2 KV heads, on 1 process",
         lambda fx: _check_run("parallel.tp=3", world_size=1),
         ["parallel.tp=3 does not fit this llama model: 6 query heads, 2 KV heads", "Valid tp values: 1, 2"],
+    ),
+    _c(
+        "launch-ep-experts",
+        LAUNCH,
+        "`parallel.ep: 3` for a MoE model of 8 experts, on 3 processes",
+        lambda fx: _check_moe_run("parallel.ep=3", world_size=3),
+        ["parallel.ep=3 does not divide this qwen3_moe model's 8 experts", "use an ep that divides 8"],
+    ),
+    _c(
+        "launch-ep-dp",
+        LAUNCH,
+        "`parallel.ep: 4` on 2 processes (dp = 2)",
+        lambda fx: _check_moe_run("parallel.ep=4", world_size=2),
+        ["parallel.ep=4 does not divide dp=2", "use an ep that divides 2"],
+    ),
+    _c(
+        "launch-ep-dense",
+        LAUNCH,
+        "`parallel.ep: 2` for a dense model",
+        lambda fx: _check_run("parallel.ep=2", world_size=2),
+        ["parallel.ep=2 needs a mixture-of-experts model; this llama model has no experts"],
+    ),
+    _c(
+        "launch-moe-router",
+        LAUNCH,
+        "a MoE family whose router hf3d does not implement (Mixtral)",
+        lambda fx: _check_other_router(),
+        ["model_type 'mixtral' is a mixture-of-experts family whose router hf3d does not implement", "qwen3_moe"],
     ),
     _c(
         "launch-flash-attention",

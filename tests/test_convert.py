@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from crafted import craft_stored_box, global_pickle, payloads, rewrite_metadata, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
-from models import VOCAB, make_model_dir  # noqa: E402
+from models import MOE_FAMILIES, VOCAB, make_model_dir  # noqa: E402
 from reference import batches, hf3d_run  # noqa: E402
 
 import hf3d  # noqa: E402
@@ -71,9 +71,16 @@ def _dcp_keys(ckpt: Path) -> dict:
 
 
 # -- HF -> checkpoint -> HF -------------------------------------------------------------------------
-@pytest.mark.parametrize("family", FAMILIES)
-def test_round_trip_is_bit_identical(family_dirs, tmp_path, family):
-    src = family_dirs[family]
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    return {f: make_model_dir(root / f, f) for f in MOE_FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES + MOE_FAMILIES)
+def test_round_trip_is_bit_identical(family_dirs, moe_dirs, tmp_path, family):
+    """HF -> checkpoint -> HF gives stock's files byte for byte (a MoE model's per-expert tensors too)."""
+    src = (moe_dirs if family in MOE_FAMILIES else family_dirs)[family]
     ckpt = hf_to_checkpoint(src, tmp_path / "ckpt")
     meta = checkpoint.read_marker(ckpt)
     assert {k: meta[k] for k in ("kind", "step", "dtype", "parallel")} == dict(

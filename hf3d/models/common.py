@@ -307,15 +307,42 @@ class DecoderAdapter:
                 f"the KV heads. Valid tp values: {', '.join(map(str, valid))}"
             )
 
-    def swap_layer(self, layer: nn.Module, prefix: str, ctx: TPContext) -> None:
+    def swap_layer(self, layer: nn.Module, prefix: str, ctx: TPContext, ep=None) -> None:
+        """ep: the expert-parallel context (hf3d/models/moe.py), for families with MoE blocks."""
         layer.self_attn = TPAttention(layer.self_attn, f"{prefix}.self_attn", ctx)
-        layer.mlp = TPMLP(layer.mlp, f"{prefix}.mlp", ctx)
+        layer.mlp = self.swap_mlp(layer.mlp, f"{prefix}.mlp", ctx, ep)
         for name in ("input_layernorm", "post_attention_layernorm"):
             setattr(layer, name, RMSNorm(getattr(layer, name)))
             w = getattr(layer, name).weight
             set_pieces(w, whole(f"{prefix}.{name}.weight", w.shape[0], owner=ctx.rank == 0))
             if ctx.sequence_parallel:
                 mark_tp_partial(w, ctx)
+
+    def swap_mlp(self, mlp: nn.Module, prefix: str, ctx: TPContext, ep) -> nn.Module:
+        return TPMLP(mlp, prefix, ctx)
+
+    def check_ep(self, config, ep: int) -> None:
+        if ep > 1:
+            raise ValueError(
+                f"ep={ep} needs a mixture-of-experts model; this {config.model_type} model has no experts (use ep=1)"
+            )
+
+    def moe_layers(self, config) -> list[int]:
+        return []
+
+    def mlp_costs(self, config) -> list[float] | None:
+        """Each layer's MLP cost for the pipeline split (hf3d.stage.layer_costs); None: all dense and alike."""
+        return None
+
+    def disk_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Stock's in-memory {name: shape} -> the names and shapes stock saves (the same for dense families)."""
+        return shapes
+
+    def wrap_source(self, source, config, *, saved: bool):
+        return source
+
+    def source_pieces(self, pieces: list, config) -> list:
+        return pieces
 
     def swap_final_norm(self, norm: nn.Module, ctx: TPContext) -> RMSNorm:
         set_pieces(norm.weight, whole("model.norm.weight", norm.weight.shape[0], owner=ctx.rank == 0))

@@ -1,0 +1,291 @@
+"""Mixture-of-experts models over (tp, pp, dp, ep) against stock transformers + torch AdamW, fp32.
+
+One spawn of 4 gloo processes runs every case: Qwen3-MoE at dp=4 x ep=2 (two copies of each expert), at
+tp=2 x ep=2 with and without sequence parallelism, and Qwen2-MoE (shared expert, a dense layer) at pp=2 x
+ep=2 under 1f1b. Each case checks the logits after load, 3 training steps with stock's load-balancing loss
+on (cross-entropy, load-balancing loss, grad norm) and the exported weights. The same spawn resumes an ep=2
+checkpoint at ep=1 and a tp=2 one at tp=1, and runs three mutations (a token routed to the wrong expert,
+the router weights skipped, expert gradients reduced over the whole dp group) that the checks must catch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from asserts import assert_close  # noqa: E402
+from dist import report, spawn, start_watchdog  # noqa: E402
+from models import VOCAB, make_model_dir, tiny_config  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches, moe_reference_run, saved_names  # noqa: E402
+
+import hf3d  # noqa: E402
+
+STEPS, BATCH, SEQ = 3, 8, 8
+CASES = {  # name: (family, ParallelConfig keywords)
+    "qwen3-moe/dp4-ep2": ("qwen3-moe", dict(dp=4, ep=2)),
+    "qwen3-moe/tp2-ep2": ("qwen3-moe", dict(tp=2, dp=2, ep=2)),
+    "qwen3-moe/tp2-sp-ep2": ("qwen3-moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
+    "qwen2-moe/pp2-ep2": ("qwen2-moe", dict(pp=2, dp=2, ep=2, num_microbatches=2)),
+}
+RESUMES = {  # name: (case whose step-2 checkpoint is loaded, ParallelConfig keywords of the resumed run)
+    "ep2->ep1": ("qwen3-moe/dp4-ep2", dict(dp=4)),
+    "tp2->tp1": ("qwen3-moe/tp2-ep2", dict(dp=4, ep=2)),
+}
+MUTATION_CASE = "qwen3-moe/dp4-ep2"
+INIT_CASES = {"qwen3-moe": "qwen3-moe/dp4-ep2", "qwen2-moe": "qwen2-moe/pp2-ep2"}  # family: mesh of that case
+INIT_SEED = 3
+# measured on this machine over the four cases: logits |Δ| <= 1.6e-7, loss rel <= 1.0e-7, load-balancing loss
+# rel <= 1.2e-7, grad norm rel <= 8.5e-7, weights <= 6.7e-6 of what training changed; the mutations miss by
+# 3e-4 (loss) and 0.3 (weights) at least
+LOSS_RTOL, AUX_RTOL, NORM_RTOL, LOGITS_ATOL, UPDATE_TOL = 1.5e-6, 2e-6, 1e-5, 2e-6, 1e-4
+RESUME_RTOL = 1e-6  # measured 0 (ep=2 -> 1) and 1.0e-7 (tp=2 -> 1)
+
+
+def _data():
+    return batches(STEPS, BATCH, SEQ, VOCAB, seed=5)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(1, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(11))
+
+
+# ------------------------------------------------------------------------------------------------
+# Worker side
+# ------------------------------------------------------------------------------------------------
+def _train(pm, data, *, ckpt: Path | None = None) -> dict:
+    """STEPS steps on this dp rank's rows; a checkpoint after step 2 when `ckpt` is given."""
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
+    per = BATCH // pm.dp_size
+    rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    out = {"loss": [], "aux": [], "norm": []}
+    for step, (ids, labels) in enumerate(data, 1):
+        out["loss"].append(pm.train_step(ids[rows], labels[rows]).item())
+        out["aux"].append(pm.last_aux_loss.item())
+        out["norm"].append(opt.step().item())
+        opt.zero_grad()
+        if ckpt is not None and step == 2:
+            hf3d.save_checkpoint(ckpt, pm, opt, step=2)
+    return out
+
+
+def _resumed_loss(path: str, ckpt: Path, kw: dict, data) -> float:
+    pm = hf3d.parallelize(path, hf3d.ParallelConfig(**kw))
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
+    assert hf3d.load_checkpoint(ckpt, pm, opt) == 2
+    per = BATCH // pm.dp_size
+    ids, labels = data[2]
+    rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    return pm.train_step(ids[rows], labels[rows]).item()
+
+
+def _mutations(path: str, ids, data, out: Path, res: dict) -> None:
+    """Each mutation runs the case again with one thing made wrong; the parent checks that it shows."""
+    from hf3d import expert_parallel, optim
+
+    kw = CASES[MUTATION_CASE][1]
+    init, combine, groups = expert_parallel.Dispatch.__init__, expert_parallel.Dispatch.combine, optim.reduction_groups
+
+    def wrong_expert(self, index, num_experts, group):  # every token to the next expert
+        init(self, (index + 1) % num_experts, num_experts, group)
+
+    def unweighted(self, y, weights):
+        return combine(self, y, torch.ones_like(weights))
+
+    def one_group(pmodel, params):  # expert gradients summed over every dp rank
+        return [(dist.group.WORLD if pmodel.pcfg.tp == 1 else None, params)]
+
+    for name, target, attr, fake in (
+        ("wrong-expert", expert_parallel.Dispatch, "__init__", wrong_expert),
+        ("unweighted", expert_parallel.Dispatch, "combine", unweighted),
+        ("one-group", optim, "reduction_groups", one_group),
+    ):
+        original = getattr(target, attr)
+        setattr(target, attr, fake)
+        try:
+            pm = hf3d.parallelize(path, hf3d.ParallelConfig(**kw))
+            with torch.no_grad():
+                res[f"mutation/{name}/logits"] = pm.logits(ids)
+            res[f"mutation/{name}/train"] = _train(pm, data)
+            pm.save_pretrained(out / f"mutation-{name}")
+        finally:
+            setattr(target, attr, original)
+    assert (expert_parallel.Dispatch.__init__, expert_parallel.Dispatch.combine, optim.reduction_groups) == (
+        init,
+        combine,
+        groups,
+    )
+
+
+def _world4(dirs: dict, ids, data, out: str) -> None:
+    start_watchdog(600)
+    out, res = Path(out), {}
+    for name, (family, kw) in CASES.items():
+        pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**kw))
+        with torch.no_grad():
+            res[f"{name}/logits"] = pm.logits(ids)
+        ckpt = out / f"ckpt-{name.replace('/', '-')}"
+        res[f"{name}/train"] = _train(pm, data, ckpt=ckpt)
+        pm.save_pretrained(out / name.replace("/", "-"))
+    for name, (case, kw) in RESUMES.items():
+        ckpt = out / f"ckpt-{case.replace('/', '-')}"
+        res[f"resume/{name}"] = _resumed_loss(dirs[CASES[case][0]], ckpt, kw, data)
+    _mutations(dirs[CASES[MUTATION_CASE][0]], ids, data, out, res)
+    pm = hf3d.parallelize(
+        dirs["qwen3-moe"], hf3d.ParallelConfig(dp=4, ep=2), moe_load_balance="bias", moe_bias_rate=0.01
+    )
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+    ids0, labels0 = data[0]
+    pm.train_step(ids0[pm.dp_rank * 2 : pm.dp_rank * 2 + 2], labels0[pm.dp_rank * 2 : pm.dp_rank * 2 + 2])
+    opt.step()
+    res["bias"] = {"load": pm.expert_load().clone(), "bias": pm.router_stats.bias.clone(), "aux": pm.last_aux_loss}
+    for family, case in INIT_CASES.items():  # sharded init from config.json alone
+        pm = hf3d.parallelize(dirs[f"{family}-config"], hf3d.ParallelConfig(**CASES[case][1]), seed=INIT_SEED)
+        pm.save_pretrained(out / f"init-{family}")
+    report(res, out / "results.pt")
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent side
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    dirs = {f: str(make_model_dir(root / f, f)) for f in ("qwen3-moe", "qwen2-moe")}
+    for f in INIT_CASES:  # the same config, no weights: initialised from scratch
+        (root / f"{f}-config").mkdir()
+        tiny_config(f).save_pretrained(root / f"{f}-config")
+        dirs[f"{f}-config"] = str(root / f"{f}-config")
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def world4(moe_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep-world4")
+    spawn(_world4, 4, moe_dirs, _ids(), _data(), str(out))
+    results = torch.load(out / "results.pt", weights_only=False)
+    assert len(results) == 4
+    return results, out
+
+
+@pytest.fixture(scope="module")
+def references(moe_dirs):
+    """Stock runs per (family, forwards per step): dp x micro-batches contiguous chunks of the rows."""
+    out = {}
+    for family, kw in CASES.values():
+        forwards = kw["dp"] * kw.get("num_microbatches", 1)
+        if (family, forwards) not in out:
+            out[family, forwards] = moe_reference_run(moe_dirs[family], _data(), forwards)
+    return out
+
+
+def _reference(references, case: str):
+    family, kw = CASES[case]
+    return references[family, kw["dp"] * kw.get("num_microbatches", 1)]
+
+
+def _stock_logits(path: str) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return model(_ids()).logits
+
+
+def _exported(folder: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _update_error(saved: dict, ref: dict, original: dict) -> float:
+    """||w - w_ref|| / ||w_ref - w_0|| over every tensor: the error relative to what training changed."""
+    assert sorted(saved) == sorted(ref)
+    num = sum(float((saved[k] - ref[k]).square().sum()) for k in ref)
+    den = sum(float((ref[k] - original[k]).square().sum()) for k in ref)
+    return (num / den) ** 0.5
+
+
+def _check_case(results, out: Path, moe_dirs, references, case: str, prefix: str = "") -> None:
+    family = CASES[case][0]
+    stock = _stock_logits(moe_dirs[family])
+    losses, auxes, norms, ref_sd = _reference(references, case)
+    for rank, r in enumerate(results):
+        key = prefix or case
+        assert_close(r[f"{key}/logits"], stock, atol=LOGITS_ATOL, what=f"{key} logits, rank {rank}")
+        run = r[f"{key}/train"]
+        assert_close(run["loss"], losses, rtol=LOSS_RTOL, what=f"{key} loss, rank {rank}")
+        assert_close(run["aux"], auxes, rtol=AUX_RTOL, what=f"{key} load-balancing loss, rank {rank}")
+        assert_close(run["norm"], norms, rtol=NORM_RTOL, what=f"{key} grad norm, rank {rank}")
+    folder = out / (f"mutation-{prefix.split('/')[1]}" if prefix else case.replace("/", "-"))
+    original = _exported(Path(moe_dirs[family]))
+    err = _update_error(_exported(folder), ref_sd, original)
+    assert err <= UPDATE_TOL, f"{prefix or case}: exported weights off stock's by {err:.2e} of the update"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_moe_training_matches_stock(world4, moe_dirs, references, case):
+    results, out = world4
+    _check_case(results, out, moe_dirs, references, case)
+
+
+def test_the_pipeline_case_leaves_experts_empty(moe_dirs):
+    """Stock's routing of the pp=2 case's forwards leaves an expert with no token (so a rank receives nothing
+    for one of its experts): the dispatch's empty groups are exercised, not assumed."""
+    model = AutoModelForCausalLM.from_pretrained(moe_dirs["qwen2-moe"], dtype=torch.float32)
+    cfg, forwards = model.config, CASES["qwen2-moe/pp2-ep2"][1]["dp"] * 2
+    empty = 0
+    with torch.no_grad():
+        for ids, _ in _data():
+            for chunk in ids.chunk(forwards):
+                for logits in model(chunk, output_router_logits=True).router_logits:
+                    picks = logits.softmax(-1).topk(cfg.num_experts_per_tok).indices.flatten()
+                    empty += int((torch.bincount(picks, minlength=cfg.num_experts) == 0).sum())
+    assert empty > 0
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_at_another_ep_or_tp(world4, references, name):
+    results, _ = world4
+    case = RESUMES[name][0]
+    want = _reference(references, case)[0][2]
+    for rank, r in enumerate(results):
+        assert_close(r[f"resume/{name}"], want, rtol=RESUME_RTOL, what=f"{name} step-3 loss, rank {rank}")
+
+
+@pytest.mark.parametrize("family", list(INIT_CASES))
+def test_sharded_init_is_stock_from_config(world4, moe_dirs, family):
+    """An ep=2 model made from config.json alone equals `torch.manual_seed(s); from_config(cfg)` bit for bit."""
+    _, out = world4
+    torch.manual_seed(INIT_SEED)
+    stock = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
+    want = saved_names(stock.state_dict(), stock.config.moe_intermediate_size)
+    got = _exported(out / f"init-{family}")
+    assert sorted(got) == sorted(want)
+    different = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not different, f"{len(different)} tensors differ from stock's init, e.g. {different[:3]}"
+
+
+def test_bias_balancing_moves_towards_the_mean_load(world4):
+    """moe_load_balance="bias": no loss term, and after a step each expert's bias moved by the rate towards the
+    mean load of the whole step (every rank's tokens), the same on every rank."""
+    results, _ = world4
+    first = results[0]["bias"]
+    load = first["load"]
+    assert load.sum() == 2 * BATCH * SEQ * 2  # top-2 picks of every token of the step, in each of 2 layers
+    want = 0.01 * torch.sign(load.mean(dim=1, keepdim=True) - load)
+    assert torch.equal(first["bias"], want) and (want != 0).any()
+    assert first["aux"] is None
+    for r in results[1:]:
+        assert torch.equal(r["bias"]["bias"], first["bias"])
+
+
+@pytest.mark.parametrize("mutation", ["wrong-expert", "unweighted", "one-group"])
+def test_mutations_are_caught(world4, moe_dirs, references, mutation):
+    results, out = world4
+    with pytest.raises(AssertionError):
+        _check_case(results, out, moe_dirs, references, MUTATION_CASE, prefix=f"mutation/{mutation}")
