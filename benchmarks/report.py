@@ -289,6 +289,34 @@ def _cp(d: dict) -> str:
     )
 
 
+def _moe(d: dict) -> str:
+    r = d["ratios"]
+    met = lambda ok: "met" if ok else "missed"  # noqa: E731
+    two = d["two"]
+    a2a = max(x.get("a2a_bytes_per_step", 0) for x in two["hf3d ep=2"]) / 2**20
+    return (
+        f"{d['shape']['num_experts']} experts, top-{d['shape']['num_experts_per_tok']}: hf3d ep=1 step time "
+        f"{r['step_vs_grouped_mm']:.2f}x stock grouped_mm (target ≤ 0.9x: {met(r['step_vs_grouped_mm'] <= 0.9)}), "
+        f"{r['step_vs_eager']:.2f}x stock's eager loop; at ep=2 (2 processes) expert parameters + optimizer state "
+        f"per rank {r['expert_bytes_ep2_vs_ep1']:.2f}x of one-process ep=1 (target ≤ 0.55x: "
+        f"{met(r['expert_bytes_ep2_vs_ep1'] <= 0.55)}), all-to-all {a2a:.2f} MiB received per rank and step"
+    )
+
+
+def _moe_balance(d: dict) -> str:
+    s = d["summary"]
+    parts = [
+        f"{name} {v['imbalance_first']:.2f} → {v['imbalance_last_quarter_mean']:.2f} "
+        f"(loss {v['loss_last_quarter_mean']:.2f})"
+        for name, v in s.items()
+    ]
+    dropped = sum(v["dropped_tokens"] for v in s.values())
+    return (
+        f"{d['steps']} steps of the tiny Qwen3-MoE example at ep=2; max/mean expert load, step 1 → mean of the last "
+        f"quarter: {'; '.join(parts)}; dropped tokens {dropped}; curves in results/moe_balance.png"
+    )
+
+
 def _default_run(d: dict) -> str:
     evals = d["eval_losses"]
     return (
@@ -408,6 +436,19 @@ ROWS: list[Row] = [
         "seq 8192, one process per cp rank",
         "python benchmarks/bench_cp.py",
         _cp,
+    ),
+    (
+        "moe",
+        "mixture of experts (Qwen3-MoE, fp32): hf3d / stock transformers + AdamW on one process, and expert "
+        "parallelism on two",
+        "python benchmarks/bench_moe.py",
+        _moe,
+    ),
+    (
+        "moe_balance",
+        "expert load balance over a run (`moe.load_balance`: aux_loss, bias, none)",
+        "python benchmarks/bench_moe_balance.py",
+        _moe_balance,
     ),
     (
         "gpu_smollm",
