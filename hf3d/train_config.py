@@ -7,6 +7,7 @@
     run          steps, batch, output dir, logging, trackers
     checkpoint   how often to save, what to keep, what to resume and which parts of it
     export       the final HF directory's Hub upload
+    moe          mixture-of-experts models: how the expert load is balanced
 
 Checks that need more than one section (batch vs dp and micro-batches, seq_len vs the model's
 positions, data stages vs the run and its lr decay) live in `check_run`, which runs before anything

@@ -38,6 +38,7 @@ from .metrics import (
     tracker_install_hint,
 )
 from .metrics import throughput as throughput_metrics
+from .models import get_adapter
 from .rng import seed_streams
 from .rope_stages import StageRoPE
 from .schedules import build_lr_scheduler
@@ -128,6 +129,7 @@ class _Run:
     sched: object = None
     start: int = 0
     saved: dict = dataclasses.field(default_factory=dict)
+    mlp_costs: list | None = None  # each layer's MLP parameters a token meets, for the FLOPs (MoE layers differ)
     resume_from: Path | None = None
     saved_to: Path | None = None
     schedule_change: str | None = None  # the resume line when run.steps changed (_schedule_change)
@@ -224,6 +226,7 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
     acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=trackers or None, project_dir=str(out))
     pmodel, opt = prepare(acc, pmodel, opt)
     run = _Run(cfg, pmodel, opt, pipe, acc, out, rank0=dist.get_rank() == 0, trackers=trackers)
+    run.mlp_costs = get_adapter(pmodel.config.model_type).mlp_costs(pmodel.config)
     run.peak_flops = device_peak_flops()
     run.rope = StageRoPE(cfg, pmodel, pipe, base_config, tqdm.write if run.rank0 else None)
     return run, derived, missing
@@ -317,7 +320,7 @@ def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[d
 
     cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
     run.rope.enter(step)  # a stage with other RoPE settings: the model's change in place
-    run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step))
+    run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step), run.mlp_costs)
     lr = opt.param_groups[0]["lr"]
     t0 = time.perf_counter()
     batch = pipe.next_batch(step)

@@ -1,11 +1,13 @@
-"""Mixture-of-experts models over (tp, pp, dp, ep) against stock transformers + torch AdamW, fp32.
+"""Mixture-of-experts models over (tp, pp, dp, cp, ep) against stock transformers + torch AdamW, fp32.
 
 One spawn of 4 gloo processes runs every case: Qwen3-MoE at dp=4 x ep=2 (two copies of each expert), at
-tp=2 x ep=2 with and without sequence parallelism, and Qwen2-MoE (shared expert, a dense layer) at pp=2 x
-ep=2 under 1f1b. Each case checks the logits after load, 3 training steps with stock's load-balancing loss
-on (cross-entropy, load-balancing loss, grad norm) and the exported weights. The same spawn resumes an ep=2
-checkpoint at ep=1 and a tp=2 one at tp=1, and runs three mutations (a token routed to the wrong expert,
-the router weights skipped, expert gradients reduced over the whole dp group) that the checks must catch.
+tp=2 x ep=2 with and without sequence parallelism and at cp=2 x ep=2, and Qwen2-MoE (shared expert, a
+dense layer) at pp=2 x ep=2 under 1f1b. Each case checks the logits after load, 3 training steps with
+stock's load-balancing loss on (cross-entropy, load-balancing loss, grad norm) and the exported weights.
+The same spawn resumes an ep=2 checkpoint at ep=1 and a tp=2 one at tp=1, initialises both families from
+config.json alone, runs aux-loss-free balancing one step, and runs three mutations (a token routed to the
+wrong expert, the router weights skipped, expert gradients reduced over the whole dp group) that the
+checks must catch.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ CASES = {  # name: (family, ParallelConfig keywords)
     "qwen3-moe/tp2-ep2": ("qwen3-moe", dict(tp=2, dp=2, ep=2)),
     "qwen3-moe/tp2-sp-ep2": ("qwen3-moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
     "qwen2-moe/pp2-ep2": ("qwen2-moe", dict(pp=2, dp=2, ep=2, num_microbatches=2)),
+    "qwen3-moe/cp2-ep2": ("qwen3-moe", dict(dp=2, cp=2, ep=2)),
 }
 RESUMES = {  # name: (case whose step-2 checkpoint is loaded, ParallelConfig keywords of the resumed run)
     "ep2->ep1": ("qwen3-moe/dp4-ep2", dict(dp=4)),
