@@ -62,14 +62,14 @@ FAMILIES = {
             router_aux_loss_coef=0.05,
         ),
     ),
-    # a shared expert with its sigmoid gate; layer 1 of 3 dense (mlp_only_layers), top-2 not renormalised
+    # a shared expert with its sigmoid gate; layer 1 of 4 dense (mlp_only_layers), top-2 not renormalised
     "qwen2-moe": (
         Qwen2MoeConfig,
         dict(
             num_attention_heads=4,
             num_key_value_heads=2,
             tie_word_embeddings=False,
-            num_hidden_layers=3,
+            num_hidden_layers=4,
             mlp_only_layers=[1],
             num_experts=4,
             num_experts_per_tok=2,

@@ -2,7 +2,7 @@
 
 One spawn of 4 gloo processes runs every case: Qwen3-MoE at dp=4 x ep=2 (two copies of each expert), at
 tp=2 x ep=2 with and without sequence parallelism and at cp=2 x ep=2, and Qwen2-MoE (shared expert, a
-dense layer) at pp=2 x ep=2 under 1f1b. Each case checks the logits after load, 3 training steps with
+dense layer) at pp=2 x ep=2 under 1f1b and under zbv. Each case checks the logits after load, 3 training steps with
 stock's load-balancing loss on (cross-entropy, load-balancing loss, grad norm) and the exported weights.
 The same spawn resumes an ep=2 checkpoint at ep=1 and a tp=2 one at tp=1, initialises both families from
 config.json alone, runs aux-loss-free balancing one step, and runs three mutations (a token routed to the
@@ -38,6 +38,8 @@ CASES = {  # name: (family, ParallelConfig keywords)
     "qwen3-moe/tp2-sp-ep2": ("qwen3-moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
     "qwen2-moe/pp2-ep2": ("qwen2-moe", dict(pp=2, dp=2, ep=2, num_microbatches=2)),
     "qwen3-moe/cp2-ep2": ("qwen3-moe", dict(dp=2, cp=2, ep=2)),
+    # two stages per rank, backward split into input and weight passes: the statistics' chain still closes
+    "qwen2-moe/zbv-ep2": ("qwen2-moe", dict(pp=2, dp=2, ep=2, pp_schedule="zbv", num_microbatches=4)),
 }
 RESUMES = {  # name: (case whose step-2 checkpoint is loaded, ParallelConfig keywords of the resumed run)
     "ep2->ep1": ("qwen3-moe/dp4-ep2", dict(dp=4)),
@@ -46,10 +48,10 @@ RESUMES = {  # name: (case whose step-2 checkpoint is loaded, ParallelConfig key
 MUTATION_CASE = "qwen3-moe/dp4-ep2"
 INIT_CASES = {"qwen3-moe": "qwen3-moe/dp4-ep2", "qwen2-moe": "qwen2-moe/pp2-ep2"}  # family: mesh of that case
 INIT_SEED = 3
-# measured on this machine over the four cases: logits |Δ| <= 1.6e-7, loss rel <= 1.0e-7, load-balancing loss
-# rel <= 1.2e-7, grad norm rel <= 8.5e-7, weights <= 6.7e-6 of what training changed; the mutations miss by
-# 3e-4 (loss) and 0.3 (weights) at least
-LOSS_RTOL, AUX_RTOL, NORM_RTOL, LOGITS_ATOL, UPDATE_TOL = 1.5e-6, 2e-6, 1e-5, 2e-6, 1e-4
+# measured on this machine over the six cases: logits |Δ| <= 1.6e-7, loss rel <= 1.0e-7, load-balancing loss
+# rel <= 1.2e-7, grad norm rel <= 1.0e-6, weights <= 1.1e-5 of what training changed; the mutations miss by
+# 2.5e-4 (loss) and 0.3 (weights) at least
+LOSS_RTOL, AUX_RTOL, NORM_RTOL, LOGITS_ATOL, UPDATE_TOL = 1.5e-6, 2e-6, 1e-5, 2e-6, 1.5e-4
 RESUME_RTOL = 1e-6  # measured 0 (ep=2 -> 1) and 1.0e-7 (tp=2 -> 1)
 
 
