@@ -236,6 +236,15 @@ def python_subprocess(script: Path, args: list[str], *, timeout: float = 900, en
     )
 
 
+def hf3d_train(config: str, settings: list[str], *, nproc: int = 2) -> tuple[subprocess.CompletedProcess, float]:
+    """`torchrun --nproc-per-node N -m hf3d train CONFIG --set SETTINGS...` from the repository root, as the
+    README launches it; returns the finished process and its wall time in seconds."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "hf3d", "train"]
+    t0 = time.perf_counter()
+    proc = subprocess.run([*cmd, config, "--set", *settings], cwd=REPO, capture_output=True, text=True)
+    return proc, time.perf_counter() - t0
+
+
 def tail(text: str, n: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 

@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _common as C
 
-COMMAND = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hf3d", "train"]
 CONFIG = "examples/configs/tiny-smollm.yaml"
 
 
@@ -36,11 +33,7 @@ def main() -> None:
         settings = [f"run.output_dir={out}"]
         if args.quick:
             settings += ["run.steps=10", "optim.warmup_steps=2", "data.eval.every=5", "checkpoint.every=5"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(
-            [sys.executable, *COMMAND, CONFIG, "--set", *settings], cwd=C.REPO, capture_output=True, text=True
-        )
-        wall = time.perf_counter() - t0
+        proc, wall = C.hf3d_train(CONFIG, settings)
         if proc.returncode != 0:
             sys.exit(f"the default run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
