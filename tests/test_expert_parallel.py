@@ -294,3 +294,26 @@ def test_mutations_are_caught(world4, moe_dirs, references, mutation):
     results, out = world4
     with pytest.raises(AssertionError):
         _check_case(results, out, moe_dirs, references, MUTATION_CASE, prefix=f"mutation/{mutation}")
+
+
+def test_the_moe_example_runs_as_the_readme_launches_it(tmp_path):
+    """`torchrun --nproc-per-node 2 -m hf3d train examples/configs/qwen3-moe-tiny.yaml` (ep=2), a few steps:
+    metrics.jsonl has the load-balancing loss and the expert load, and stock loads the export."""
+    import json
+    import subprocess
+
+    root, out = Path(__file__).resolve().parents[1], tmp_path / "run"
+    settings = [f"run.output_dir={out}", "run.steps=3", "optim.warmup_steps=1", "data.eval.every=0"]
+    settings += ["checkpoint.every=0", "run.sample_prompt=null"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hf3d", "train"]
+    cmd += ["examples/configs/qwen3-moe-tiny.yaml", "--set", *settings]
+    proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "mesh pp=1 dp=2 ep=2 cp=1 tp=1" in proc.stdout + proc.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["moe/aux_loss"] > 0 and r["moe/dropped_tokens"] == 0
+        assert 1.0 <= r["moe/load_imbalance"] <= 4.0  # max / mean picks of 8 experts, top-2: at most 8 / 2
+    model = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32)
+    assert model.config.model_type == "qwen3_moe" and model.config.num_experts == 8
