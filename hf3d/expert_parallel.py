@@ -247,6 +247,12 @@ class RouterStats:
         return _Close.apply(chain, totals), aux
 
 
+def aux_stats(stats: RouterStats | None) -> RouterStats | None:
+    """The statistics when train_step adds the load-balancing loss (a MoE model, `aux_loss` balance and the
+    config's output_router_logits), else None."""
+    return stats if stats is not None and stats.aux else None
+
+
 def close_forward(stats: RouterStats | None, cp_rank: int, objective: torch.Tensor, chain: torch.Tensor | None):
     """(objective with the load-balancing term attached, this forward's load-balancing loss on the first cp
     rank, 0 elsewhere: the step's sum over dp x cp then counts each forward once)."""

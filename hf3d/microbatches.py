@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .expert_parallel import close_forward
+from .expert_parallel import aux_stats, close_forward
 from .pipeline import run_pipeline
 from .tensor_parallel import IGNORE_INDEX
 from .vocab import drop_out_of_vocab, raise_out_of_vocab, vocab_flag
@@ -63,7 +63,7 @@ def train_step(pmodel, input_ids, labels=None, position_ids=None, *, shift_label
     pmodel._replica_sum(sums)
     total, pmodel.last_z_loss, aux = sums.unbind()
     stats = pmodel.router_stats
-    pmodel.last_aux_loss = aux / (pmodel.dp_size * m) if stats is not None and stats.aux else None
+    pmodel.last_aux_loss = aux / (pmodel.dp_size * m) if aux_stats(stats) is not None else None
     if stats is not None and stats.bias is not None:
         stats.update_bias(pmodel.expert_load())  # the same global load, so the same bias, on every rank
     return total
@@ -81,24 +81,21 @@ def start_router_stats(pmodel, rows: int, seq_len: int) -> None:
 
 def run_microbatches(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss: float) -> torch.Tensor:
     """[cross-entropy, z-loss, load-balancing loss], each summed over this rank's micro-batches."""
-    m, stage, stats = pmodel.pcfg.num_microbatches, pmodel.stages[0], pmodel.router_stats
-    stats = stats if stats is not None and stats.aux else None
+    m, stage, stats = pmodel.pcfg.num_microbatches, pmodel.stages[0], aux_stats(pmodel.router_stats)
     sums = torch.zeros(3, device=pmodel.device)
     for ids, pos, tgt in zip(input_ids.chunk(m), position_ids.chunk(m), targets.chunk(m)):
         if stats is not None:
             stats.start(None, pmodel.device)
+        # no name holds the output through backward: kept alive, the logits of the plain head would be a third
+        # [tokens, vocab] buffer at the peak (backward needs only the saved log-softmax)
+        out = stage(ids, pos, head=not pmodel.fused_loss)
+        chain = stats.stop() if stats is not None else None
         if pmodel.fused_loss:
-            hidden = stage(ids, pos, head=False)
-            chain = stats.stop() if stats is not None else None
-            objective, ce, z = pmodel.lm_head.fused_loss_terms(hidden, tgt, num_tokens, z_loss=z_loss)
-            del hidden
-        else:  # no name holds the logits: a logits tensor kept alive through backward would be a
-            # third [tokens, vocab] buffer at the peak (backward needs only the saved log-softmax)
-            logits = stage(ids, pos).flatten(0, 1)
-            chain = stats.stop() if stats is not None else None
-            objective, ce, z = pmodel.lm_head.loss_terms(logits, tgt.flatten(), num_tokens, z_loss=z_loss)
-            del logits
-        objective, aux = close_forward(pmodel.router_stats, pmodel.cp.rank, objective, chain)
+            objective, ce, z = pmodel.lm_head.fused_loss_terms(out, tgt, num_tokens, z_loss=z_loss)
+        else:
+            objective, ce, z = pmodel.lm_head.loss_terms(out.flatten(0, 1), tgt.flatten(), num_tokens, z_loss=z_loss)
+        del out
+        objective, aux = close_forward(stats, pmodel.cp.rank, objective, chain)
         objective.backward()
         sums += torch.stack([ce, z, aux])
     return sums

@@ -32,7 +32,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from .expert_parallel import close_forward
+from .expert_parallel import aux_stats, close_forward
 
 SCHEDULES = {
     "afab": ScheduleGPipe,
@@ -82,8 +82,7 @@ class _Pipeline:
         # static stage metadata (no shape-inference pass, which would run tp collectives on fake data);
         # floating activations carry requires_grad so the schedule exchanges their gradients
         hidden = torch.empty(b, s_local, cfg.hidden_size, dtype=dtype, device="meta", requires_grad=True)
-        stats = pmodel.router_stats
-        self.pmodel, self.stats = pmodel, stats if stats is not None and stats.aux else None
+        self.pmodel, self.stats = pmodel, aux_stats(pmodel.router_stats)
         self.num_tokens, self.z_loss = torch.ones(()), 0.0
         self.parts: list[torch.Tensor] = []  # [cross-entropy, z-loss, load balance] of each micro-batch, this step
         self.stages = []

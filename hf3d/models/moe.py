@@ -138,13 +138,18 @@ def is_moe_block(module: nn.Module) -> bool:
 class MoEAdapter(DecoderAdapter):
     """The Qwen MoE families: dense layers as the shared rewrite, sparse blocks as TPMoE."""
 
+    # the widths split over tp besides the dense ones, and why (a family without the field skips it)
+    TP_SPLIT = {
+        "moe_intermediate_size": "each expert's intermediate dimension is split over tp",
+        "shared_expert_intermediate_size": "the shared expert is split over tp like a dense MLP",
+    }
+
     def check_tp(self, config, tp: int) -> None:
         super().check_tp(config, tp)
-        if config.moe_intermediate_size % tp:
-            raise ValueError(
-                f"tp={tp} does not divide this {config.model_type} model's moe_intermediate_size "
-                f"{config.moe_intermediate_size}: each expert's intermediate dimension is split over tp"
-            )
+        for field, why in self.TP_SPLIT.items():
+            width = getattr(config, field, None)
+            if width is not None and width % tp:
+                raise ValueError(f"tp={tp} does not divide this {config.model_type} model's {field} {width}: {why}")
 
     def check_ep(self, config, ep: int) -> None:
         if config.num_experts % ep:
