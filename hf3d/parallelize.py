@@ -66,19 +66,7 @@ def parallelize(
     attn_implementation = resolve_attn_implementation(
         attn_implementation, device_type(), document_masking=False, flash_available=flash_attn_installed(), cp=pcfg.cp
     )
-    if isinstance(model_or_path, nn.Module):
-        config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
-        source, tokenizer_dir = StateDictSource(model_or_path.state_dict()), None
-        name_or_path = getattr(config, "_name_or_path", None)
-        if name_or_path and Path(name_or_path).is_dir():
-            tokenizer_dir = Path(name_or_path)
-    else:
-        model_dir = resolve_model_dir(model_or_path)
-        config = AutoConfig.from_pretrained(model_dir)
-        get_adapter(config.model_type)  # refuse unknown families before opening weights
-        from_scratch = Path(model_or_path).is_dir() and not has_weights(model_dir)  # local dirs only
-        source = None if from_scratch else SafetensorsSource(model_dir)
-        tokenizer_dir = model_dir
+    config, source, tokenizer_dir = _open(model_or_path)
     if tokenizer_dir is not None:
         model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
@@ -104,31 +92,18 @@ def parallelize(
     my_stages = [s for s in range(pcfg.num_stages) if owners[s] == pp_rank]
     has_first, has_last = 0 in my_stages, pcfg.num_stages - 1 in my_stages
 
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
-    hf_shapes = adapter.disk_shapes({k: tuple(v.shape) for k, v in hf_model.state_dict().items()})
-    base = hf_model.model
-    keep = [i for s in my_stages for i in layer_split[s]]
-    base.layers = nn.ModuleDict({str(i): base.layers[i] for i in keep})  # stock names: model.layers.<i>
-    for i in keep:
-        adapter.swap_layer(base.layers[str(i)], f"model.layers.{i}", ctx, ep)
-    tied = bool(config.tie_word_embeddings)
-    base.embed_tokens = adapter.make_embedding(config, ctx) if has_first else None
-    if has_last:
-        base.norm = adapter.swap_final_norm(base.norm, ctx)
-        shared = base.embed_tokens.weight if (tied and has_first) else None
-        hf_model.lm_head = adapter.make_lm_head(config, ctx, tied_weight=shared)
-    else:
-        base.norm, hf_model.lm_head = None, None
-
-    _materialize(hf_model, device)
-    with torch.device(device):
-        base.rotary_emb = type(base.rotary_emb)(config=config)  # buffers are computed, not loaded
-    if source is None:  # fp32 draws, cast per tensor by _load_pieces
-        pieces = [piece for p in hf_model.parameters() for piece in get_pieces(p)]
-        source = InitSource(config, seed=seed, pieces=adapter.source_pieces(pieces, config))
-    source = adapter.wrap_source(source, config, saved=isinstance(source, SafetensorsSource))
-    _load_pieces(hf_model, source, dtype)
+    hf_model, hf_shapes = _swapped_skeleton(
+        config,
+        adapter,
+        [i for s in my_stages for i in layer_split[s]],
+        first=has_first,
+        last=has_last,
+        ctx=ctx,
+        ep=ep,
+        attn_implementation=attn_implementation,
+        dtype=dtype,
+    )
+    _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device)
     del source
 
     stages = [
@@ -172,6 +147,62 @@ def _expert_context(config, adapter, mesh, pcfg: ParallelConfig, balance: str, r
         stats = RouterStats(config.num_experts, moe_layers, aux=aux, shard_groups=groups, balance=balance)
         stats.bias_rate = float(rate)
     return EPContext(expert_group(mesh), mesh.get_local_rank("dp") % pcfg.ep, pcfg.ep, stats)
+
+
+def _open(model_or_path) -> tuple[PretrainedConfig, object | None, Path | None]:
+    """(config, weight source or None for a from-scratch init, tokenizer folder) of a stock model instance,
+    an HF directory or a Hub id."""
+    if isinstance(model_or_path, nn.Module):
+        config = copy.deepcopy(model_or_path.config)  # from_config below edits the config it is given
+        source, tokenizer_dir = StateDictSource(model_or_path.state_dict()), None
+        name_or_path = getattr(config, "_name_or_path", None)
+        if name_or_path and Path(name_or_path).is_dir():
+            tokenizer_dir = Path(name_or_path)
+    else:
+        model_dir = resolve_model_dir(model_or_path)
+        config = AutoConfig.from_pretrained(model_dir)
+        get_adapter(config.model_type)  # refuse unknown families before opening weights
+        from_scratch = Path(model_or_path).is_dir() and not has_weights(model_dir)  # local dirs only
+        source = None if from_scratch else SafetensorsSource(model_dir)
+        tokenizer_dir = model_dir
+    return config, source, tokenizer_dir
+
+
+def _swapped_skeleton(
+    config, adapter, keep: list[int], *, first: bool, last: bool, ctx, ep, attn_implementation: str, dtype
+) -> tuple[nn.Module, dict[str, tuple[int, ...]]]:
+    """The stock model on the meta device, pruned to decoder layers `keep` (and the embedding / final norm and
+    lm_head when this rank runs the first / last stage), with the tensor- and expert-parallel modules swapped
+    in under the stock names; and {saved name: shape} of the whole stock model."""
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    hf_shapes = adapter.disk_shapes({k: tuple(v.shape) for k, v in hf_model.state_dict().items()})
+    base = hf_model.model
+    base.layers = nn.ModuleDict({str(i): base.layers[i] for i in keep})  # stock names: model.layers.<i>
+    for i in keep:
+        adapter.swap_layer(base.layers[str(i)], f"model.layers.{i}", ctx, ep)
+    tied = bool(config.tie_word_embeddings)
+    base.embed_tokens = adapter.make_embedding(config, ctx) if first else None
+    if last:
+        base.norm = adapter.swap_final_norm(base.norm, ctx)
+        shared = base.embed_tokens.weight if (tied and first) else None
+        hf_model.lm_head = adapter.make_lm_head(config, ctx, tied_weight=shared)
+    else:
+        base.norm, hf_model.lm_head = None, None
+    return hf_model, hf_shapes
+
+
+def _fill(hf_model: nn.Module, config, adapter, source, *, seed: int, dtype: torch.dtype, device) -> None:
+    """Give the swapped skeleton real storage and this rank's slices: from `source`, or from stock's seeded
+    init when it is None (fp32 draws, cast per tensor)."""
+    _materialize(hf_model, device)
+    with torch.device(device):
+        hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config=config)  # computed buffers, not loaded
+    if source is None:  # fp32 draws, cast per tensor by _load_pieces
+        pieces = [piece for p in hf_model.parameters() for piece in get_pieces(p)]
+        source = InitSource(config, seed=seed, pieces=adapter.source_pieces(pieces, config))
+    source = adapter.wrap_source(source, config, saved=isinstance(source, SafetensorsSource))
+    _load_pieces(hf_model, source, dtype)
 
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
