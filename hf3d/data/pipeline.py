@@ -34,9 +34,22 @@ from .sources import (
     open_token_cache,
     resolve,
 )
+from .summary import summary_lines
 
 # first words of the generators' seeds: the streams of mixture draws, permutations and eval never meet
 _DRAW, _PERM, _EVAL = 0, 1, 2
+
+
+def _window(s: SourceConfig, opened: tuple, seq_len: int, where: str) -> TokenSource:
+    segments, meta = opened
+    src = TokenSource(s.label, segments, meta, seq_len + 1)
+    if src.num_windows == 0:
+        raise ValueError(
+            f"data source {s.label!r} ({s.path}) holds {src.num_tokens} tokens in {src.num_docs} documents, "
+            f"fewer than one window of seq_len + 1 = {seq_len + 1} ({where}); lower data.seq_len (or the stage's) "
+            "or add data"
+        )
+    return src
 
 
 class DataPipeline:
@@ -87,7 +100,7 @@ class DataPipeline:
         self._build_views(tokens)
         self.eval_source = None
         if eval_spec is not None:
-            self.eval_source = self._window(eval_spec, tokens["eval"], cfg.seq_len, "data.eval")
+            self.eval_source = _window(eval_spec, tokens["eval"], cfg.seq_len, "data.eval")
 
         # training windows of each source: all of them, or all but the held-out tail (eval.fraction)
         self.num_train = {name: src.num_windows for name, src in self.sources.items()}
@@ -103,7 +116,7 @@ class DataPipeline:
                 self.num_train[s.label] = n - held
         self._state = {name: dict(cursor=0, epoch=0, consumed_tokens=0) for name in self.sources}
         self._kept: dict[str, dict] = {}  # restored views no stage of this run reads (another seq_len)
-        self._notes: list[str] = []  # what a restore could not continue (summary lines)
+        self.resume_notes: list[str] = []  # what a restore could not continue (summary lines)
         self._next_step = 0
         self._perms: dict[str, tuple[int, np.ndarray]] = {}
         self._eval: list[dict] | None = None
@@ -120,23 +133,11 @@ class DataPipeline:
             for s, view in zip(stage.sources, views):
                 if view not in self.sources:
                     where = f"data stage {stage.name}"
-                    self.sources[view] = self._window(s, tokens[s.label], stage.seq_len, where)
+                    self.sources[view] = _window(s, tokens[s.label], stage.seq_len, where)
                     self.view_source[view], self.view_seq_len[view] = s.label, stage.seq_len
 
     def _view(self, label: str, seq_len: int) -> str:
         return label if seq_len == self.cfg.seq_len else f"{label}@{seq_len}"
-
-    @staticmethod
-    def _window(s: SourceConfig, opened: tuple, seq_len: int, where: str) -> TokenSource:
-        segments, meta = opened
-        src = TokenSource(s.label, segments, meta, seq_len + 1)
-        if src.num_windows == 0:
-            raise ValueError(
-                f"data source {s.label!r} ({s.path}) holds {src.num_tokens} tokens in {src.num_docs} documents, "
-                f"fewer than one window of seq_len + 1 = {seq_len + 1} ({where}); lower data.seq_len (or the stage's) "
-                "or add data"
-            )
-        return src
 
     def _open(self, specs: dict[str, SourceConfig], tokenizer, local_main: bool, barrier) -> dict[str, tuple]:
         """Each source's tokenised (segments, meta), tokenising on the node's main process when not cached."""
@@ -310,7 +311,7 @@ class DataPipeline:
             label = self.view_source[view]
             others = sorted(k["seq_len"] for k in self._kept.values() if k["source"] == label)
             if others:
-                self._notes.append(
+                self.resume_notes.append(
                     f"data source {label!r} is read at seq_len {self.view_seq_len[view]} from its first window: the "
                     f"checkpoint holds its position at seq_len {', '.join(map(str, others))} only (kept for those)"
                 )
@@ -347,46 +348,6 @@ class DataPipeline:
 
     # --- reporting --------------------------------------------------------------------------------
 
-    def _varies(self) -> bool:
-        """Whether some stage has another seq_len or model setting than the first."""
-        first = self.stages[0]
-        return any((s.seq_len, s.model_overrides()) != (first.seq_len, first.model_overrides()) for s in self.stages)
-
     def summary(self) -> list[str]:
-        """Lines for the start of a run: each source, each stage, the eval split."""
-        rows_of = dict.fromkeys(self.sources, 0.0)  # expected rows per source over the run
-        lines = []
-        for i, stage in enumerate(self.stages):
-            end = self.stages[i + 1].start_step if i + 1 < len(self.stages) else self.total_steps
-            total = sum(s.weight for s in stage.sources)
-            parts = ", ".join(f"{s.label} {s.weight / total:.1%}" for s in stage.sources)
-            model = "".join(f", {k} {v}" for k, v in stage.model_overrides().items())
-            length = f" at seq_len {stage.seq_len}{model}" if self._varies() else ""
-            lines.append(f"data stage {stage.name}: steps {stage.start_step}..{end - 1}{length}: {parts}")
-            for s, view in zip(stage.sources, self.stage_views[i]):
-                rows_of[view] += (end - stage.start_step) * self.global_batch * s.weight / total
-        head = []
-        for name, src in self.sources.items():
-            held = src.num_windows - self.num_train[name]
-            skipped = src.meta.get("skipped_docs", 0)
-            head.append(
-                f"data source {name} ({src.meta['kind']}, {src.meta['path']}): {src.num_tokens:,} tokens, "
-                f"{src.num_docs:,} documents" + (f" ({skipped:,} empty or missing skipped)" if skipped else "") + ", "
-                f"{self.num_train[name]:,} training windows of {src.window} tokens"
-                + (f" (+{held:,} held out for eval)" if held else "")
-                + f"; {rows_of[name] / self.num_train[name]:.2f} epochs over the run"
-            )
-        if self.eval_every:
-            where = (
-                f"{self.eval_source.num_windows:,} windows of {self.cfg.eval.path}"
-                if self.eval_source
-                else (f"the last {self.cfg.eval.fraction:.1%} of each first-stage source")
-            )
-            lines.append(
-                f"data eval: every {self.eval_every} steps, {self.cfg.eval.batches} batches of {self.eval_batch} "
-                f"rows from {where}"
-            )
-        masking = "document masking" if self.cfg.document_masking else "no document masking"
-        return (
-            head + lines + [f"data packing: seq_len {self.cfg.seq_len}, {masking}, seed {self.cfg.seed}"] + self._notes
-        )
+        """Lines for the start of a run: each source, each stage, the eval split (hf3d/data/summary.py)."""
+        return summary_lines(self)
