@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _SOURCES = {
+    "FP8Config": ".fp8",
     "ParallelConfig": ".config",
     "ParallelModel": ".model",
     "ParallelOptimizer": ".optim",
@@ -27,6 +28,7 @@ _SOURCES = {
 }
 
 __all__ = [
+    "FP8Config",
     "ParallelConfig",
     "ParallelModel",
     "ParallelOptimizer",
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from .checkpoint import load_checkpoint, save_checkpoint
     from .config import ParallelConfig
     from .faults import finish
+    from .fp8 import FP8Config
     from .hf_trainer import Trainer
     from .model import ParallelModel
     from .optim import ParallelOptimizer, build_optimizer

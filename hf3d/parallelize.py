@@ -19,6 +19,7 @@ from .checkpoint import SHAPE_FIELDS
 from .config import ParallelConfig, check_attn_implementation
 from .context_parallel import CPContext, check_attention
 from .expert_parallel import RouterStats, check_load_balance
+from .fp8 import FP8Config, apply_fp8, as_fp8_config
 from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
 from .init import InitSource, has_weights
 from .layout import get_pieces
@@ -39,6 +40,7 @@ def parallelize(
     config_overrides: dict | None = None,
     moe_load_balance: str = "aux_loss",
     moe_bias_rate: float = 1e-3,
+    fp8: FP8Config | str | dict | None = None,
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "cp", "tp") mesh.
 
@@ -58,8 +60,11 @@ def parallelize(
     longrope scale from the config's max_position_embeddings before any override of it); any other
     attribute of the config, such as `max_position_embeddings`. Attributes that shape the weights
     (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
+    fp8: None/"off", "tensorwise" or "rowwise" (torchao's float8 recipes), or an hf3d.FP8Config (which
+    projections to keep in high precision): the decoder layers' projections train in FP8 (hf3d/fp8.py).
     """
     pcfg = pcfg or ParallelConfig()
+    fp8 = as_fp8_config(fp8)
     check_attn_implementation(attn_implementation)
     check_load_balance(moe_load_balance, moe_bias_rate)
     init_distributed()
@@ -103,6 +108,7 @@ def parallelize(
         attn_implementation=attn_implementation,
         dtype=dtype,
     )
+    apply_fp8(hf_model, fp8, hf_shapes, tp_group=tp_group, cp_group=cp.group)
     _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device)
     del source
 
@@ -132,6 +138,7 @@ def parallelize(
     )
     pmodel.dropout_rng = rng
     pmodel.router_stats = ep.stats
+    pmodel.fp8 = fp8
     return pmodel
 
 

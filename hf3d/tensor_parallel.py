@@ -148,6 +148,8 @@ def gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y_local = x W_local^T + b_local, W split along its output rows; no communication of y."""
 
+    fp8 = None  # hf3d.fp8.Fp8Linear when this projection trains in FP8
+
     def __init__(self, in_features, out_features_local, *, bias, group, sequence_parallel=False, dtype=None):
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -156,11 +158,15 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
+        if self.fp8 is not None:
+            return self.fp8(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T + b, W split along its input columns; partial sums reduced over tp."""
+
+    fp8 = None  # hf3d.fp8.Fp8Linear when this projection trains in FP8
 
     def __init__(self, in_features_local, out_features, *, bias, group, sequence_parallel=False, dtype=None):
         super().__init__()
@@ -171,7 +177,7 @@ class RowParallelLinear(nn.Module):
             self.bias.hf3d_tp_partial_grad = True  # each rank adds it to its own sequence shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.fp8 is None else self.fp8(x, self.weight, None)
         y = reduce_scatter_seq(y, self.group) if self.sequence_parallel else reduce_from_tp(y, self.group)
         return y if self.bias is None else y + self.bias
 
