@@ -27,6 +27,7 @@ switch FP8 on or off at a resume. FP8 all-gather of ZeRO-1 parameters is not bui
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -74,6 +75,11 @@ class FP8Config:
         if isinstance(self.keep, str) or not all(isinstance(k, str) and k for k in self.keep):
             raise ValueError(f"fp8 keep must be a list of module-name substrings, got {self.keep!r}")
         self.keep = list(self.keep)
+        if self.enabled and importlib.util.find_spec("torchao") is None:
+            raise ValueError(
+                f"fp8 {self.recipe!r} needs torchao, which is not installed: pip install 'hf3d[fp8]' "
+                "(or torchao>=0.18), or set fp8 off"
+            )
 
     @property
     def enabled(self) -> bool:

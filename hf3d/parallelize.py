@@ -108,7 +108,7 @@ def parallelize(
         attn_implementation=attn_implementation,
         dtype=dtype,
     )
-    apply_fp8(hf_model, fp8, hf_shapes, tp_group=tp_group, cp_group=cp.group)
+    fp8_projections = apply_fp8(hf_model, fp8, hf_shapes, tp_group=tp_group, cp_group=cp.group)
     _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device)
     del source
 
@@ -138,7 +138,7 @@ def parallelize(
     )
     pmodel.dropout_rng = rng
     pmodel.router_stats = ep.stats
-    pmodel.fp8 = fp8
+    pmodel.fp8, pmodel.fp8_projections = fp8, fp8_projections
     return pmodel
 
 

@@ -8,6 +8,7 @@
     checkpoint   how often to save, what to keep, what to resume and which parts of it
     export       the final HF directory's Hub upload
     moe          mixture-of-experts models: how the expert load is balanced
+    precision    FP8 matmuls with torchao (hf3d/fp8.py); the parameter dtype is model.dtype
 
 Checks that need more than one section (batch vs dp and micro-batches, seq_len vs the model's
 positions, data stages vs the run and its lr decay) live in `check_run`, which runs before anything
@@ -212,6 +213,32 @@ class MoEConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """FP8 training of the decoder layers' projections (hf3d/fp8.py; needs torchao: pip install 'hf3d[fp8]')."""
+
+    fp8: str = "off"
+    """off, tensorwise or rowwise (torchao's recipes). The output head, embeddings, norms and a MoE layer's
+    router and experts stay in model.dtype; checkpoints never hold fp8 tensors, so a resume may switch it."""
+    fp8_keep: list[str] = field(default_factory=list)
+    """Projections to keep in model.dtype: each entry a substring of the stock module name ("mlp.down_proj")."""
+    fp8_auto_filter: bool = False
+    """Also keep those torchao's size rule for the recipe expects to be slower in FP8 (small K and N)."""
+    fp8_emulate: bool = False
+    """torchao's emulated matmul instead of torch._scaled_mm (for checking numbers, not for speed)."""
+
+    def __post_init__(self) -> None:
+        self.fp8_config()  # refuses an unknown recipe or a malformed keep list here, before anything loads
+
+    def fp8_config(self):
+        from .fp8 import FP8Config
+
+        try:
+            return FP8Config(self.fp8, list(self.fp8_keep), self.fp8_auto_filter, self.fp8_emulate)
+        except ValueError as e:
+            raise ValueError(f"precision.{e}".replace("precision.fp8 keep", "precision.fp8_keep")) from None
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -221,6 +248,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     def __post_init__(self) -> None:
         if self.export.push_to_hub and not self.run.save_final:

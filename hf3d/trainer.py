@@ -47,7 +47,7 @@ from .train_config import DTYPES, ModelConfig, RunConfig, TrainConfig, check_run
 __all__ = ["TrainConfig", "train"]
 
 
-def _load_model(cfg: ModelConfig, pcfg, document_masking: bool, moe):
+def _load_model(cfg: ModelConfig, pcfg, document_masking: bool, moe, precision):
     """The parallel model. A weightless HF directory is initialised from its config by `parallelize`
     itself: every rank draws the stock init in stock order and keeps only its own slices, so the
     model equals `torch.manual_seed(init_seed); from_config(config, dtype=torch.float32)` (then cast
@@ -69,6 +69,7 @@ def _load_model(cfg: ModelConfig, pcfg, document_masking: bool, moe):
         config_overrides=cfg.overrides() or None,
         moe_load_balance=moe.load_balance,
         moe_bias_rate=moe.bias_update_rate,
+        fp8=precision.fp8_config(),
     )
     if is_complete(cfg.path):  # start from a checkpoint's weights: step 0, fresh optimizer
         load_checkpoint(cfg.path, pmodel)
@@ -192,7 +193,7 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
     init_distributed(cfg.run.collective_timeout_s)
     base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
-    pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe)
+    pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe, cfg.precision)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer
 
@@ -291,6 +292,12 @@ def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
         p = cfg.parallel
         mesh = f"pp={p.pp} dp={run.pmodel.dp_size}" + (f" ep={p.ep}" if p.ep > 1 else "") + f" cp={p.cp} tp={p.tp}"
         say(f"hf3d: mesh {mesh} on {dist.get_world_size()} processes")
+        if cfg.precision.fp8 != "off":
+            n = len(run.pmodel.fp8_projections)
+            say(
+                f"hf3d: fp8 {cfg.precision.fp8}: {n} projection(s) of this rank's layers in FP8 (torchao); the head, "
+                f"embeddings, norms, routers and experts in {cfg.model.dtype}"
+            )
         for line in derived + run.pipe.summary():
             say(f"hf3d: {line}")
         if missing:

@@ -674,6 +674,13 @@ CASES: list[Case] = [
         ["moe.load_balance must be one of aux_loss, bias, none, got 'fair'"],
     ),
     _c(
+        "config-fp8-recipe",
+        CFG,
+        "`precision.fp8: fp4` (unknown)",
+        lambda fx: _set("precision.fp8=fp4"),
+        ["precision.fp8 recipe must be one of off, tensorwise, rowwise, got 'fp4'"],
+    ),
+    _c(
         "config-tp-zero",
         CFG,
         "`parallel.tp: 0`",
@@ -1386,6 +1393,14 @@ CASES: list[Case] = [
         "`hf3d.parallelize(..., ParallelConfig(tp=3))` of a 6-head model, on 1 process",
         lambda ctx: __import__("hf3d").parallelize(str(TINY_SMOLLM), __import__("hf3d").ParallelConfig(tp=3)),
         ["tp=3 does not fit this llama model", "Valid tp values: 1, 2"],
+        how="dist",
+    ),
+    _c(
+        "api-parallelize-fp8-recipe",
+        API,
+        "`hf3d.parallelize(..., fp8='fp4')` (no such recipe)",
+        lambda ctx: __import__("hf3d").parallelize(ctx["fx"]["llama"], fp8="fp4"),
+        ["fp8 recipe must be one of off, tensorwise, rowwise, got 'fp4'"],
         how="dist",
     ),
     _c(

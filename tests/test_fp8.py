@@ -126,6 +126,12 @@ def _worker(model_dir, out_dir, world):
                 res[key]["head_fp8"] = any(getattr(m, "fp8", None) is not None for m in heads)
                 res[key]["converted"] = sum(getattr(m, "fp8", None) is not None for m in pmodel.modules())
                 dist.barrier()
+    if world == 2:  # one KV head over two tp ranks: each holds it with half of its gradient
+        try:
+            hf3d.parallelize(str(Path(out_dir) / "kv1"), hf3d.ParallelConfig(tp=2), fp8="tensorwise")
+            res["kv1"] = "no error"
+        except ValueError as e:
+            res["kv1"] = str(e)
     report(res, Path(out_dir) / f"world{world}.pt")
 
 
@@ -133,6 +139,7 @@ def _worker(model_dir, out_dir, world):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8")
     model_dir = make_model_dir(tmp / "model", "llama", **SHAPE)
+    make_model_dir(tmp / "kv1", "llama", **{**SHAPE, "num_key_value_heads": 1})
     res = {}
     for world in sorted({w for w, _ in CASES.values()}):
         spawn(_worker, world, str(model_dir), str(tmp), world)
@@ -204,6 +211,12 @@ def test_mutation_head_in_fp8_is_caught(runs):
     first = refs["tensorwise", "head_fp8"][0][0]
     got = res["tp1/tensorwise"]["losses"][0]
     assert abs(got - first) / abs(first) > MUTATION_MIN, "an FP8 output head went unnoticed"
+
+
+def test_replicated_kv_heads_are_refused(runs):
+    msg = runs[0]["kv1"]
+    assert "fp8 cannot scale model.layers.0.self_attn.k_proj.weight at this tp" in msg, msg
+    assert "keep the k/v projections in high precision" in msg
 
 
 def test_filter_rule():
