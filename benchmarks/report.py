@@ -317,6 +317,23 @@ def _moe_balance(d: dict) -> str:
     )
 
 
+def _fp8(d: dict) -> str:
+    met = lambda ok: "met" if ok else "missed"  # noqa: E731
+    runs = d["runs"]
+    base = runs["bf16"]
+    parts = [
+        f"{name} {r['final_loss']:.3f} = {r['loss_vs_bf16']:.4f}x (target within 2 %: {met(r['meets_target'])}), "
+        f"step time {r['median_step_s'] / base['median_step_s']:.2f}x"
+        for name, r in runs.items()
+        if name != "bf16"
+    ]
+    return (
+        f"200-step default run, tp=2, final loss (mean of the last 10 steps): bf16 {base['final_loss']:.3f}; "
+        + "; ".join(parts)
+        + " (CPU: no fp8 tensor cores, the step time is not a target); curves in results/fp8_loss_curves.png"
+    )
+
+
 def _default_run(d: dict) -> str:
     evals = d["eval_losses"]
     return (
@@ -449,6 +466,12 @@ ROWS: list[Row] = [
         "expert load balance over a run (`moe.load_balance`: aux_loss, bias, none)",
         "python benchmarks/bench_moe_balance.py",
         _moe_balance,
+    ),
+    (
+        "fp8",
+        "FP8 training (`precision.fp8`, torchao recipes) / bf16 on the embedded default run",
+        "python benchmarks/bench_fp8.py",
+        _fp8,
     ),
     (
         "gpu_smollm",

@@ -4,8 +4,9 @@ The oracle: stock Llama converted by torchao with the same recipe and the same m
 (`FP8Config.module_filter_fn`, which leaves the output head out), trained by torch AdamW with gradient
 accumulation over the same contiguous chunks of rows that hf3d's micro-batches (and dp ranks) take.
 - tp=1 with 2 micro-batches, tensorwise and rowwise: losses, grad norms and weights after 3 steps.
-- tp=2 (and tensorwise with sequence parallelism) and pp=2 x dp=2: the same, against the reference of the
-  same chunks; tp=2 is also compared with hf3d's own tp=1 FP8 run.
+- tp=2 (and tensorwise with sequence parallelism, and at cp=2, where token amaxes reduce over cp) and
+  pp=2 x dp=2: the same, against the reference of the same chunks; tp=2 is also compared with hf3d's own
+  tp=1 FP8 run.
 - Mutations the checks must catch: the tp amax reduction dropped (tp=2), and the output head cast to FP8
   (the reference converting lm_head too, which hf3d's numbers must not match).
 """
@@ -84,12 +85,13 @@ CASES = {  # name: (world, ParallelConfig keywords)
     "tp1": (1, dict(num_microbatches=2)),
     "tp2": (2, dict(tp=2, num_microbatches=2)),
     "tp2-sp": (2, dict(tp=2, num_microbatches=2, sequence_parallel=True)),
+    "cp2": (2, dict(cp=2, num_microbatches=2)),  # each cp rank holds half of each row's tokens
     "pp2-dp2": (4, dict(pp=2, dp=2, num_microbatches=2)),
 }
 
 
 def _recipes(case: str) -> list[str]:
-    return {"tp1": list(RECIPES), "tp2-sp": ["tensorwise"]}.get(case, ["tensorwise", "rowwise"])
+    return {"tp1": list(RECIPES), "tp2-sp": ["tensorwise"], "cp2": ["tensorwise"]}.get(case, ["tensorwise", "rowwise"])
 
 
 def _chunks(case: str) -> int:
