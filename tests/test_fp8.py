@@ -119,7 +119,7 @@ def _worker(model_dir, out_dir, world):
                             m.fp8.split = _Split()
                 dp = pmodel.dp_size
                 rows = slice(pmodel.dp_rank * BATCH // dp, (pmodel.dp_rank + 1) * BATCH // dp)
-                losses, norms, _ = hf3d_run(pmodel, data, rows)
+                losses, norms, opt = hf3d_run(pmodel, data, rows)
                 key = f"{case}/{recipe}" + ("/mutated" if mutated else "")
                 out = Path(out_dir) / key.replace("/", "_")
                 pmodel.save_pretrained(out)
@@ -127,6 +127,13 @@ def _worker(model_dir, out_dir, world):
                 heads = [m for n, m in pmodel.named_modules() if n.endswith("lm_head")]
                 res[key]["head_fp8"] = any(getattr(m, "fp8", None) is not None for m in heads)
                 res[key]["converted"] = sum(getattr(m, "fp8", None) is not None for m in pmodel.modules())
+                if case == "tp1" and recipe == "tensorwise":  # resume the FP8 run's checkpoint with FP8 off
+                    hf3d.save_checkpoint(Path(out_dir) / "ckpt", pmodel, opt, step=STEPS)
+                    plain = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**kw))
+                    plain_opt = hf3d.build_optimizer(plain, torch.optim.AdamW, lr=1e-3)
+                    hf3d.load_checkpoint(Path(out_dir) / "ckpt", plain, plain_opt)
+                    plain.save_pretrained(Path(out_dir) / "resumed_plain")
+                    res["resumed_plain"] = str(Path(out_dir) / "resumed_plain")
                 dist.barrier()
     if world == 2:  # one KV head over two tp ranks: each holds it with half of its gradient
         try:
@@ -213,6 +220,13 @@ def test_mutation_head_in_fp8_is_caught(runs):
     first = refs["tensorwise", "head_fp8"][0][0]
     got = res["tp1/tensorwise"]["losses"][0]
     assert abs(got - first) / abs(first) > MUTATION_MIN, "an FP8 output head went unnoticed"
+
+
+def test_checkpoint_of_an_fp8_run_resumes_without_fp8(runs):
+    """Checkpoints hold the parameter dtype only: FP8 on at save, off at load, the same weights."""
+    res, _, _ = runs
+    a, b = _weights(res["tp1/tensorwise"]["out"]), _weights(res["resumed_plain"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == torch.float32 for k in a)
 
 
 def test_replicated_kv_heads_are_refused(runs):
