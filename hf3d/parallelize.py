@@ -16,6 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
+from .compile import check_compile, compile_layers
 from .config import ParallelConfig, check_attn_implementation
 from .context_parallel import CPContext, check_attention
 from .expert_parallel import RouterStats, check_load_balance
@@ -39,6 +40,7 @@ def parallelize(
     config_overrides: dict | None = None,
     moe_load_balance: str = "aux_loss",
     moe_bias_rate: float = 1e-3,
+    compile: bool | None = None,
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "cp", "tp") mesh.
 
@@ -58,9 +60,14 @@ def parallelize(
     longrope scale from the config's max_position_embeddings before any override of it); any other
     attribute of the config, such as `max_position_embeddings`. Attributes that shape the weights
     (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
+    compile: compile each decoder layer of this rank with torch.compile, in place, after the swap
+    (hf3d/compile.py); None takes `pcfg.compile`.
     """
     pcfg = pcfg or ParallelConfig()
+    compile = pcfg.compile if compile is None else compile
     check_attn_implementation(attn_implementation)
+    if compile:
+        check_compile(device_type())
     check_load_balance(moe_load_balance, moe_bias_rate)
     init_distributed()
     attn_implementation = resolve_attn_implementation(
@@ -119,6 +126,8 @@ def parallelize(
         )
         for s in my_stages
     ]
+    if compile:
+        compile_layers([layer for stage in stages for layer in stage.layers])
     pmodel = ParallelModel(
         hf_model,
         stages,
