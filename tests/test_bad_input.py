@@ -390,6 +390,14 @@ def _from_env(fx, **env: str):
         return hf3d.ParallelConfig.from_env()
 
 
+def _without_cxx(fn):
+    """fn() while inductor finds no C++ compiler (its search list holds only a program that does not exist)."""
+    from torch._inductor import config
+
+    with config.patch({"cpp.cxx": ("hf3d-no-such-cxx",)}):
+        return fn()
+
+
 def _lr_scheduler_lr_mismatch(fx):
     from hf3d.schedules import ScheduleConfig, build_lr_scheduler
 
@@ -1054,6 +1062,20 @@ CASES: list[Case] = [
         lambda fx: _from_env(fx, HF3D_PP_SCHEDULE="gpipe"),
         ["HF3D_PP_SCHEDULE='gpipe' is not a pipeline schedule", "known: afab"],
     ),
+    _c(
+        "launch-env-compile",
+        LAUNCH,
+        "`HF3D_COMPILE=maybe` in the environment",
+        lambda fx: _from_env(fx, HF3D_COMPILE="maybe"),
+        ["HF3D_COMPILE must be 1 or 0 (true or false), got 'maybe'"],
+    ),
+    _c(
+        "launch-compile-no-cxx",
+        LAUNCH,
+        "`parallel.compile: true` on CPU where inductor finds no C++ compiler",
+        lambda fx: _without_cxx(lambda: _check_run("parallel.compile=true")),
+        ["parallel.compile=True on CPU needs a C++ compiler", "hf3d-no-such-cxx", "install g++", "CXX"],
+    ),
     # --- data files ------------------------------------------------------------------------------------
     _c(
         "data-missing-file",
@@ -1394,6 +1416,14 @@ CASES: list[Case] = [
         "`hf3d.parallelize(..., attn_implementation='flash_attention_2')` without the package",
         lambda ctx: __import__("hf3d").parallelize(ctx["fx"]["llama"], attn_implementation="flash_attention_2"),
         ["attn_implementation='flash_attention_2' needs the flash_attn package", 'pip install "hf3d[gpu]"'],
+        how="dist",
+    ),
+    _c(
+        "api-parallelize-compile-no-cxx",
+        API,
+        "`hf3d.parallelize(..., compile=True)` on CPU where inductor finds no C++ compiler",
+        lambda ctx: _without_cxx(lambda: __import__("hf3d").parallelize(ctx["fx"]["llama"], compile=True)),
+        ["compile=True on CPU needs a C++ compiler", "set compile to false"],
         how="dist",
     ),
     _c(
