@@ -20,7 +20,10 @@ counter; tests/test_compile.py asserts these counts):
 - a dense Llama / Qwen2 / Qwen3 layer is then ONE graph with no break, at any tp, with or without
   sequence parallelism, recompute or pipelining (recompute wraps the compiled layer from outside:
   torch.utils.checkpoint runs the compiled forward again in backward).
-Layers whose attributes differ (SmolLM3's NoPE and sliding-window layers) get a graph each.
+Layers whose attributes differ (SmolLM3's NoPE and sliding-window layers) get a graph each. A MoE block
+(hf3d/models/moe.py) runs eager inside its compiled layer, one break per MoE layer: its rows per expert are
+data-dependent (15 breaks per layer when traced) and torch 2.13's meta function of torch._grouped_mm takes
+only bf16. Attention dropout is refused (check_compile).
 """
 
 from __future__ import annotations
@@ -30,11 +33,23 @@ import importlib.util
 from torch import nn
 
 
-def check_compile(device_type: str, key: str = "compile") -> None:
+def check_compile(device_type: str, model_config=None, key: str = "compile") -> None:
     """Refuse compile where torch.compile cannot run, before any model is built: dynamo unsupported by this
     Python / torch build, or no inductor backend for the device (on CPU a C++ compiler, on CUDA triton).
-    Without this, the first training step fails deep inside inductor with a long traceback."""
+    Without this, the first training step fails deep inside inductor with a long traceback.
+
+    Also refused: attention dropout (`model_config.attention_dropout` > 0). hf3d draws each rank's masks from
+    its own stream by swapping the generator's state around the attention (hf3d/rng.py); dynamo breaks the
+    graph there and inductor then draws the masks from its own generator (measured: grad norms 7% off eager
+    in 3 steps), so the per-rank streams and recompute's replay of the masks would not be what they claim."""
     import torch._dynamo
+
+    dropout = float(getattr(model_config, "attention_dropout", 0.0) or 0.0)
+    if dropout:
+        raise ValueError(
+            f"{key}=True cannot run with attention_dropout={dropout:g}: hf3d's per-rank dropout streams are not "
+            f"traced by torch.compile; set the model's attention_dropout to 0, or {key} to false"
+        )
 
     if not torch._dynamo.is_dynamo_supported():
         raise ValueError(

@@ -66,8 +66,6 @@ def parallelize(
     pcfg = pcfg or ParallelConfig()
     compile = pcfg.compile if compile is None else compile
     check_attn_implementation(attn_implementation)
-    if compile:
-        check_compile(device_type())
     check_load_balance(moe_load_balance, moe_bias_rate)
     init_distributed()
     attn_implementation = resolve_attn_implementation(
@@ -78,6 +76,8 @@ def parallelize(
         model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
         config = override_config(config, config_overrides, loading_weights=source is not None)
+    if compile:
+        check_compile(device_type(), config)
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
     adapter.check_ep(config, pcfg.ep)

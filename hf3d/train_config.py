@@ -282,7 +282,7 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
         from .compile import check_compile
         from .mesh import device_type
 
-        check_compile(device_type(), key="parallel.compile")
+        check_compile(device_type(), model_config, key="parallel.compile")
     try:  # before the world size: launching another number of processes would not help
         from .models import get_adapter
 

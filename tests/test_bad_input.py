@@ -284,6 +284,16 @@ def _check_run(*overrides: str, world_size: int = 1) -> list[str]:
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_SMOLLM))
 
 
+def _check_run_dropout(*overrides: str) -> list[str]:
+    """check_run of the tiny SmolLM example with attention dropout 0.1 in its config."""
+    from transformers import AutoConfig
+
+    from hf3d.train_config import check_run
+
+    model_config = AutoConfig.from_pretrained(TINY_SMOLLM, attention_dropout=0.1)
+    return check_run(_set("parallel.tp=1", *overrides), world_size=1, model_config=model_config)
+
+
 def _check_moe_run(*overrides: str, world_size: int) -> list[str]:
     """check_run of the tiny Qwen3-MoE example (8 experts)."""
     from transformers import AutoConfig
@@ -1068,6 +1078,13 @@ CASES: list[Case] = [
         "`HF3D_COMPILE=maybe` in the environment",
         lambda fx: _from_env(fx, HF3D_COMPILE="maybe"),
         ["HF3D_COMPILE must be 1 or 0 (true or false), got 'maybe'"],
+    ),
+    _c(
+        "launch-compile-dropout",
+        LAUNCH,
+        "`parallel.compile: true` for a model with attention dropout",
+        lambda fx: _check_run_dropout("parallel.compile=true"),
+        ["parallel.compile=True cannot run with attention_dropout=0.1", "set the model's attention_dropout to 0"],
     ),
     _c(
         "launch-compile-no-cxx",
