@@ -12,6 +12,10 @@ and the table gives VmHWM above the RSS after the imports, after the load and ov
 
     python benchmarks/bench_step_time.py            # full run (~2-4 min on 2 cores)
     python benchmarks/bench_step_time.py --quick    # smoke run
+
+`--compile` measures regional compile instead (`parallelize(..., compile=True)`, hf3d/compile.py): hf3d
+compiled, hf3d eager and stock in the same rotated rounds, the compiled / eager ratio of the median step,
+and the first step of each (the compiled one includes the compile) -> results/step_time_compile.md.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def parse_args():
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="hf3d compiled vs eager (results/step_time_compile.md)")
     ap.add_argument("--memory-worker", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     return ap.parse_args()
@@ -76,11 +81,15 @@ class Stock:
 class HF3D:
     name = "hf3d"
 
-    def __init__(self, model_dir, fused_loss: bool = True):
+    def __init__(self, model_dir, fused_loss: bool = True, compile: bool = False):
         hf3d = C.import_hf3d()
 
         self.model = hf3d.parallelize(
-            model_dir, hf3d.ParallelConfig(tp=1, pp=1, dp=1), dtype=torch.float32, attn_implementation="sdpa"
+            model_dir,
+            hf3d.ParallelConfig(tp=1, pp=1, dp=1),
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            compile=compile,
         )
         self.model.fused_loss = fused_loss
         self.opt = hf3d.build_optimizer(
@@ -394,5 +403,91 @@ def main():
     print(f"\nwrote {path}")
 
 
+def model_config(args):
+    return C.llama_config(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.inter,
+        vocab_size=args.vocab,
+        tie_word_embeddings=False,
+    )
+
+
+def rounds(sides: dict, ids, labels, warmup: int, repeats: int) -> tuple[dict, dict]:
+    """Rotated rounds, one step of each side per round: (the timed steps per side, the first step per side)."""
+    samples: dict[str, list[dict]] = {name: [] for name in sides}
+    first, order = {}, list(sides)
+    for r in range(warmup + repeats):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            s = timed_step(sides[name], ids, labels)
+            first.setdefault(name, s)
+            if r >= warmup:
+                samples[name].append(s)
+        if r >= warmup:
+            walls = "  ".join(f"{n} {samples[n][-1]['wall']:.3f}s" for n in order)
+            print(f"round {r - warmup + 1}/{repeats}: {walls}", flush=True)
+    return samples, first
+
+
+def compile_main(args) -> None:
+    """hf3d with compiled decoder layers vs hf3d eager (and stock), same checkpoint, batch and rounds."""
+    if args.quick:
+        args.warmup, args.repeats = 2, 3
+        args.layers, args.seq, args.batch = 2, 128, 4
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    env = C.env_info()
+    cfg = model_config(args)
+    shapes = f"{C.shape_str(cfg)}; batch={args.batch} x seq={args.seq}; fp32; sdpa; AdamW, clip {CLIP}"
+    print("shapes:", shapes, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench_step_compile_") as tmp:
+        n_params = C.save_model_dir(cfg, Path(tmp), dtype=torch.float32)
+        sides = {"hf3d_compiled": HF3D(tmp, compile=True), "hf3d": HF3D(tmp), "stock": Stock(tmp)}
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+        samples, first = rounds(sides, ids, ids.clone(), args.warmup, args.repeats)
+    keys = ("wall", "fwd_bwd_wall", "opt_wall", "cpu")
+    result = {
+        k: {n: {"median": C.median([s[k] for s in samples[n]]), "min": min(s[k] for s in samples[n])} for n in sides}
+        for k in keys
+    }
+    ratio = {k: result[k]["hf3d_compiled"]["median"] / result[k]["hf3d"]["median"] for k in keys}
+    ratio_min = result["wall"]["hf3d_compiled"]["min"] / result["wall"]["hf3d"]["min"]
+    labels = {
+        "wall": "step, wall (s)",
+        "fwd_bwd_wall": "  forward+backward, wall (s)",
+        "opt_wall": "  clip+optimizer+zero_grad, wall (s)",
+        "cpu": "step, process CPU (s)",
+    }
+    rows = [[labels[k], *(f"{result[k][n]['median']:.4f}" for n in sides), f"{ratio[k]:.3f}x"] for k in keys]
+    rows.append(["first step, wall (s): the compile", *(f"{first[n]['wall']:.2f}" for n in sides), ""])
+    table = C.md_table(["metric (median)", "hf3d compiled", "hf3d eager", "stock", "compiled / eager"], rows)
+    dl = abs(first["hf3d_compiled"]["loss"] - first["hf3d"]["loss"])
+    body = "\n\n".join(
+        [
+            f"Shapes: {shapes}; {n_params:,} parameters; {args.warmup} warm-up rounds (the compile happens in the "
+            f"first), {args.repeats} timed rounds (each round one step of each side, order rotating).",
+            table,
+            f"**hf3d compiled / hf3d eager step time (median wall) = {ratio['wall']:.3f}x**; forward+backward "
+            f"{ratio['fwd_bwd_wall']:.3f}x; fastest steps {ratio_min:.3f}x; compiled / stock "
+            f"{result['wall']['hf3d_compiled']['median'] / result['wall']['stock']['median']:.3f}x. Load average "
+            f"{env['load_avg_1m_at_start']} at start on {env['cpu_count']} cores.",
+            f"Same start: first-step loss compiled {first['hf3d_compiled']['loss']:.6f} vs eager "
+            f"{first['hf3d']['loss']:.6f} (|Δ| {dl:.1e}).",
+        ]
+    )
+    print("\n" + body)
+    data = {"env": env, "shapes": shapes, "n_params": n_params, "args": vars(args), "result": result}
+    data.update(ratio_compiled_over_eager=ratio, ratio_of_minima=ratio_min, first=first, samples=samples)
+    name = "step_time_compile" + (f"_threads{args.threads}" if args.threads else "")
+    path = C.write_results(name, "Step time: hf3d compiled layers vs eager", body, data, quick=args.quick)
+    print(f"\nwrote {path}")
+
+
 if __name__ == "__main__":
-    main()
+    if parse_args().compile:  # main() parses the same arguments again
+        compile_main(parse_args())
+    else:
+        main()

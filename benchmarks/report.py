@@ -95,6 +95,17 @@ def _step_time_1(d: dict) -> str:
     return out + _step_memory(d)
 
 
+def _step_time_compile(d: dict) -> str:
+    r, first = d["ratio_compiled_over_eager"], d["first"]
+    return (
+        f"{d['n_params'] / 1e6:.1f}M params: compiled / eager {r['wall']:.3f}x median step time, "
+        f"{d['ratio_of_minima']:.3f}x fastest steps, forward+backward {r['fwd_bwd_wall']:.3f}x "
+        f"({d['args']['repeats']} rounds, {d['env'].get('torch_threads')} threads); first step (the compile) "
+        f"{first['hf3d_compiled']['wall']:.0f} s; first-step losses differ by "
+        f"{abs(first['hf3d_compiled']['loss'] - first['hf3d']['loss']):.1e}"
+    )
+
+
 def _load_memory(d: dict) -> str:
     s = d["summary"]
     use = s["bf16"]["metrics"]["peak RSS, load + first use (VmHWM)"]["ratio_above_baseline_B_worst_rank"]
@@ -385,6 +396,12 @@ ROWS: list[Row] = [
         "the same with one thread",
         "python benchmarks/bench_step_time.py --threads 1",
         _step_time_1,
+    ),
+    (
+        "step_time_compile",
+        "compiled decoder layers (`parallel.compile`) / eager, hf3d tp=pp=dp=1 (Llama, fp32, inductor on CPU)",
+        "python benchmarks/bench_step_time.py --compile",
+        _step_time_compile,
     ),
     (
         "load_memory",

@@ -19,7 +19,9 @@ ENV_VARS = {
     "ep": "HF3D_EP",
     "pp_schedule": "HF3D_PP_SCHEDULE",
     "num_microbatches": "HF3D_NUM_MICROBATCHES",
+    "compile": "HF3D_COMPILE",
 }
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 # attention backends of transformers' registry that need a package of their own (the `gpu` extra installs it)
 ATTN_PACKAGES = {"flash_attention_2": "flash_attn"}
@@ -115,6 +117,10 @@ class ParallelConfig:
     neighbouring dp ranks, which exchange tokens all-to-all (hf3d.expert_parallel). ep divides dp and adds
     no world factor; an expert's parameters are replicated over the dp // ep ranks that hold it (times cp),
     and its gradients are reduced and ZeRO-1 shards there."""
+    compile: bool = False
+    """Regional compile: every decoder layer of this rank goes through torch.compile, in place, after the
+    tensor-parallel swap (hf3d/compile.py); the embedding, the head, the loss and the pipeline stay eager.
+    Needs inductor's backend for the device (a C++ compiler on CPU, triton on CUDA)."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
@@ -133,6 +139,8 @@ class ParallelConfig:
         self.recompute = _check_recompute(self.recompute)
         if self.recompute != "none" and self.pp > 1 and self.pp_schedule in ("zbv", "dualpipev"):
             raise ValueError(RECOMPUTE_SPLIT_BACKWARD.format(schedule=self.pp_schedule))
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"ParallelConfig.compile must be true or false, got {self.compile!r}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
         if self.pp_schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
@@ -172,6 +180,11 @@ class ParallelConfig:
                 if raw not in PP_SCHEDULES:
                     raise ValueError(f"{var}={raw!r} is not a pipeline schedule; known: {', '.join(PP_SCHEDULES)}")
                 kwargs[name] = raw
+                continue
+            if name == "compile":
+                if raw.lower() not in BOOL_WORDS:
+                    raise ValueError(f"{var} must be 1 or 0 (true or false), got {raw!r}")
+                kwargs[name] = BOOL_WORDS[raw.lower()]
                 continue
             value = int(raw) if raw.lstrip("+-").isdecimal() else 0
             if value < 1:

@@ -16,6 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
+from .compile import check_compile, compile_layers
 from .config import ParallelConfig, check_attn_implementation
 from .context_parallel import CPContext, check_attention
 from .expert_parallel import RouterStats, check_load_balance
@@ -41,6 +42,7 @@ def parallelize(
     moe_load_balance: str = "aux_loss",
     moe_bias_rate: float = 1e-3,
     fp8: FP8Config | str | dict | None = None,
+    compile: bool | None = None,
 ) -> ParallelModel:
     """Split a stock transformers causal LM over the ("pp", "dp", "cp", "tp") mesh.
 
@@ -62,9 +64,12 @@ def parallelize(
     (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
     fp8: None/"off", "tensorwise" or "rowwise" (torchao's float8 recipes), or an hf3d.FP8Config (which
     projections to keep in high precision): the decoder layers' projections train in FP8 (hf3d/fp8.py).
+    compile: compile each decoder layer of this rank with torch.compile, in place, after the swap
+    (hf3d/compile.py); None takes `pcfg.compile`.
     """
     pcfg = pcfg or ParallelConfig()
     fp8 = as_fp8_config(fp8)
+    compile = pcfg.compile if compile is None else compile
     check_attn_implementation(attn_implementation)
     check_load_balance(moe_load_balance, moe_bias_rate)
     init_distributed()
@@ -76,6 +81,8 @@ def parallelize(
         model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
         config = override_config(config, config_overrides, loading_weights=source is not None)
+    if compile:
+        check_compile(device_type(), config)
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
     adapter.check_ep(config, pcfg.ep)
@@ -125,6 +132,8 @@ def parallelize(
         )
         for s in my_stages
     ]
+    if compile:
+        compile_layers([layer for stage in stages for layer in stage.layers])
     pmodel = ParallelModel(
         hf_model,
         stages,

@@ -2,7 +2,7 @@
 
     model        which stock HF model, its dtype and attention, long-context overrides
     data         sources, stages and mixtures, packing, document masking, eval split (hf3d/data)
-    parallel     tp / pp / dp / cp / ep, schedule, micro-batches, recompute (hf3d.ParallelConfig)
+    parallel     tp / pp / dp / cp / ep, schedule, micro-batches, recompute, compile (hf3d.ParallelConfig)
     optim        AdamW, weight decay, clipping, z-loss, and the lr schedule (hf3d/schedules.py)
     run          steps, batch, output dir, logging, trackers
     checkpoint   how often to save, what to keep, what to resume and which parts of it
@@ -306,6 +306,11 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     print at start (tokens per step and in all, the lr decay window, data stages against it)."""
     p, r = cfg.parallel, cfg.run
     check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
+    if p.compile:
+        from .compile import check_compile
+        from .mesh import device_type
+
+        check_compile(device_type(), model_config, key="parallel.compile")
     try:  # before the world size: launching another number of processes would not help
         from .models import get_adapter
 

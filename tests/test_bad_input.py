@@ -284,6 +284,16 @@ def _check_run(*overrides: str, world_size: int = 1) -> list[str]:
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_SMOLLM))
 
 
+def _check_run_dropout(*overrides: str) -> list[str]:
+    """check_run of the tiny SmolLM example with attention dropout 0.1 in its config."""
+    from transformers import AutoConfig
+
+    from hf3d.train_config import check_run
+
+    model_config = AutoConfig.from_pretrained(TINY_SMOLLM, attention_dropout=0.1)
+    return check_run(_set("parallel.tp=1", *overrides), world_size=1, model_config=model_config)
+
+
 def _check_moe_run(*overrides: str, world_size: int) -> list[str]:
     """check_run of the tiny Qwen3-MoE example (8 experts)."""
     from transformers import AutoConfig
@@ -388,6 +398,14 @@ def _from_env(fx, **env: str):
 
     with _env(**env):
         return hf3d.ParallelConfig.from_env()
+
+
+def _without_cxx(fn):
+    """fn() while inductor finds no C++ compiler (its search list holds only a program that does not exist)."""
+    from torch._inductor import config
+
+    with config.patch({"cpp.cxx": ("hf3d-no-such-cxx",)}):
+        return fn()
 
 
 def _lr_scheduler_lr_mismatch(fx):
@@ -1061,6 +1079,27 @@ CASES: list[Case] = [
         lambda fx: _from_env(fx, HF3D_PP_SCHEDULE="gpipe"),
         ["HF3D_PP_SCHEDULE='gpipe' is not a pipeline schedule", "known: afab"],
     ),
+    _c(
+        "launch-env-compile",
+        LAUNCH,
+        "`HF3D_COMPILE=maybe` in the environment",
+        lambda fx: _from_env(fx, HF3D_COMPILE="maybe"),
+        ["HF3D_COMPILE must be 1 or 0 (true or false), got 'maybe'"],
+    ),
+    _c(
+        "launch-compile-dropout",
+        LAUNCH,
+        "`parallel.compile: true` for a model with attention dropout",
+        lambda fx: _check_run_dropout("parallel.compile=true"),
+        ["parallel.compile=True cannot run with attention_dropout=0.1", "set the model's attention_dropout to 0"],
+    ),
+    _c(
+        "launch-compile-no-cxx",
+        LAUNCH,
+        "`parallel.compile: true` on CPU where inductor finds no C++ compiler",
+        lambda fx: _without_cxx(lambda: _check_run("parallel.compile=true")),
+        ["parallel.compile=True on CPU needs a C++ compiler", "hf3d-no-such-cxx", "install g++", "CXX"],
+    ),
     # --- data files ------------------------------------------------------------------------------------
     _c(
         "data-missing-file",
@@ -1409,6 +1448,14 @@ CASES: list[Case] = [
         "`hf3d.parallelize(..., attn_implementation='flash_attention_2')` without the package",
         lambda ctx: __import__("hf3d").parallelize(ctx["fx"]["llama"], attn_implementation="flash_attention_2"),
         ["attn_implementation='flash_attention_2' needs the flash_attn package", 'pip install "hf3d[gpu]"'],
+        how="dist",
+    ),
+    _c(
+        "api-parallelize-compile-no-cxx",
+        API,
+        "`hf3d.parallelize(..., compile=True)` on CPU where inductor finds no C++ compiler",
+        lambda ctx: _without_cxx(lambda: __import__("hf3d").parallelize(ctx["fx"]["llama"], compile=True)),
+        ["compile=True on CPU needs a C++ compiler", "set compile to false"],
         how="dist",
     ),
     _c(

@@ -236,6 +236,8 @@ class _SwiGLU(torch.autograd.Function):
     def backward(ctx, grad):
         (gate_up,) = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():  # dynamo breaks on out= into a strided half; inductor fuses the cat
+            return torch.cat([torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)], dim=-1)
         out = torch.empty_like(gate_up)
         d_gate, d_up = out.chunk(2, dim=-1)
         torch.mul(grad, F.silu(gate), out=d_up)

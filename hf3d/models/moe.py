@@ -112,6 +112,10 @@ class TPMoE(nn.Module):
             act = self.act_fn(gate) * up
         return grouped_mm(act, self.down, offsets)
 
+    # Under regional compile (hf3d/compile.py) the block runs eager, one graph break per MoE layer: its rows per
+    # expert are data-dependent (nonzero, bincount, all-to-all split sizes read on the host), which traced as 15
+    # breaks per layer, and torch 2.13's meta function of torch._grouped_mm refuses fp32.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         weights, index = self.route(x.reshape(-1, h))
