@@ -6,8 +6,9 @@ the same weights and batches, and the parent asserts:
 - the per-step losses and pre-clip grad norms of the compiled run equal the eager ones within LOSS_RTOL;
 - dynamo's counters after the compiled run: no graph break, and exactly one graph (the two layers share
   it), so a new break in hf3d's layers, or layers left uncompiled, fail the test.
-Jobs: tp1 (dp=2), tp2, pp2 with full recompute (checkpoint around the compiled layer); and qwen3-moe at tp1
-with the aot_eager backend, whose MoE blocks run eager: exactly MOE_BREAKS breaks, values equal.
+Jobs: tp1 (dp=2), tp2, pp2 with full recompute (checkpoint around the compiled layer); qwen3-moe at tp1
+with the aot_eager backend, whose MoE blocks run eager: exactly MOE_BREAKS breaks, values equal; and FP8
+(tensorwise) at tp2 with aot_eager: no break, one graph, the eager values exactly.
 Mutations, run through the same checks with the cheap aot_eager backend (AOTAutograd without inductor):
 SwiGLU's compile-only backward with its two halves swapped, plus a graph break inserted in RMSNorm; and
 a compile that compiles nothing. Each must fail the checks.
@@ -46,12 +47,14 @@ GRAPHS = 1  # dynamo graphs per compiled run: one layer graph, reused by the lay
 # block's disabled call 3 times over the run (measured; any other break would add to it)
 MOE_BREAKS, MOE_GRAPHS = 3, 2
 WATCHDOG_S = 500
+# FP8 (hf3d/fp8.py) needs projections whose dims are multiples of 16
+FP8_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
 # ------------------------------------------------------------------------------------------------
 # worker side
 # ------------------------------------------------------------------------------------------------
-def _run(path: str, pcfg_kw: dict, compile: bool, backend: str = "inductor") -> dict:
+def _run(path: str, pcfg_kw: dict, compile: bool, backend: str = "inductor", fp8: str | None = None) -> dict:
     from torch._dynamo.utils import counters
 
     from hf3d.compile import compiled
@@ -63,7 +66,7 @@ def _run(path: str, pcfg_kw: dict, compile: bool, backend: str = "inductor") -> 
     if backend != "inductor":
         par.compile_layers = lambda layers: [layer.compile(backend=backend) for layer in layers]
     try:
-        pm = hf3d.parallelize(path, hf3d.ParallelConfig(**pcfg_kw), compile=compile)
+        pm = hf3d.parallelize(path, hf3d.ParallelConfig(**pcfg_kw), compile=compile, fp8=fp8)
     finally:
         par.compile_layers = saved
     n = BATCH // pm.dp_size
@@ -74,6 +77,7 @@ def _run(path: str, pcfg_kw: dict, compile: bool, backend: str = "inductor") -> 
         breaks=sum(counters["graph_break"].values()),
         graphs=counters["stats"]["unique_graphs"],
         compiled=[compiled(layer) for stage in pm.stages for layer in stage.layers],
+        fp8_projections=len(pm.fp8_projections),
     )
 
 
@@ -109,11 +113,16 @@ def _mutated(path: str) -> dict:
     return out
 
 
-def _world2(path: str, moe_path: str, out: str) -> None:
+def _world2(path: str, moe_path: str, fp8_path: str, out: str) -> None:
     start_watchdog(WATCHDOG_S)
     res = {name: {"eager": _run(path, kw, False), "compiled": _run(path, kw, True)} for name, kw in JOBS.items()}
     res["mutated"] = _mutated(path)
     res["moe"] = {"eager": _run(moe_path, {}, False), "compiled": _run(moe_path, {}, True, backend="aot_eager")}
+    fp8 = dict(fp8="tensorwise")
+    res["fp8-tp2"] = {
+        "eager": _run(fp8_path, {"tp": 2}, False, **fp8),
+        "compiled": _run(fp8_path, {"tp": 2}, True, "aot_eager", **fp8),
+    }
     report(res, Path(out) / "results.pt")
 
 
@@ -124,7 +133,8 @@ def _world2(path: str, moe_path: str, out: str) -> None:
 def world2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compile")
     model_dir, moe_dir = make_model_dir(tmp / "llama", "llama"), make_model_dir(tmp / "moe", "qwen3-moe")
-    spawn(_world2, 2, str(model_dir), str(moe_dir), str(tmp))
+    fp8_dir = make_model_dir(tmp / "fp8", "llama", **FP8_SHAPE)
+    spawn(_world2, 2, str(model_dir), str(moe_dir), str(fp8_dir), str(tmp))
     results = torch.load(tmp / "results.pt", weights_only=False)
     assert len(results) == 2
     return results
@@ -157,6 +167,19 @@ def test_moe_block_runs_eager_inside_the_compiled_layer(world2):
         rec = res["moe"]
         _check_values(rec["compiled"], rec["eager"], f"moe rank {rank}")
         _check_graphs(rec["compiled"], f"moe rank {rank}", breaks=MOE_BREAKS, graphs=MOE_GRAPHS)
+
+
+def test_fp8_layers_compile_whole(world2):
+    """FP8 at tp=2 (torchao's float8 tensors, the amax all-reduces inside hf3d's autograd function), traced by
+    dynamo and AOTAutograd (aot_eager): one graph, no break, and the eager values exactly. Under inductor the
+    fused casts move an amax by an ulp now and then, and FP8 rounding amplifies it (measured on this job: step
+    1's loss 2.1e-6 relative, grad norm 1.3e-3); that is inductor's arithmetic, not what this checks."""
+    for rank, res in enumerate(world2):
+        rec = res["fp8-tp2"]
+        assert rec["compiled"]["fp8_projections"] > 0
+        assert rec["compiled"]["losses"] == rec["eager"]["losses"], f"rank {rank}"
+        assert rec["compiled"]["norms"] == rec["eager"]["norms"], f"rank {rank}"
+        _check_graphs(rec["compiled"], f"fp8 rank {rank}")
 
 
 def test_mutations_fail_the_checks(world2):
