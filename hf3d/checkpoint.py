@@ -204,8 +204,11 @@ def staging_dir(final: Path) -> Path:
 
 def write_marker(tmp: Path, meta: dict) -> None:
     """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
-    file already there (what `find_damage` checks)."""
-    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": _file_table(tmp)}
+    file already there (what `find_damage` checks). Files `meta["files"]` already lists (checksummed by
+    the ranks that wrote them) are taken as given."""
+    given = meta.get("files") or {}
+    files = {**_file_table(tmp, skip=set(given)), **given}
+    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": dict(sorted(files.items()))}
     part = tmp / (MARKER + ".part")
     part.write_text(json.dumps(meta, indent=1))
     os.replace(part, tmp / MARKER)
@@ -220,8 +223,10 @@ def _crc32(path: Path, chunk: int = 1 << 22) -> int:
     return crc
 
 
-def _file_table(folder: Path) -> dict[str, dict[str, int]]:
-    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(MARKER))
+def _file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files under `folder` matching `only`, but the marker and `skip`."""
+    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(MARKER))
+    files = (p for p in files if p.relative_to(folder).as_posix() not in skip)
     return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
 
 
@@ -351,8 +356,17 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
         if isinstance(obj, _Boxes):  # a contiguous copy: torch.save of a view would write its whole storage
-            return obj.__get_tensor_shard__(index).to(obj.dtype, copy=True).contiguous()
+            box = obj.__get_tensor_shard__(index)
+            if box.dtype == obj.dtype and _whole_storage(box):
+                return box  # nothing more would be written: no copy needed
+            return box.to(obj.dtype, copy=True).contiguous()
         return super().lookup_object(index)
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    return (
+        t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -578,8 +592,8 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         "optim": optim_meta,
     }
 
-    def publish_now() -> None:
-        write_marker(tmp, meta)
+    def publish_now(files: dict | None = None) -> None:
+        write_marker(tmp, {**meta, "files": files} if files else meta)
         publish(tmp, final)
         if after_publish is not None:
             after_publish()
@@ -598,9 +612,33 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         from .async_save import BackgroundSaver
 
         saver = pmodel._background_saver = BackgroundSaver()
-    future = saver.save(entries, tmp, _SavePlanner(), then=publish_now if rank == 0 else None)
+
+    def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
+        _checksum_and_publish(tmp, saver.group, publish_now)
+
+    future = saver.save(entries, tmp, _SavePlanner(), then=complete)
     saver.checkpoint = PendingCheckpoint(final, future)
     return saver.checkpoint
+
+
+def _checksum_and_publish(tmp: Path, group, publish_now) -> None:
+    """The background end of an asynchronous save: each rank checksums the files it wrote (its DCP file,
+    its RNG states) and rank 0, with the others' tables gathered on the checkpoints' group, checksums
+    the rest, writes the marker and publishes. A failure on any rank leaves the folder unpublished."""
+    rank = dist.get_rank()
+    try:
+        mine = {**_file_table(tmp, only=f"__{rank}_*.distcp"), **_file_table(tmp, only=f"rng_{rank}.pt")}
+    except OSError as e:
+        mine = f"rank {rank}: {_one_line(e)}"
+    everyone = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0, group=group)
+    if isinstance(mine, str):
+        raise OSError(mine)
+    if rank == 0:
+        failed = [t for t in everyone if isinstance(t, str)]
+        if failed:
+            raise OSError(failed[0])
+        publish_now({name: entry for table in everyone for name, entry in table.items()})
 
 
 def _state_entries(pmodel, opt) -> tuple[dict[str, _Boxes], dict | None]:
