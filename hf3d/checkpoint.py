@@ -536,8 +536,10 @@ class PendingCheckpoint:
     path: Path
     """The folder it is published as."""
     future: Future
-    """This rank's part: its files written, then (rank 0) the marker, the rename and after_publish."""
+    """This rank's part: its files written and checksummed, then (rank 0) the marker, the rename and
+    after_publish."""
     waited: bool = False
+    """Whether result() or join() has been called (the next save then need not wait again)."""
 
     def done(self) -> bool:
         """Whether this rank's part has finished (no collective)."""
