@@ -553,6 +553,8 @@ class PendingCheckpoint:
         dist.all_gather_object(everyone, None if error is None else f"rank {dist.get_rank()}: {_one_line(error)}")
         self.waited = True
         failed = [m for m in everyone if m is not None]
+        if failed and is_complete(self.path) and not staging_dir(self.path).exists():
+            raise CheckpointWriteError(f"{self.path} was published, but what follows it failed: {failed[0]}")
         if failed:
             _refuse_write(OSError(failed[0]), self.path, staging_dir(self.path))
         return self.path

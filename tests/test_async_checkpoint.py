@@ -136,6 +136,18 @@ def _async_world(model_dir: str, out: str) -> None:
         res["failure"] = f"{type(e).__name__}: {e}"
     checkpoint.write_marker = write_marker
     res["failure_left"] = sorted(p.name for p in Path(out).iterdir() if p.name.startswith("three"))
+
+    # what follows the publication fails (rank 0's `latest`): raised on every rank, the checkpoint kept
+    def no_latest():
+        raise OSError(28, "No space left on device")
+
+    pending = hf3d.save_checkpoint(Path(out) / "four", pm, opt, step=4, async_=True, after_publish=no_latest)
+    try:
+        pending.result()
+        res["after_failure"] = None
+    except ValueError as e:
+        res["after_failure"] = f"{type(e).__name__}: {e}"
+    res["four_complete"] = checkpoint.is_complete(Path(out) / "four")
     report(res, Path(out) / "res.pt")
 
 
@@ -191,3 +203,14 @@ def test_checkpoint_async_is_a_yaml_key_and_survives_the_resolved_config(tmp_pat
         TrainConfig.from_yaml(None, ["checkpoint.async=soon"])
     with pytest.raises(ValueError, match="unknown key 'async_' in checkpoint; did you mean 'async'"):
         TrainConfig.from_yaml(None, ["checkpoint.async_=true"])
+
+
+def test_a_failure_after_the_publication_says_the_checkpoint_is_there(results):
+    messages = [r["after_failure"] for r in results]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert (
+        messages[0].startswith("CheckpointWriteError: ")
+        and "/four was published, but what follows it failed: " in messages[0]
+    )
+    assert "rank 0: OSError: [Errno 28] No space left on device" in messages[0]
+    assert all(r["four_complete"] for r in results)
