@@ -1,14 +1,24 @@
 """Training checkpoints: save and load time next to raw I/O of the same bytes, and the training stall.
 
 A SmolLM2-135M-shaped Llama (first --layers of its 30 layers, fp32, AdamW) trained on 2 processes at
-dp=2 (ZeRO-1) and at pp=2 (tp=2 does not fit its 9/3 heads). Per mesh, in one run:
-  - step: median time of one training step (4 x 128 tokens per dp rank);
-  - save: `hf3d.save_checkpoint` (collective, atomic, fsync'd by DCP) = the training stall per save,
-    since the save is synchronous;
+dp=2 (ZeRO-1) and at pp=2 (tp=2 does not fit its 9/3 heads), each saving synchronously (the default)
+and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run:
+  - step: median time of one training step (4 x 128 tokens per dp rank) with no save in flight;
+  - save: the time `hf3d.save_checkpoint` blocks the step (collective, atomic, fsync'd by DCP). Sync:
+    the whole save, and of it the CRC-32 pass over the files that the marker records. Async: the
+    staging copy and the small files; training then goes on while the files are written;
+  - overlap: async only, what the background write costs the steps it runs beside: the sum over those
+    steps of (step time - that round's plain step), plus any wait left at `result()`;
+  - background CPU: async only, the CPU seconds (all threads of the process) of those steps beyond a
+    plain step's: the work of the write itself, which on this 2-core machine, with both cores busy
+    with the two ranks' steps, can only come out of the steps;
+  - stall = save + overlap, in seconds and in steps (target for async: <= 0.1 step);
   - raw write: each rank writes the same number of bytes to its own file with one write + fsync;
   - load: `hf3d.load_checkpoint` into a fresh model + optimizer on the same mesh;
   - raw read: each rank reads its raw file back (both reads find the files in the page cache).
-Rounds alternate (save, raw write, load, raw read) and the medians of the slowest rank are reported.
+Rounds alternate (a plain step, save [+ overlapped steps], raw write, load, raw read) and the medians
+of the slowest rank are reported. "restored exactly": the loaded parameters equal a copy taken when
+the save was called (async: training changed them meanwhile).
 
     python benchmarks/bench_checkpoint.py [--layers 8] [--rounds 3] [--quick]
 """
@@ -40,17 +50,19 @@ from _common import (  # noqa: E402
 )
 
 MESHES = {"dp2-zero1": dict(), "pp2": dict(pp=2)}
+MODES = ("sync", "async")
 
 
 def smollm2_135m(layers: int):
     return llama_config(**{**SMOLLM2_135M, "num_hidden_layers": layers})
 
 
-def worker(model_dir: str, work: str, mesh: str, rounds: int) -> None:
+def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None:
     import torch
     import torch.distributed as dist
 
     hf3d = import_hf3d()
+    from hf3d import checkpoint
 
     torch.set_num_threads(1)
     pcfg = hf3d.ParallelConfig(**MESHES[mesh])
@@ -61,24 +73,55 @@ def worker(model_dir: str, work: str, mesh: str, rounds: int) -> None:
 
     pm, opt = build()
     g = torch.Generator().manual_seed(0)
-    step_times = []
-    for _ in range(3):
+
+    cpu = [0.0]  # this process's CPU seconds (all threads) in the last step
+
+    def step() -> float:
         ids = torch.randint(0, 49152, (4, 128), generator=g)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         pm.train_step(ids, ids)
         opt.step()
         opt.zero_grad()
-        step_times.append(time.perf_counter() - t0)
+        cpu[0] = time.process_time() - c0
+        return time.perf_counter() - t0
+
+    step_times = [step() for _ in range(2)][1:]
     rank = dist.get_rank()
-    ckpt, raw = Path(work) / "ckpt", Path(work) / f"raw_{rank}.bin"
-    times = {"save": [], "raw_write": [], "load": [], "raw_read": []}
+    ckpt, raw = Path(work) / f"ckpt-{mesh}-{mode}", Path(work) / f"raw_{rank}.bin"
+    times = {k: [] for k in ("save", "crc", "overlap", "background_cpu", "raw_write", "load", "raw_read")}
     pm2, opt2 = build()
+    same = True
     for _ in range(rounds):
+        plain = step()
+        plain_cpu = cpu[0]
+        step_times.append(plain)
+        saved = [p.detach().clone() for _, p in pm.unique_parameters()]
         dist.barrier()
         t0 = time.perf_counter()
-        hf3d.save_checkpoint(ckpt, pm, opt, step=3)
+        pending = hf3d.save_checkpoint(ckpt, pm, opt, step=3, async_=mode == "async")
         times["save"].append(time.perf_counter() - t0)
+        overlap = background_cpu = 0.0
+        if mode == "async":
+            while True:  # steps beside the write, until every rank's part is done
+                overlap += step() - plain
+                background_cpu += cpu[0] - plain_cpu  # the process's CPU beyond a plain step's
+                done = torch.tensor(int(pending.done()))
+                dist.all_reduce(done, op=dist.ReduceOp.MIN)
+                if done.item():
+                    break
+            t0, c0 = time.perf_counter(), time.process_time()
+            pending.result()
+            overlap += time.perf_counter() - t0
+            background_cpu += time.process_time() - c0
+            times["crc"].append(float("nan"))
+        else:
+            t0 = time.perf_counter()
+            if rank == 0:
+                checkpoint._file_table(ckpt)  # the marker's CRC-32 pass, again, alone
+            times["crc"].append(time.perf_counter() - t0)
+        times["overlap"].append(overlap)
+        times["background_cpu"].append(background_cpu)
         mine = sum(f.stat().st_size for f in ckpt.glob(f"__{rank}_*.distcp"))
         payload = os.urandom(1 << 20) * max(1, mine >> 20)
         dist.barrier()
@@ -99,12 +142,12 @@ def worker(model_dir: str, work: str, mesh: str, rounds: int) -> None:
         raw.read_bytes()
         dist.barrier()
         times["raw_read"].append(time.perf_counter() - t0)
-    same = all(torch.equal(a, b) for (_, a), (_, b) in zip(pm.unique_parameters(), pm2.unique_parameters()))
-    res = dict(times=times, step=step_times[1:], bytes=mine, same=same)
+        same = same and all(torch.equal(a, b) for a, (_, b) in zip(saved, pm2.unique_parameters()))
+    res = dict(times=times, step=step_times, bytes=mine, same=same)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, res)
     if rank == 0:
-        (Path(work) / f"{mesh}.json").write_text(json.dumps(everyone))
+        (Path(work) / f"{mesh}-{mode}.json").write_text(json.dumps(everyone))
     leave_distributed()
 
 
@@ -113,11 +156,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="2 layers, 1 round: a smoke run")
-    ap.add_argument("--worker", nargs=4, metavar=("MODEL", "WORK", "MESH", "ROUNDS"), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs=5, metavar=("MODEL", "WORK", "MESH", "MODE", "ROUNDS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        m, w, mesh, r = args.worker
-        return worker(m, w, mesh, int(r))
+        m, w, mesh, mode, r = args.worker
+        return worker(m, w, mesh, mode, int(r))
     import torch
 
     layers, rounds = (2, 1) if args.quick else (args.layers, args.rounds)
@@ -129,51 +172,73 @@ def main() -> None:
         n = save_model_dir(cfg, work / "model", dtype=torch.float32)
         data["params"] = n
         for mesh in MESHES:
-            proc = torchrun(Path(__file__), 2, ["--worker", str(work / "model"), str(work), mesh, str(rounds)])
-            if proc.returncode:
-                raise SystemExit(f"{mesh} failed:\n{proc.stderr[-3000:]}")
-            ranks = json.loads((work / f"{mesh}.json").read_text())
-            slowest = {
-                k: median([max(r["times"][k][i] for r in ranks) for i in range(rounds)]) for k in ranks[0]["times"]
-            }
-            step = median([max(r["step"][i] for r in ranks) for i in range(len(ranks[0]["step"]))])
-            total = sum(r["bytes"] for r in ranks)
-            restored = all(r["same"] for r in ranks)
-            data["meshes"][mesh] = dict(slowest=slowest, step_s=step, bytes=total, restored=restored)
-            rows.append(
-                [
-                    mesh,
-                    f"{total / 2**20:.0f}",
-                    f"{step:.3f}",
-                    f"{slowest['save']:.3f}",
-                    f"{slowest['raw_write']:.3f}",
-                    f"{slowest['save'] / slowest['raw_write']:.2f}x",
-                    f"{slowest['save'] / step:.2f}",
-                    f"{slowest['load']:.3f}",
-                    f"{slowest['raw_read']:.3f}",
-                    str(restored),
-                ]
-            )
+            for mode in MODES:
+                args_ = ["--worker", str(work / "model"), str(work), mesh, mode, str(rounds)]
+                proc = torchrun(Path(__file__), 2, args_)
+                if proc.returncode:
+                    raise SystemExit(f"{mesh} {mode} failed:\n{proc.stderr[-3000:]}")
+                m = _summary(json.loads((work / f"{mesh}-{mode}.json").read_text()), rounds)
+                data["meshes"].setdefault(mesh, {})[mode] = m
+                rows.append(_row(mesh, mode, m))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    table = md_table(
-        [
-            "mesh",
-            "checkpoint MiB",
-            "step s",
-            "save s (= stall)",
-            "raw write s",
-            "save / raw",
-            "stall in steps",
-            "load s",
-            "raw read s",
-            "restored exactly",
-        ],
-        rows,
-    )
-    body = f"Model: {shape_str(cfg)} ({data['params'] / 1e6:.1f}M params, fp32, AdamW), 2 processes.\n\n{table}"
+    headers = [
+        "mesh",
+        "mode",
+        "checkpoint MiB",
+        "step s",
+        "save s (blocks the step)",
+        "of which CRC-32 s",
+        "overlap s",
+        "background CPU s",
+        "stall s",
+        "stall in steps",
+        "raw write s",
+        "save / raw",
+        "load s",
+        "raw read s",
+        "restored exactly",
+    ]
+    body = f"Model: {shape_str(cfg)} ({data['params'] / 1e6:.1f}M params, fp32, AdamW), 2 processes.\n\n"
+    body += md_table(headers, rows)
     print(body)
     write_results("checkpoint", "Checkpoint save/load vs raw I/O", body, data, quick=args.quick)
+
+
+def _summary(ranks: list[dict], rounds: int) -> dict:
+    """The slowest rank's median per quantity, the step, the bytes of both ranks, and the verdict."""
+    slowest = {k: median([max(r["times"][k][i] for r in ranks) for i in range(rounds)]) for k in ranks[0]["times"]}
+    step = median([max(r["step"][i] for r in ranks) for i in range(len(ranks[0]["step"]))])
+    stall = slowest["save"] + max(0.0, slowest["overlap"])
+    return dict(
+        slowest=slowest,
+        step_s=step,
+        stall_s=stall,
+        stall_steps=stall / step,
+        bytes=sum(r["bytes"] for r in ranks),
+        restored=all(r["same"] for r in ranks),
+    )
+
+
+def _row(mesh: str, mode: str, m: dict) -> list[str]:
+    t = m["slowest"]
+    return [
+        mesh,
+        mode,
+        f"{m['bytes'] / 2**20:.0f}",
+        f"{m['step_s']:.3f}",
+        f"{t['save']:.3f}",
+        "—" if mode == "async" else f"{t['crc']:.3f}",
+        "—" if mode == "sync" else f"{t['overlap']:.3f}",
+        "—" if mode == "sync" else f"{t['background_cpu']:.3f}",
+        f"{m['stall_s']:.3f}",
+        f"{m['stall_steps']:.2f}" + ("" if mode == "sync" else f" ({'met' if m['stall_steps'] <= 0.1 else 'missed'})"),
+        f"{t['raw_write']:.3f}",
+        f"{t['save'] / t['raw_write']:.2f}x",
+        f"{t['load']:.3f}",
+        f"{t['raw_read']:.3f}",
+        str(m["restored"]),
+    ]
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ import shutil
 import sys
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -201,8 +204,11 @@ def staging_dir(final: Path) -> Path:
 
 def write_marker(tmp: Path, meta: dict) -> None:
     """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
-    file already there (what `find_damage` checks)."""
-    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": _file_table(tmp)}
+    file already there (what `find_damage` checks). Files `meta["files"]` already lists (checksummed by
+    the ranks that wrote them) are taken as given."""
+    given = meta.get("files") or {}
+    files = {**_file_table(tmp, skip=set(given)), **given}
+    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": dict(sorted(files.items()))}
     part = tmp / (MARKER + ".part")
     part.write_text(json.dumps(meta, indent=1))
     os.replace(part, tmp / MARKER)
@@ -217,8 +223,10 @@ def _crc32(path: Path, chunk: int = 1 << 22) -> int:
     return crc
 
 
-def _file_table(folder: Path) -> dict[str, dict[str, int]]:
-    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(MARKER))
+def _file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files under `folder` matching `only`, but the marker and `skip`."""
+    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(MARKER))
+    files = (p for p in files if p.relative_to(folder).as_posix() not in skip)
     return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
 
 
@@ -348,8 +356,17 @@ class _SavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
         if isinstance(obj, _Boxes):  # a contiguous copy: torch.save of a view would write its whole storage
-            return obj.__get_tensor_shard__(index).to(obj.dtype, copy=True).contiguous()
+            box = obj.__get_tensor_shard__(index)
+            if box.dtype == obj.dtype and _whole_storage(box):
+                return box  # nothing more would be written: no copy needed
+            return box.to(obj.dtype, copy=True).contiguous()
         return super().lookup_object(index)
+
+
+def _whole_storage(t: torch.Tensor) -> bool:
+    return (
+        t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -452,35 +469,55 @@ def _restore_rng(path: Path, meta: dict, pmodel) -> None:
         ours.manual_seed(ours.seed if ours.seed is not None else torch.initial_seed(), step=int(meta["step"]))
 
 
-def save_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, step: int, extra: dict | None = None) -> Path:
+def save_checkpoint(
+    path: str | os.PathLike,
+    pmodel,
+    opt=None,
+    *,
+    step: int,
+    extra: dict | None = None,
+    async_: bool = False,
+    after_publish: Callable[[], None] | None = None,
+) -> Path | PendingCheckpoint:
     """Collective: write a training checkpoint of `pmodel` (and `opt`) at `path`, atomically.
 
     Every rank writes only what it owns (its tp slices, its pipeline stages, its ZeRO shard), under
     HF names and global offsets, so any mesh can load it. `extra` is a dict of the caller's state
     (an LR scheduler or anything with `state_dict()`, data position, counters), saved from rank 0.
-    Returns the checkpoint folder.
+    Returns the checkpoint folder. `after_publish` runs on rank 0 once the folder is published.
 
     A write that fails on any rank (a full disk, a folder that cannot be created) raises one
     CheckpointWriteError (a ValueError) on every rank, naming the path; the staging folder is removed
     and nothing is published, so the checkpoints already there (and `latest`) are unchanged. A peer
-    that dies mid-save leaves the staging folder unmarked: never loaded, replaced by the next save."""
+    that dies mid-save leaves the staging folder unmarked: never loaded, replaced by the next save.
+
+    async_=True returns a PendingCheckpoint as soon as this rank's state is copied (staged): the big
+    files are written in the background while training goes on, and the checksums, the marker, the
+    rename and `after_publish` follow them there, with the same atomicity. Its `result()` (collective)
+    waits and returns the folder or raises as above; the next save or load of this model waits for it
+    first, so two saves never overlap."""
     final = Path(path)
     tmp = staging_dir(final)
+    wait_for_checkpoint(pmodel)
     try:
-        _save(final, tmp, pmodel, opt, step=step, extra=extra)
+        pending = _save(final, tmp, pmodel, opt, step=step, extra=extra, async_=async_, after_publish=after_publish)
     except (Exception, CheckpointException) as e:
-        if is_communication_error(e):  # a peer is gone: nothing left to agree with
-            raise
-        if dist.get_rank() == 0:
-            try:
-                remove(tmp)
-            except OSError:
-                pass  # left unmarked: never loaded, and the next save of this step replaces it
-        raise CheckpointWriteError(
-            f"could not write the checkpoint {final} ({_one_line(e)}); nothing was published and the "
-            f"checkpoints already in {final.parent} are unchanged: {_remedy(e)}, then resume"
-        ) from None
-    return final
+        _refuse_write(e, final, tmp)
+    return final if pending is None else pending
+
+
+def _refuse_write(e: BaseException, final: Path, tmp: Path) -> NoReturn:
+    if is_communication_error(e):  # a peer is gone: nothing left to agree with
+        raise e
+    if dist.get_rank() == 0:
+        try:
+            remove(tmp)
+        except OSError:
+            pass  # left unmarked: never loaded, and the next save of this step replaces it
+    raise CheckpointWriteError(
+        f"could not write the checkpoint {final} ({_one_line(e)}); nothing was published and the "
+        f"checkpoints already in {final.parent} are unchanged: {_remedy(e)}, then resume"
+    ) from None
 
 
 def _remedy(e: BaseException) -> str:
@@ -492,9 +529,55 @@ def _remedy(e: BaseException) -> str:
     return "make room on that disk, or write to another folder"
 
 
-def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None) -> None:
-    from .hf import copy_model_files
+@dataclasses.dataclass
+class PendingCheckpoint:
+    """A checkpoint being written in the background (`save_checkpoint(..., async_=True)`)."""
 
+    path: Path
+    """The folder it is published as."""
+    future: Future
+    """This rank's part: its files written and checksummed, then (rank 0) the marker, the rename and
+    after_publish."""
+    waited: bool = False
+    """Whether result() or join() has been called (the next save then need not wait again)."""
+
+    def done(self) -> bool:
+        """Whether this rank's part has finished (no collective)."""
+        return self.future.done()
+
+    def result(self) -> Path:
+        """Collective: wait until the checkpoint is published and return its folder; a failure on any
+        rank raises one CheckpointWriteError on every rank (the staging folder removed)."""
+        error = self.future.exception()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, None if error is None else f"rank {dist.get_rank()}: {_one_line(error)}")
+        self.waited = True
+        failed = [m for m in everyone if m is not None]
+        if failed and is_complete(self.path) and not staging_dir(self.path).exists():
+            raise CheckpointWriteError(f"{self.path} was published, but what follows it failed: {failed[0]}")
+        if failed:
+            _refuse_write(OSError(failed[0]), self.path, staging_dir(self.path))
+        return self.path
+
+    def join(self) -> str | None:
+        """Wait for this rank's part alone (no collective: for a rank on its way out with an error, whose
+        peers may not be waiting); returns its failure in one line, or None."""
+        error = self.future.exception()
+        self.waited = True
+        return None if error is None else _one_line(error)
+
+
+def wait_for_checkpoint(pmodel) -> Path | None:
+    """Collective: wait for the model's checkpoint still being written in the background, if any (see
+    PendingCheckpoint.result); returns its folder."""
+    saver = getattr(pmodel, "_background_saver", None)
+    pending = None if saver is None else saver.checkpoint
+    if pending is None or pending.waited:
+        return None
+    return pending.result()
+
+
+def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None, async_: bool, after_publish):
     rank = dist.get_rank()
 
     def stage() -> None:
@@ -502,42 +585,91 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None)
         tmp.mkdir(parents=True)
 
     on_rank0(stage)
+    entries, optim_meta = _state_entries(pmodel, opt)
+    meta = {
+        "kind": "training" if opt is not None else "weights",
+        "step": int(step),
+        "dtype": DTYPE_NAMES[pmodel.param_dtype],
+        "model_type": pmodel.config.model_type,
+        "parallel": dataclasses.asdict(pmodel.pcfg),
+        "world_size": dist.get_world_size(),
+        "optim": optim_meta,
+    }
+
+    def publish_now(files: dict | None = None) -> None:
+        write_marker(tmp, {**meta, "files": files} if files else meta)
+        publish(tmp, final)
+        if after_publish is not None:
+            after_publish()
+
+    if not async_:
+        dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
+        _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
+        on_rank0(lambda: (_write_small_files(tmp, pmodel, extra), publish_now()))
+        return None
+    # the small files first, in the foreground (the RNG states, the data position and the config change
+    # as soon as training goes on); the background then writes the model and optimizer state
+    _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
+    on_rank0(lambda: _write_small_files(tmp, pmodel, extra))
+    saver = getattr(pmodel, "_background_saver", None)
+    if saver is None:
+        from .async_save import BackgroundSaver
+
+        saver = pmodel._background_saver = BackgroundSaver()
+
+    def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
+        _checksum_and_publish(tmp, saver.group, publish_now)
+
+    future = saver.save(entries, tmp, _SavePlanner(), then=complete)
+    saver.checkpoint = PendingCheckpoint(final, future)
+    return saver.checkpoint
+
+
+def _checksum_and_publish(tmp: Path, group, publish_now) -> None:
+    """The background end of an asynchronous save: each rank checksums the files it wrote (its DCP file,
+    its RNG states) and rank 0, with the others' tables gathered on the checkpoints' group, checksums
+    the rest, writes the marker and publishes. A failure on any rank leaves the folder unpublished."""
+    rank = dist.get_rank()
+    try:
+        mine = {**_file_table(tmp, only=f"__{rank}_*.distcp"), **_file_table(tmp, only=f"rng_{rank}.pt")}
+    except OSError as e:
+        mine = f"rank {rank}: {_one_line(e)}"
+    everyone = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(mine, everyone, dst=0, group=group)
+    if isinstance(mine, str):
+        raise OSError(mine)
+    if rank == 0:
+        failed = [t for t in everyone if isinstance(t, str)]
+        if failed:
+            raise OSError(failed[0])
+        publish_now({name: entry for table in everyone for name, entry in table.items()})
+
+
+def _state_entries(pmodel, opt) -> tuple[dict[str, _Boxes], dict | None]:
+    """The DCP entries this rank writes (views of the live tensors), and the optimizer's description."""
     hf_shapes, entries = pmodel.hf_shapes, {}
     for p, a, b in _write_ranges(pmodel, opt):
         for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, a, b, owned_only=True):
             _entry(entries, model_key(name), hf_shapes, name, p.dtype).add(off, view)
-    optim_meta = None
-    if opt is not None:
-        keys = _optim_keys(opt)
-        mine = dict(create=False, master=not opt._aliased, owned_only=True, my_shard=True)
-        for k, name, off, _, view in optim_state.state_boxes(opt, keys, **mine):
-            _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
-        optim_meta = {"keys": keys, "step": optim_state.num_steps(opt), "param_groups": optim_state.group_settings(opt)}
-    dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
-    _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
+    if opt is None:
+        return entries, None
+    keys = _optim_keys(opt)
+    mine = dict(create=False, master=not opt._aliased, owned_only=True, my_shard=True)
+    for k, name, off, _, view in optim_state.state_boxes(opt, keys, **mine):
+        _entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
+    return entries, {"keys": keys, "step": optim_state.num_steps(opt), "param_groups": optim_state.group_settings(opt)}
 
-    def finish() -> None:
-        if extra is not None:
-            saved = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in extra.items()}
-            torch.save(saved, tmp / "extra.pt")
-        pmodel.config.save_pretrained(tmp)
-        if pmodel.tokenizer_dir is not None:
-            copy_model_files(pmodel.tokenizer_dir, tmp)
-        write_marker(
-            tmp,
-            {
-                "kind": "training" if opt is not None else "weights",
-                "step": int(step),
-                "dtype": DTYPE_NAMES[pmodel.param_dtype],
-                "model_type": pmodel.config.model_type,
-                "parallel": dataclasses.asdict(pmodel.pcfg),
-                "world_size": dist.get_world_size(),
-                "optim": optim_meta,
-            },
-        )
-        publish(tmp, final)
 
-    on_rank0(finish)
+def _write_small_files(tmp: Path, pmodel, extra: dict | None) -> None:
+    """Rank 0's files beside DCP's: the caller's extra, the HF config and the tokenizer files."""
+    from .hf import copy_model_files
+
+    if extra is not None:
+        saved = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in extra.items()}
+        torch.save(saved, tmp / "extra.pt")
+    pmodel.config.save_pretrained(tmp)
+    if pmodel.tokenizer_dir is not None:
+        copy_model_files(pmodel.tokenizer_dir, tmp)
 
 
 def check_compatible(path: Path, config) -> None:
@@ -564,6 +696,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     place, other values are set in the dict.
     RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
     path = Path(path)
+    wait_for_checkpoint(pmodel)
     meta = read_marker(path)
     refuse_damaged(path, meta)
     check_compatible(path, pmodel.config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import types
 import typing
 from typing import Any, Union
@@ -23,15 +24,24 @@ def build_section(cls, values: dict | None, where: str):
         values = {}
     if not isinstance(values, dict):
         raise ValueError(f"{where} must be a mapping of key: value, got {_describe(values)}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {key_of(f.name): f for f in dataclasses.fields(cls) if f.init}
     for key in values:
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"did you mean {near[0]!r}? " if near else ""
             raise ValueError(f"unknown key {key!r} in {where}; {hint}known keys: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
-    kwargs = {key: coerce(value, hints[key], f"{where}.{key}") for key, value in values.items()}
+    kwargs = {
+        fields[key].name: coerce(value, hints[fields[key].name], f"{where}.{key}") for key, value in values.items()
+    }
     return cls(**kwargs)
+
+
+def key_of(field_name: str) -> str:
+    """The YAML key of a dataclass field: a Python keyword is spelled with a trailing underscore in the
+    code (checkpoint.async is the field `async_`)."""
+    stem = field_name.removesuffix("_")
+    return stem if stem != field_name and keyword.iskeyword(stem) else field_name
 
 
 def coerce(value: Any, hint, where: str):

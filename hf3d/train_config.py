@@ -27,7 +27,7 @@ import torch
 import yaml
 
 from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
-from .configfile import build_section
+from .configfile import build_section, key_of
 from .data import DataConfig
 from .schedules import ScheduleConfig, decay_start_step, describe_schedule
 
@@ -174,6 +174,11 @@ class CheckpointConfig:
     """Restore the step counter; false counts from 0 again (run.steps more steps)."""
     load_data_position: bool = True
     """Restore where each data source was (and the tokens consumed); false starts the data over."""
+    async_: bool = False
+    """YAML `async`. true: a save returns once the state is copied (to pinned memory on a GPU, to a second
+    host copy on CPU, kept for the run) and training goes on while the files, the checksums and the marker
+    are written in the background; `latest` and keep_last follow there. The next save, the end of the run
+    and a stop signal wait for it. A kill during the write publishes nothing, as with false."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
@@ -298,7 +303,11 @@ class TrainConfig:
         return cls(**built)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The sections as YAML takes them back (a field named after a Python keyword under its YAML key)."""
+        return {
+            section: {key_of(k): v for k, v in values.items()} if isinstance(values, dict) else values
+            for section, values in dataclasses.asdict(self).items()
+        }
 
 
 def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:

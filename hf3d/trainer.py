@@ -15,6 +15,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -24,9 +25,16 @@ import torch.distributed as dist
 import yaml
 
 from .attention import flash_attn_installed, resolve_attn_implementation
-from .checkpoint import finish_save, is_complete, load_checkpoint, resolve_resume, save_checkpoint
+from .checkpoint import (
+    PendingCheckpoint,
+    finish_save,
+    is_complete,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
 from .expert_parallel import load_metrics
-from .faults import RunState, leave, store_barrier
+from .faults import RunState, is_communication_error, leave, root_cause, store_barrier
 from .hub import SUMMARY_FILE
 from .mesh import device_type, on_rank0
 from .metrics import (
@@ -133,6 +141,7 @@ class _Run:
     mlp_costs: list | None = None  # each layer's MLP parameters a token meets, for the FLOPs (MoE layers differ)
     resume_from: Path | None = None
     saved_to: Path | None = None
+    pending: PendingCheckpoint | None = None  # checkpoint.async: the save being written in the background
     schedule_change: str | None = None  # the resume line when run.steps changed (_schedule_change)
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # of one device, when known (MFU)
@@ -156,12 +165,16 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     health = StepHealth(r, skipped=int(run.saved.get("skipped_steps", 0)) if run.start else 0)
     for step in range(run.start, r.steps):
         state.step = step + 1
-        record, signum = _step(run, step, health, stop)
-        if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
-            record["eval_loss"] = evaluate(run.pmodel, eval_batches)
-            record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
-        metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
-        _checkpoint_and_stop(run, step, record, health, signum)
+        try:
+            record, signum = _step(run, step, health, stop)
+            if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
+                record["eval_loss"] = evaluate(run.pmodel, eval_batches)
+                record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
+            metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
+            _checkpoint_and_stop(run, step, record, health, signum)
+        except Exception as e:
+            _let_the_write_finish(run, e)
+            raise
         if run.trackers:
             run.acc.log(record, step=step + 1)
         if step == run.start:  # optimizer state exists from the first step on
@@ -397,11 +410,21 @@ def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth,
         extra.update(run_steps=run.cfg.run.steps, lr=record["lr"])
         if run.rank0:  # extra.pt is written by rank 0, the only rank that writes metrics.jsonl
             extra["training"] = training_summary(run.cfg, run.out / "metrics.jsonl", record)
-        path = run.out / "checkpoints" / f"step_{step + 1}"
-        run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
-        on_rank0(lambda: finish_save(run.out / "checkpoints", c.keep_last))
+        path, root = run.out / "checkpoints" / f"step_{step + 1}", run.out / "checkpoints"
+        if c.async_:  # `latest` and keep_last follow the publication, in the background (rank 0)
+            last = signum or step + 1 == run.cfg.run.steps
+            run.pending = save_checkpoint(
+                path, run.pmodel, run.opt, step=step + 1, extra=extra, async_=True,
+                after_publish=lambda: finish_save(root, c.keep_last),
+            )  # fmt: skip
+            run.saved_to = run.pending.result() if last else path  # a stop or the end waits for the write
+            how = "saved" if last else "staged (written in the background)"
+        else:
+            run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
+            on_rank0(lambda: finish_save(root, c.keep_last))
+            how = "saved"
         if run.rank0:
-            tqdm.write(f"hf3d: saved {run.saved_to} in {time.perf_counter() - t1:.2f} s")
+            tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")
     if signum:
         code = 128 + signum
         if run.rank0:
@@ -410,6 +433,16 @@ def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth,
                 f"(checkpoint.resume=auto); exit code {code}"
             )
         _leave(code, run.acc)
+
+
+def _let_the_write_finish(run: _Run, e: Exception) -> None:
+    """A rank stopping with an error first lets a checkpoint being written in the background finish here
+    (its own part, no collective), so the last checkpoint is published; not when a peer is gone, as the
+    write needs every rank."""
+    if run.pending is not None and not run.pending.waited and not is_communication_error(root_cause(e)):
+        problem = run.pending.join()
+        if problem is not None and run.rank0:
+            print(f"hf3d: warning: the checkpoint {run.pending.path} was not written: {problem}", file=sys.stderr)
 
 
 def _leave(code: int, acc) -> NoReturn:

@@ -361,7 +361,7 @@ TRAIN = [
 ]
 
 
-def _train_world(out: str, kill_at: int | None, sigterm_after: int | None = None) -> None:
+def _train_world(out: str, kill_at: int | None, sigterm_after: int | None = None, *overrides: str) -> None:
     from hf3d.trainer import TrainConfig, train
 
     start_watchdog(240)
@@ -388,7 +388,7 @@ def _train_world(out: str, kill_at: int | None, sigterm_after: int | None = None
 
         ParallelModel.train_step = signalled
     os.chdir(ROOT)
-    train(TrainConfig.from_yaml("examples/configs/tiny-smollm.yaml", TRAIN + [f"run.output_dir={out}"]))
+    train(TrainConfig.from_yaml("examples/configs/tiny-smollm.yaml", TRAIN + [f"run.output_dir={out}", *overrides]))
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -412,30 +412,39 @@ def _same_run(a: Path, b: Path) -> None:
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
-def test_sigterm_checkpoints_the_step_and_resumes_bit_for_bit(tmp_path, straight):
+ASYNC = {"sync": (), "async": ("checkpoint.async=true",)}
+
+
+@pytest.mark.parametrize("mode", list(ASYNC))
+def test_sigterm_checkpoints_the_step_and_resumes_bit_for_bit(tmp_path, straight, mode):
     """SIGTERM on one rank during step 4: every rank finishes step 4, step_4 is saved, the run exits
-    with 143; resume: auto then ends exactly where the uninterrupted run ends."""
+    with 143; resume: auto then ends exactly where the uninterrupted run ends. With checkpoint.async the
+    stop waits for the write (step_4 complete when the run has exited); the resumed run saves in the
+    background and still equals the synchronous uninterrupted run."""
     out = tmp_path / "stopped"
     with pytest.raises(mp.ProcessExitedException) as e:
-        spawn(_train_world, 2, str(out), None, 4)
+        spawn(_train_world, 2, str(out), None, 4, *ASYNC[mode])
     assert e.value.exit_code == 143
     assert checkpoint.resolve_resume("auto", out / "checkpoints") == out / "checkpoints" / "step_4"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
-    spawn(_train_world, 2, str(out), None)
+    spawn(_train_world, 2, str(out), None, None, *ASYNC[mode])
     _same_run(straight, out)
 
 
-def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path, straight):
+@pytest.mark.parametrize("mode", list(ASYNC))
+def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path, straight, mode):
+    """Rank 0 dies as step 10's marker would be written (in the background with checkpoint.async)."""
     killed = tmp_path / "killed"
     with pytest.raises(mp.ProcessExitedException):
-        spawn(_train_world, 2, str(killed), 10)
+        spawn(_train_world, 2, str(killed), 10, None, *ASYNC[mode])
     ckpts = killed / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step_10.tmp", "step_5"]
     assert checkpoint.resolve_resume("auto", ckpts) == ckpts / "step_5"
     # step 10 died in its save: its record is written first, and the resumed run drops what follows step 5
     assert [r["step"] for r in _metrics(killed)] == list(range(1, 11))
 
-    spawn(_train_world, 2, str(killed), None)  # resume: auto
+    spawn(_train_world, 2, str(killed), None, None, *ASYNC[mode])  # resume: auto
     _same_run(straight, killed)
     assert not (ckpts / "step_10.tmp").exists() and checkpoint.is_complete(ckpts / "step_10")
     assert (ckpts / "latest").read_text().strip() == "step_10"

@@ -46,7 +46,7 @@ ORPHANS_GONE_S = 5.0
 
 DRIVER = '''
 """Test driver: `python driver.py RANK STEP SITE LOG -- <hf3d args>`; SITE: forward, dp, send (raise there),
-or published (SIGKILL the process right after the step's checkpoint is published)."""
+or published (SIGKILL the process right after `latest` names the checkpoint of step STEP)."""
 import os, sys, time
 import torch.distributed as dist
 from hf3d.cli import main
@@ -86,9 +86,9 @@ elif site == "published":
     import hf3d.trainer
     finish_save = hf3d.trainer.finish_save
 
-    def killed_after(*a, **k):
-        finish_save(*a, **k)
-        if armed():
+    def killed_after(root, *a, **k):  # checkpoint.async: in the background, while a later step runs
+        finish_save(root, *a, **k)
+        if rank == fail_rank and (root / "latest").read_text().strip() == f"step_{fail_step}":
             os.kill(os.getpid(), signal.SIGKILL)
 
     hf3d.trainer.finish_save = killed_after
@@ -487,14 +487,17 @@ def test_no_unsafe_deserialisation_or_remote_code_in_the_package():
     assert not {k: v for k, v in found.items() if v}
 
 
-def test_a_kill_right_after_a_checkpoint_loses_no_metrics_record(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_kill_right_after_a_checkpoint_loses_no_metrics_record(tmp_path, mode):
     """Killed between publishing step 3's checkpoint and writing step 3's record: the resumed run starts
     at step 4, so step 3's record must already be on disk (write the record first: a kill after the
-    record and before the checkpoint re-trains that step, and the resumed run drops the stale record)."""
+    record and before the checkpoint re-trains that step, and the resumed run drops the stale record).
+    With checkpoint.async the kill comes from the background thread, as `latest` is updated."""
     out = tmp_path / "run"
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     args = _train_args(out, "run.steps=5", "parallel.tp=1", "checkpoint.every=1", "run.save_final=false")
+    args += ["checkpoint.async=true"] if mode == "async" else []
     cmd = [sys.executable, str(driver), "0", "3", "published", str(tmp_path / "exits.log"), "--", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     assert subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True).returncode == -signal.SIGKILL
@@ -513,26 +516,31 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_sigkill_loop_resumes_to_the_uninterrupted_run_bit_for_bit(tmp_path):
-    def run(out: Path) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "hf3d", *_train_args(out, *LOOP)]
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigkill_loop_resumes_to_the_uninterrupted_run_bit_for_bit(tmp_path, mode):
+    """With checkpoint.async a kill also lands while a checkpoint is written in the background; the
+    uninterrupted run is the synchronous one either way."""
+
+    def run(out: Path, *extra: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "hf3d", *_train_args(out, *LOOP, *extra)]
         return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert run(straight).wait(timeout=600) == 0
+    ours = ["checkpoint.async=true"] if mode == "async" else []
     rng = random.Random(0)
     for _ in range(6):  # each kill 1-3 steps after the last resume, anywhere in a step or its checkpoint
         done = _metrics(killed)[-1]["step"] if (killed / "metrics.jsonl").is_file() else 0
         if done >= 20:  # the last kill landed after the last step: the final run below re-exports
             break
-        proc = run(killed)
+        proc = run(killed, *ours)
         try:
             _wait_for_step(killed / "metrics.jsonl", min(done + rng.randint(1, 3), 20), proc)
             time.sleep(rng.uniform(0, 0.6))
         finally:
             proc.kill()
             proc.wait()
-    assert run(killed).wait(timeout=600) == 0
+    assert run(killed, *ours).wait(timeout=600) == 0
     a, b = _metrics(straight), _metrics(killed)
     assert [r["step"] for r in b] == list(range(1, 21))  # each step once: none trained twice, none skipped
     assert [r["loss"] for r in a] == [r["loss"] for r in b]

@@ -1,0 +1,216 @@
+"""Asynchronous checkpoints (`save_checkpoint(..., async_=True)`, `checkpoint.async: true`).
+
+The oracle is the synchronous save of the same state: the background write must produce the same bytes
+(every file but DCP's .metadata, which records its own path) even though training changes the parameters
+before the write begins, and a resume from it must continue bit for bit. Around it: nothing is published
+before the marker (no folder, no `latest`), a second save waits for the first, and a background failure
+raises one CheckpointWriteError on every rank with nothing published.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dist import report, spawn, start_watchdog  # noqa: E402
+from models import make_model_dir  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
+
+import hf3d  # noqa: E402
+from hf3d import checkpoint  # noqa: E402
+
+BATCH, SEQ, SAVE_AT, STEPS = 4, 16, 2, 5
+MESHES = {"dp2": dict(), "pp2": dict(pp=2, num_microbatches=2)}
+
+
+def _opt(pm):
+    return hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
+
+
+def _train(pm, opt, data) -> list[float]:
+    per = BATCH // pm.dp_size
+    rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    losses = []
+    for ids, labels in data:
+        losses.append(pm.train_step(ids[rows], labels[rows]).item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _held_until(fn, event: threading.Event, seen: list | None = None):
+    """fn, waiting for `event` first (the background thread stops there until the test lets it go)."""
+
+    def held(*args, **kwargs):
+        if seen is not None:
+            seen.append(args)
+        assert event.wait(60), "the test never let the background write go on"
+        return fn(*args, **kwargs)
+
+    return held
+
+
+def _async_world(model_dir: str, out: str) -> None:
+    start_watchdog(240)
+    data, res, rank = batches(STEPS, BATCH, SEQ, 101), {}, dist.get_rank()
+    plan, write_marker = checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker
+    for name, pkw in MESHES.items():
+        root = Path(out) / name
+        pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
+        opt = _opt(pm)
+        first = _train(pm, opt, data[:SAVE_AT])
+        hf3d.save_checkpoint(root / "sync", pm, opt, step=SAVE_AT, extra={"note": name})
+        # the background write begins only after the next step changed the parameters (planning held),
+        # and rank 0's marker waits until the checks below have looked at the folders
+        planned, marked = threading.Event(), threading.Event()
+        checkpoint._SavePlanner.create_local_plan = _held_until(plan, planned)
+        checkpoint.write_marker = _held_until(write_marker, marked)
+        published = []
+        pending = hf3d.save_checkpoint(
+            root / "async", pm, opt, step=SAVE_AT, extra={"note": name}, async_=True,
+            after_publish=lambda seen=published, final=root / "async": seen.append(checkpoint.is_complete(final)),
+        )  # fmt: skip
+        rest = _train(pm, opt, data[SAVE_AT : SAVE_AT + 1])
+        planned.set()
+        rest += _train(pm, opt, data[SAVE_AT + 1 :])
+        while rank == 0 and not checkpoint.staging_dir(root / "async").joinpath(".metadata").is_file():
+            time.sleep(0.01)  # every rank's files are written once DCP's metadata is
+        before = dict(
+            done=pending.done(), final=(root / "async").exists(), tmp=checkpoint.staging_dir(root / "async").is_dir()
+        )
+        marked.set()
+        res[name] = dict(before=before, path=str(pending.result()), after_publish=published, uninterrupted=first + rest)
+        checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker = plan, write_marker
+        sync, done = checkpoint.read_marker(root / "sync"), checkpoint.read_marker(root / "async")
+        # byte for byte but DCP's .metadata (it records its path) and the RNG files (the dropout stream's
+        # state_dict records its lazily drawn seed only from its second call on): those compared by value
+        same = (".metadata", f"rng_{rank}.pt", f"rng_{1 - rank}.pt")
+        res[name]["files"] = {k: (v, done["files"].get(k)) for k, v in sync["files"].items() if k not in same}
+        rngs = [torch.load(root / d / f"rng_{rank}.pt", weights_only=True) for d in ("sync", "async")]
+        res[name]["rng"] = [
+            torch.equal(rngs[0][k], rngs[1][k]) if k == "torch" else rngs[0][k] == rngs[1][k]
+            for k in ("torch", "python")
+        ] + [torch.equal(rngs[0]["dropout"]["state"], rngs[1]["dropout"]["state"])]
+        res[name]["markers"] = (
+            {k: v for k, v in sync.items() if k != "files"},
+            {k: v for k, v in done.items() if k != "files"},
+        )
+        pm2 = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
+        opt2 = _opt(pm2)
+        extra: dict = {}
+        step = hf3d.load_checkpoint(root / "async", pm2, opt2, extra=extra)
+        res[name].update(step=step, extra=extra, resumed=first + _train(pm2, opt2, data[step:]))
+
+    # a second save waits for the first: its staging folder is made only once the first is published
+    pm, opt = hf3d.parallelize(model_dir, hf3d.ParallelConfig()), None
+    opt = _opt(pm)
+    marked, seen = threading.Event(), []
+    checkpoint.write_marker = _held_until(write_marker, marked)
+    remove = checkpoint.remove
+    checkpoint.remove = lambda p: (seen.append((p.name, checkpoint.is_complete(Path(out) / "one"))), remove(p))[1]
+    hf3d.save_checkpoint(Path(out) / "one", pm, opt, step=1, async_=True)
+    threading.Timer(0.5, marked.set).start()
+    hf3d.save_checkpoint(Path(out) / "two", pm, opt, step=2)
+    checkpoint.remove = remove
+    res["overlap"] = [s for s in seen if s[0] == "two.tmp"]
+
+    # a background failure on rank 0 (after every rank wrote its files): raised on every rank, nothing published
+    def full_disk(tmp, meta):
+        raise OSError(28, "No space left on device")
+
+    checkpoint.write_marker = full_disk if rank == 0 else write_marker
+    pending = hf3d.save_checkpoint(Path(out) / "three", pm, opt, step=3, async_=True)
+    try:
+        pending.result()
+        res["failure"] = None
+    except ValueError as e:
+        res["failure"] = f"{type(e).__name__}: {e}"
+    checkpoint.write_marker = write_marker
+    res["failure_left"] = sorted(p.name for p in Path(out).iterdir() if p.name.startswith("three"))
+
+    # what follows the publication fails (rank 0's `latest`): raised on every rank, the checkpoint kept
+    def no_latest():
+        raise OSError(28, "No space left on device")
+
+    pending = hf3d.save_checkpoint(Path(out) / "four", pm, opt, step=4, async_=True, after_publish=no_latest)
+    try:
+        pending.result()
+        res["after_failure"] = None
+    except ValueError as e:
+        res["after_failure"] = f"{type(e).__name__}: {e}"
+    res["four_complete"] = checkpoint.is_complete(Path(out) / "four")
+    report(res, Path(out) / "res.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    model_dir = make_model_dir(root / "model", "llama")
+    spawn(_async_world, 2, str(model_dir), str(root))
+    return torch.load(root / "res.pt")
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_async_save_writes_the_state_of_its_step_while_training_goes_on(results, name):
+    got = results[0][name]
+    # on rank 0, with every rank's files written: nothing is published before the marker
+    assert got["before"] == dict(done=False, final=False, tmp=True)
+    assert got["after_publish"] == [True]  # rank 0 runs it once, after the folder is published
+    assert all(r[name]["after_publish"] == [] for r in results[1:])
+    sync_marker, async_marker = got["markers"]
+    assert sync_marker == async_marker
+    assert got["files"] and all(a == b for a, b in got["files"].values()), got["files"]
+    assert got["step"] == SAVE_AT and got["extra"] == {"note": name}
+    assert all(r[name]["rng"] == [True, True, True] for r in results)
+    for r in results:  # every rank: the resumed run is the uninterrupted one, bit for bit
+        assert r[name]["resumed"] == r[name]["uninterrupted"]
+
+
+def test_saves_never_overlap(results):
+    assert results[0]["overlap"] == [("two.tmp", True)]
+
+
+def test_a_background_failure_is_raised_on_every_rank_and_publishes_nothing(results):
+    messages = [r["failure"] for r in results]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert messages[0].startswith("CheckpointWriteError: could not write the checkpoint ") and "/three (" in messages[0]
+    assert "No space left on device" in messages[0] and "make room on that disk" in messages[0]
+    assert results[0]["failure_left"] == []
+
+
+def test_checkpoint_async_is_a_yaml_key_and_survives_the_resolved_config(tmp_path):
+    """`async` is a Python keyword: the field is `async_`, the YAML key (and the saved config.yaml) `async`."""
+    import yaml
+
+    from hf3d.train_config import TrainConfig
+
+    cfg = TrainConfig.from_yaml(None, ["checkpoint.async=true"])
+    assert cfg.checkpoint.async_ is True and TrainConfig.from_yaml(None, []).checkpoint.async_ is False
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    assert cfg.to_dict()["checkpoint"]["async"] is True and "async_" not in cfg.to_dict()["checkpoint"]
+    assert TrainConfig.from_yaml(str(saved)) == cfg
+    with pytest.raises(ValueError, match="^checkpoint.async must be true or false, got 'soon'"):
+        TrainConfig.from_yaml(None, ["checkpoint.async=soon"])
+    with pytest.raises(ValueError, match="unknown key 'async_' in checkpoint; did you mean 'async'"):
+        TrainConfig.from_yaml(None, ["checkpoint.async_=true"])
+
+
+def test_a_failure_after_the_publication_says_the_checkpoint_is_there(results):
+    messages = [r["after_failure"] for r in results]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert (
+        messages[0].startswith("CheckpointWriteError: ")
+        and "/four was published, but what follows it failed: " in messages[0]
+    )
+    assert "rank 0: OSError: [Errno 28] No space left on device" in messages[0]
+    assert all(r["four_complete"] for r in results)
