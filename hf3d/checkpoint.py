@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import pickle
 import random
@@ -51,7 +52,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from . import optim_state
 from .faults import is_communication_error, one_line
@@ -157,6 +166,49 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.boxes = {  # what the metadata says each stored box is: (dtype, shape)
+            MetadataIndex(fqn, chunk.offsets): (md.properties.dtype, tuple(chunk.sizes))
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        """DCP's read, with each stored box mapped (hf3d/stored.py) instead of torch.loaded into new memory:
+        the one copy is into the target, from the page cache; each file is read front to back."""
+        from .stored import stored_box
+
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):  # hf3d stores none; DCP's way
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            path = Path(self.path) / rel
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
+            with open(path, "rb") as f:
+                index, box = None, None
+                for item in items:
+                    if item.storage_index != index:  # several targets may read one box (another mesh)
+                        index, info = item.storage_index, self.storage_data[item.storage_index]
+                        box = stored_box(path, info, *self.boxes[index], f)
+                    source = box
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        source = source.narrow(dim, start, length)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != source.size():
+                        raise ValueError(
+                            f"{path}: {index.fqn} holds {tuple(source.size())} where {tuple(target.size())} is read"
+                        )
+                    target.copy_(source)
+                    planner.commit_tensor(item, target)
+                box = None
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done
+
 
 _CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt")
 
@@ -199,27 +251,41 @@ def staging_dir(final: Path) -> Path:
     return final.with_name(final.name + ".tmp")
 
 
-def write_marker(tmp: Path, meta: dict) -> None:
+def write_marker(tmp: Path, meta: dict, *, checked: dict[str, dict[str, int]] | None = None) -> None:
     """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
-    file already there (what `find_damage` checks)."""
-    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": _file_table(tmp)}
+    file already there (what `find_damage` checks). `checked`: {name: {"size", "crc32"}} of files whose
+    writer computed them as it wrote (not read back)."""
+    meta = {
+        "format": "hf3d",
+        "version": FORMAT_VERSION,
+        **meta,
+        "files": dict(sorted({**_file_table(tmp, set(checked or ())), **(checked or {})}.items())),
+    }
     part = tmp / (MARKER + ".part")
     part.write_text(json.dumps(meta, indent=1))
     os.replace(part, tmp / MARKER)
 
 
-def _crc32(path: Path, chunk: int = 1 << 22) -> int:
-    crc, buf = 0, bytearray(chunk)
-    view = memoryview(buf)
+def _crc32(path: Path, chunk: int = 1 << 26) -> int:
+    """CRC-32 of a file, over a mapping of its pages (no copy into a buffer: half the time of read + crc32)."""
+    crc = 0
     with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+        if os.fstat(f.fileno()).st_size == 0:
+            return crc
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as pages:
+            view = memoryview(pages)
+            try:
+                for start in range(0, len(view), chunk):
+                    crc = zlib.crc32(view[start : start + chunk], crc)
+            finally:
+                view.release()
     return crc
 
 
-def _file_table(folder: Path) -> dict[str, dict[str, int]]:
+def _file_table(folder: Path, skip: set[str] = frozenset()) -> dict[str, dict[str, int]]:
     files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(MARKER))
-    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
+    names = {p.relative_to(folder).as_posix(): p for p in files}
+    return {n: {"size": p.stat().st_size, "crc32": _crc32(p)} for n, p in names.items() if n not in skip}
 
 
 def find_damage(path: Path, meta: dict) -> str | None:

@@ -5,15 +5,17 @@ so conversion needs no mesh and no process group (from-hf calls `dcp.save` with 
 
 - to-hf: reads DCP's files itself, at the offsets in DCP's metadata: `dcp.load` torch.loads each stored
   box into a fresh tensor, copies it into the target and plans every call, which made to-hf 4.5x a raw
-  safetensors load + save. Each box's data.pkl gives its layout (`_layout_unpickler`, which runs no
-  code) and its bytes are mapped, not read (`_stored`). A tensor stored whole (from-hf writes them so)
-  goes to the HF writer (hf3d/hf.py `write_hf_dir`) as that view of the file's pages, so the writer's
-  copy into the output is the only one; a tensor that ranks wrote in boxes is assembled in a buffer
-  the size of the largest such tensor. Peak: about one largest tensor (its pages; plus that buffer).
-- from-hf: DCP's writer asks its planner for each tensor's data just before writing it; the planner
-  here reads that one tensor from the safetensors then (`_ReadOnDemand`), so the state dict handed
-  to DCP holds only meta tensors. DCP's FileSystemWriter (torch 2.13) keeps a reference to every
-  tensor written into one file until that file is closed, so each tensor gets a file of its own.
+  safetensors load + save. Each box is mapped, not read (hf3d/stored.py `stored_box`). A tensor
+  stored whole (from-hf writes them so) goes to the HF writer (hf3d/hf.py `write_hf_dir`) as that
+  view of the file's pages, so the writer's copy into the output is the only one; a tensor that ranks
+  wrote in boxes is assembled in a buffer the size of the largest such tensor. Peak: about one
+  largest tensor (its pages; plus that buffer).
+- from-hf: DCP plans and writes `.metadata`; its data file is written here (`_OneFileWriter`): every
+  tensor goes into one file, mapped from the safetensors (`_ReadOnDemand`, in file order) just before
+  it is written and dropped just after, so the state dict handed to DCP holds only meta tensors. DCP's
+  own FileSystemWriter (torch 2.13) keeps every tensor of a file referenced until the file is closed,
+  and one file per tensor cost a fsync each (8x a raw read + write, benchmarks/README.md). The file's
+  CRC-32 for the marker is computed from the bytes as they are written, not read back.
 
 Tensors are written in the model's state-dict order, so a sharded output is cut where transformers
 would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
@@ -25,24 +27,22 @@ import contextlib
 import io
 import json
 import math
-import mmap
 import os
-import pickle
 import re
 import shutil
 import warnings
+import zlib
 from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.utils import _create_file_view
-from torch.serialization import StorageType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from . import checkpoint
-from .faults import one_line
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     SAFE_INDEX,
@@ -56,6 +56,7 @@ from .hf import (
     resolve_model_dir,
     write_hf_dir,
 )
+from .stored import stored_box
 from .train_config import DTYPES
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -100,73 +101,6 @@ def _state_dict_order(config) -> dict[str, tuple[int, ...]]:
 
 
 # -- checkpoint -> HF -----------------------------------------------------------------------------
-# madvise(MADV_POPULATE_READ), Linux 5.14+ (Python has no name for it): maps a range's pages from the page
-# cache in one call, without copying them; faulting them in one at a time costs more than a read() copy
-_MADV_POPULATE_READ = 22
-
-
-def _rebuilt_layout(storage, offset, size, stride, requires_grad, hooks, dtype=None, *_):
-    """What torch's _rebuild_tensor_v2/_v3 would build, as (dtype, storage key, offset, size, stride)."""
-    _, storage_type, key, _, _ = storage
-    return dtype or StorageType(storage_type).dtype, key, offset, tuple(size), tuple(stride)
-
-
-# the globals torch.save writes for a plain tensor, each mapped to what the layout reader builds instead
-_LAYOUT_GLOBALS = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuilt_layout,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuilt_layout,
-    ("collections", "OrderedDict"): dict,
-    **{
-        (m, n): n
-        for m, names in (("torch", dir(torch)), ("torch.storage", dir(torch.storage)))
-        for n in names
-        if n.endswith("Storage")
-    },
-    **checkpoint.TORCH_DTYPES,
-}
-
-
-def _layout_unpickler(data: bytes, what: str) -> checkpoint.AllowListUnpickler:
-    """Reads one stored box's data.pkl (DCP torch.saves each box) for its layout, running no code."""
-    # persistent ids are ("storage", storage type, key, location, numel): kept as they are
-    return checkpoint.AllowListUnpickler(io.BytesIO(data), _LAYOUT_GLOBALS, what, persistent_load=lambda pid: pid)
-
-
-def _stored(root: Path, info, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The box DCP stored as item `info` (a _StorageInfo), as a view of its file's pages: a private
-    mapping, so nothing written to the tensor reaches the file."""
-    path = root / info.relative_path  # SafeReader.read_metadata refused names outside root
-    if info.transform_descriptors:
-        raise ValueError(f"{path}: stored with DCP transforms {info.transform_descriptors}, which hf3d does not write")
-    with open(path, "rb") as f:
-        item = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
-        try:
-            layout = _layout_unpickler(item.get_record("data.pkl"), f"{path} at byte {info.offset}").load()
-            stored_dtype, key, offset, size, stride = layout
-        except pickle.UnpicklingError as e:
-            raise ValueError(str(e)) from None
-        except (KeyError, TypeError, ValueError) as e:  # a storage type torch does not know, a malformed layout
-            raise ValueError(f"{path} at byte {info.offset} is not a stored tensor ({one_line(e)})") from None
-        if stored_dtype != dtype or size != shape:
-            raise ValueError(
-                f"{path} at byte {info.offset}: a {stored_dtype} tensor of shape {size} where the checkpoint's "
-                f"metadata says {dtype}, {shape}"
-            )
-        if math.prod(shape) == 0:
-            return torch.empty(shape, dtype=dtype)
-        start = info.offset + item.get_record_offset(f"data/{key}")
-        extent = offset + 1 + sum((n - 1) * step for n, step in zip(size, stride))  # elements up to the last one
-        first_page = start - start % mmap.ALLOCATIONGRANULARITY
-        pages = mmap.mmap(
-            f.fileno(), start + extent * dtype.itemsize - first_page, offset=first_page, access=mmap.ACCESS_COPY
-        )
-    with contextlib.suppress(OSError):  # before Linux 5.14 the pages fault in one by one as they are read
-        pages.madvise(_MADV_POPULATE_READ)
-    return torch.frombuffer(pages, dtype=dtype, count=extent, offset=start - first_page).as_strided(
-        size, stride, offset
-    )
-
-
 def _nbytes(info) -> int:
     return math.prod(info.size) * info.properties.dtype.itemsize
 
@@ -189,7 +123,7 @@ class _TensorReader:
 
     def _box(self, key: str, chunk, dtype: torch.dtype) -> torch.Tensor:
         info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
-        return _stored(self.root, info, dtype, tuple(chunk.sizes))
+        return stored_box(self.root / info.relative_path, info, dtype, tuple(chunk.sizes))
 
     def __call__(self, name: str) -> torch.Tensor:
         key = self.keys[name]
@@ -289,14 +223,79 @@ def _write_training_summary(ckpt: Path, out_dir: Path) -> None:
 
 # -- HF -> checkpoint -----------------------------------------------------------------------------
 class _ReadOnDemand(DefaultSavePlanner):
-    """The state dict holds meta tensors; each one's data is read from the safetensors when DCP writes it."""
+    """The state dict holds meta tensors; each one's data is mapped from the safetensors when DCP writes it
+    (a mapping of its own pages: torch.save writes a view's whole storage)."""
 
     def __init__(self, source: SafetensorsSource):
         super().__init__()
         self.source = source
 
     def lookup_object(self, index):
-        return self.source.tensor(index.fqn[len(checkpoint.MODEL_PREFIX) :])
+        return self.source.mapped(index.fqn[len(checkpoint.MODEL_PREFIX) :])
+
+
+_ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a mapping of the file
+
+
+class _ChecksummedFile(io.RawIOBase):
+    """A file being written, with the CRC-32 of what went into it (torch.save writes through this)."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.size = f, 0, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        n = self.f.write(data)
+        self.size += n
+        return n
+
+    def pad(self) -> None:
+        self.write(bytes(-self.size % _ALIGN))
+
+
+class _OneFileWriter(FileSystemWriter):
+    """DCP's FileSystemWriter, writing all of a plan's items into one file, in the plan's order, each
+    torch.saved as DCP stores it (so DCP's reader and hf3d's read them) and released before the next is
+    asked for; one fsync at the end. `checked` then holds the file's size and CRC-32, as the marker
+    records them."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.checked: dict[str, dict[str, int]] = {}
+
+    def write_data(self, plan, planner):
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        results = []
+        with open(Path(self.path) / name, "wb") as f, _without_record_crc():
+            out = _ChecksummedFile(f)
+            for item in plan.items:
+                start = out.size
+                torch.save(planner.resolve_data(item), out)  # the record CRCs are off: the marker's covers it
+                length = out.size - start
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, start, length))
+                )
+                out.pad()
+            f.flush()
+            os.fsync(f.fileno())
+        self.checked[name] = {"size": out.size, "crc32": out.crc}
+        done = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+
+@contextlib.contextmanager
+def _without_record_crc():
+    """torch.save computes a CRC-32 of every record it writes; torch.load does not check it."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def _check_safetensors(model_dir: Path) -> None:
@@ -341,6 +340,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     for s in specs:
         weight[s.dtype] += math.prod(s.shape)
     main_dtype = weight.most_common(1)[0][0]
+    specs.sort(key=lambda s: source.entries[s.name][:2])  # file order: each file is read once, front to back
     state = {checkpoint.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
     tmp = checkpoint.staging_dir(final)
@@ -348,9 +348,8 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    writer = _OneFileWriter(tmp)
     with _single_process():
-        # one file per tensor: DCP's writer keeps every tensor of a file referenced until the file is closed
-        writer = FileSystemWriter(tmp, single_file_per_rank=False)
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
     shutil.copyfile(model_dir / "config.json", tmp / "config.json")
     copy_model_files(model_dir, tmp)
@@ -361,6 +360,6 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
         "model_type": config.model_type,
         "parallel": None,
     }
-    checkpoint.write_marker(tmp, meta)
+    checkpoint.write_marker(tmp, meta, checked=writer.checked)
     checkpoint.publish(tmp, final)
     return final
