@@ -288,13 +288,14 @@ def _file_table(folder: Path, skip: set[str] = frozenset()) -> dict[str, dict[st
     return {n: {"size": p.stat().st_size, "crc32": _crc32(p)} for n, p in names.items() if n not in skip}
 
 
-def find_damage(path: Path, meta: dict) -> str | None:
+def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
     """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
     words naming the first damaged file; None when every file has the size and CRC-32 its marker records,
     or when the marker records none (written before hf3d recorded them: not verified).
 
     Under a process group every rank must call this: each checksums its share of the files and the
-    verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank."""
+    verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank;
+    `checksums=False` checks only them (no file is read)."""
     files = meta.get("files")
     if not isinstance(files, dict):
         return None
@@ -306,6 +307,8 @@ def find_damage(path: Path, meta: dict) -> str | None:
         size = p.stat().st_size
         if size != files[name].get("size"):
             return f"{name} has {size} bytes where {files[name].get('size')} were written"
+    if not checksums:
+        return None
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     bad = [n for n in names[rank::world] if _crc32(path / n) != files[n].get("crc32")]
     if world > 1:
@@ -315,8 +318,9 @@ def find_damage(path: Path, meta: dict) -> str | None:
     return f"{bad[0]} does not match the checksum written with it" if bad else None
 
 
-def refuse_damaged(path: Path, meta: dict) -> None:
-    problem = find_damage(path, meta)
+def refuse_damaged(path: Path, meta: dict, *, checksums: bool = True, problem: str | None = None) -> None:
+    """Raise the one-line refusal of a damaged checkpoint: `problem` when given, else `find_damage`'s."""
+    problem = problem or find_damage(path, meta, checksums=checksums)
     if problem is not None:
         raise ValueError(
             f"checkpoint {path} is damaged: {problem}; use another checkpoint (an older step_<N>) or delete this folder"

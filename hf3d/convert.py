@@ -14,8 +14,8 @@ so conversion needs no mesh and no process group (from-hf calls `dcp.save` with 
   tensor goes into one file, mapped from the safetensors (`_ReadOnDemand`, in file order) just before
   it is written and dropped just after, so the state dict handed to DCP holds only meta tensors. DCP's
   own FileSystemWriter (torch 2.13) keeps every tensor of a file referenced until the file is closed,
-  and one file per tensor cost a fsync each (8x a raw read + write, benchmarks/README.md). The file's
-  CRC-32 for the marker is computed from the bytes as they are written, not read back.
+  and one file per tensor cost a fsync each (8x a raw read + write, benchmarks/README.md). The data
+  file's CRC-32 for the marker is computed from the page cache while its fsync runs.
 
 Tensors are written in the model's state-dict order, so a sharded output is cut where transformers
 would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
@@ -24,15 +24,14 @@ would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import os
 import re
 import shutil
 import warnings
-import zlib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -163,7 +162,7 @@ def checkpoint_to_hf(
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     meta = checkpoint.read_marker(ckpt)
-    checkpoint.refuse_damaged(ckpt, meta)
+    checkpoint.refuse_damaged(ckpt, meta, checksums=False)  # sizes now, checksums beside the conversion
     name = dtype or meta.get("dtype")
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}; pass --dtype")
@@ -202,11 +201,35 @@ def checkpoint_to_hf(
 
     produce = _TensorReader(ckpt, metadata, keys)
     config.dtype = out_dtype
-    write_hf_dir(
-        out_dir, specs, lambda n: produce(n).to(out_dtype), config, src_dir=ckpt, max_shard_bytes=max_shard_bytes
-    )
+    with _checksums_beside(ckpt, meta) as damage:
+        try:
+            write_hf_dir(
+                out_dir,
+                specs,
+                lambda n: produce(n).to(out_dtype),
+                config,
+                src_dir=ckpt,
+                max_shard_bytes=max_shard_bytes,
+                check=lambda: checkpoint.refuse_damaged(ckpt, meta, problem=damage()),
+            )
+        except ValueError:  # a damaged file can fail the read first: say that it is damaged
+            checkpoint.refuse_damaged(ckpt, meta, problem=damage())
+            raise
     _write_training_summary(ckpt, out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def _checksums_beside(ckpt: Path, meta: dict):
+    """The checksum half of `find_damage`, run in a thread while the weights are converted (zlib.crc32
+    releases the GIL, so on a second core it costs no time): yields a function that waits for it and
+    returns its verdict. The output is published only after that verdict (`write_hf_dir`'s check)."""
+    pool = ThreadPoolExecutor(1)
+    verdict = pool.submit(checkpoint.find_damage, ckpt, meta)
+    try:
+        yield verdict.result
+    finally:
+        pool.shutdown(wait=True)
 
 
 def _write_training_summary(ckpt: Path, out_dir: Path) -> None:
@@ -237,54 +260,53 @@ class _ReadOnDemand(DefaultSavePlanner):
 _ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a mapping of the file
 
 
-class _ChecksummedFile(io.RawIOBase):
-    """A file being written, with the CRC-32 of what went into it (torch.save writes through this)."""
-
-    def __init__(self, f):
-        self.f, self.crc, self.size = f, 0, 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self.crc = zlib.crc32(data, self.crc)
-        n = self.f.write(data)
-        self.size += n
-        return n
-
-    def pad(self) -> None:
-        self.write(bytes(-self.size % _ALIGN))
-
-
 class _OneFileWriter(FileSystemWriter):
     """DCP's FileSystemWriter, writing all of a plan's items into one file, in the plan's order, each
     torch.saved as DCP stores it (so DCP's reader and hf3d's read them) and released before the next is
-    asked for; one fsync at the end. `checked` then holds the file's size and CRC-32, as the marker
-    records them."""
+    asked for. The file's fsync runs in a thread from then on; `finish_file()` checksums the file from the
+    page cache meanwhile (zlib releases the GIL, so the two overlap), waits for the fsync and returns the
+    file's {name: {"size", "crc32"}}, as the marker records them."""
 
     def __init__(self, path: Path):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.checked: dict[str, dict[str, int]] = {}
+        self.pool = ThreadPoolExecutor(1)
+        self.written: list[tuple[Path, object]] = []  # (file, its fsync)
 
     def write_data(self, plan, planner):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        results = []
-        with open(Path(self.path) / name, "wb") as f, _without_record_crc():
-            out = _ChecksummedFile(f)
-            for item in plan.items:
-                start = out.size
-                torch.save(planner.resolve_data(item), out)  # the record CRCs are off: the marker's covers it
-                length = out.size - start
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, start, length))
-                )
-                out.pad()
+        path, results = Path(self.path) / name, []
+        f = open(path, "wb")  # noqa: SIM115 (closed by the fsync thread)
+        try:
+            with _without_record_crc():
+                for item in plan.items:
+                    start = f.tell()
+                    torch.save(planner.resolve_data(item), f)  # torch.load checks no record CRC: the marker's covers it
+                    length = f.tell() - start
+                    info = _StorageInfo(name, start, length)
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+                    f.write(bytes(-f.tell() % _ALIGN))
             f.flush()
-            os.fsync(f.fileno())
-        self.checked[name] = {"size": out.size, "crc32": out.crc}
+        except BaseException:
+            f.close()
+            raise
+        self.written.append((path, self.pool.submit(_sync_and_close, f)))
         done = torch.futures.Future()
         done.set_result(results)
         return done
+
+    def finish_file(self) -> dict[str, dict[str, int]]:
+        checked = {p.name: {"size": p.stat().st_size, "crc32": checkpoint._crc32(p)} for p, _ in self.written}
+        for _, synced in self.written:
+            synced.result()
+        self.pool.shutdown()
+        return checked
+
+
+def _sync_and_close(f) -> None:
+    try:
+        os.fsync(f.fileno())
+    finally:
+        f.close()
 
 
 @contextlib.contextmanager
@@ -351,6 +373,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     writer = _OneFileWriter(tmp)
     with _single_process():
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
+    checked = writer.finish_file()
     shutil.copyfile(model_dir / "config.json", tmp / "config.json")
     copy_model_files(model_dir, tmp)
     meta = {
@@ -360,6 +383,6 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
         "model_type": config.model_type,
         "parallel": None,
     }
-    checkpoint.write_marker(tmp, meta, checked=writer.checked)
+    checkpoint.write_marker(tmp, meta, checked=checked)
     checkpoint.publish(tmp, final)
     return final

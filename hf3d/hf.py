@@ -414,6 +414,7 @@ def write_hf_dir(
     *,
     src_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """Write an HF directory, holding at most one tensor at a time.
 
@@ -426,6 +427,8 @@ def write_hf_dir(
     src_dir when it has them. Files go into a temporary sibling directory that replaces out_dir at the
     end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
     replaced only when it holds nothing but an HF export's files (`check_output_dir`).
+    check(): called when every shard is written, before anything is published; what it raises is raised
+    after the staging folder is removed.
     """
     tmp = start_staging(out_dir)
     plan = plan_shards(list(specs), max_shard_bytes)
@@ -433,6 +436,12 @@ def write_hf_dir(
         write_shard(tmp / fname, group, produce)
     if len(plan) > 1:
         write_index(tmp, specs, plan)
+    if check is not None:
+        try:
+            check()
+        except BaseException:
+            shutil.rmtree(tmp)
+            raise
     _finish_staging(tmp, out_dir, config, src_dir=src_dir)
 
 

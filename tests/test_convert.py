@@ -112,6 +112,21 @@ def test_from_hf_writes_one_data_file_checksummed_as_written(family_dirs, tmp_pa
     assert checkpoint.find_damage(ckpt, meta) == "__0_0.distcp does not match the checksum written with it"
 
 
+@pytest.mark.parametrize("where", ["data", "zip header"])
+def test_to_hf_refuses_a_damaged_checkpoint_and_publishes_nothing(family_dirs, tmp_path, where):
+    """to-hf checks the sizes first and the checksums beside the conversion: a flipped byte in a tensor's
+    data or in the zip header of the first stored box (which fails the read before the checksums are in)
+    gives the damage message, and neither the output nor its staging folder is left."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    data = ckpt / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2 if where == "data" else 12] ^= 0xFF
+    data.write_bytes(raw)
+    with pytest.raises(ValueError, match="is damaged: __0_0.distcp does not match the checksum written with it"):
+        checkpoint_to_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp-hf3d").exists()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_read_into_matches_get(tmp_path, monkeypatch, dtype):
     """SafetensorsSource.read_into fills a parameter's piece with what get() returns, converted: straight
