@@ -251,16 +251,13 @@ def staging_dir(final: Path) -> Path:
     return final.with_name(final.name + ".tmp")
 
 
-def write_marker(tmp: Path, meta: dict, *, checked: dict[str, dict[str, int]] | None = None) -> None:
+def write_marker(tmp: Path, meta: dict) -> None:
     """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
-    file already there (what `find_damage` checks). `checked`: {name: {"size", "crc32"}} of files whose
-    writer computed them as it wrote (not read back)."""
-    meta = {
-        "format": "hf3d",
-        "version": FORMAT_VERSION,
-        **meta,
-        "files": dict(sorted({**_file_table(tmp, set(checked or ())), **(checked or {})}.items())),
-    }
+    file already there (what `find_damage` checks). Files `meta["files"]` already lists (checksummed by
+    the ranks that wrote them) are taken as given."""
+    given = meta.get("files") or {}
+    files = {**_file_table(tmp, skip=set(given)), **given}
+    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": dict(sorted(files.items()))}
     part = tmp / (MARKER + ".part")
     part.write_text(json.dumps(meta, indent=1))
     os.replace(part, tmp / MARKER)
@@ -282,10 +279,11 @@ def _crc32(path: Path, chunk: int = 1 << 26) -> int:
     return crc
 
 
-def _file_table(folder: Path, skip: set[str] = frozenset()) -> dict[str, dict[str, int]]:
-    files = (p for p in sorted(folder.rglob("*")) if p.is_file() and not p.name.startswith(MARKER))
-    names = {p.relative_to(folder).as_posix(): p for p in files}
-    return {n: {"size": p.stat().st_size, "crc32": _crc32(p)} for n, p in names.items() if n not in skip}
+def _file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files under `folder` matching `only`, but the marker and `skip`."""
+    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(MARKER))
+    files = (p for p in files if p.relative_to(folder).as_posix() not in skip)
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
 
 
 def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:

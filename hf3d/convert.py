@@ -383,6 +383,6 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
         "model_type": config.model_type,
         "parallel": None,
     }
-    checkpoint.write_marker(tmp, meta, checked=checked)
+    checkpoint.write_marker(tmp, {**meta, "files": checked})
     checkpoint.publish(tmp, final)
     return final
