@@ -5,15 +5,17 @@ so conversion needs no mesh and no process group (from-hf calls `dcp.save` with 
 
 - to-hf: reads DCP's files itself, at the offsets in DCP's metadata: `dcp.load` torch.loads each stored
   box into a fresh tensor, copies it into the target and plans every call, which made to-hf 4.5x a raw
-  safetensors load + save. Each box's data.pkl gives its layout (`_layout_unpickler`, which runs no
-  code) and its bytes are mapped, not read (`_stored`). A tensor stored whole (from-hf writes them so)
-  goes to the HF writer (hf3d/hf.py `write_hf_dir`) as that view of the file's pages, so the writer's
-  copy into the output is the only one; a tensor that ranks wrote in boxes is assembled in a buffer
-  the size of the largest such tensor. Peak: about one largest tensor (its pages; plus that buffer).
-- from-hf: DCP's writer asks its planner for each tensor's data just before writing it; the planner
-  here reads that one tensor from the safetensors then (`_ReadOnDemand`), so the state dict handed
-  to DCP holds only meta tensors. DCP's FileSystemWriter (torch 2.13) keeps a reference to every
-  tensor written into one file until that file is closed, so each tensor gets a file of its own.
+  safetensors load + save. Each box is mapped, not read (hf3d/stored.py `stored_box`). A tensor
+  stored whole (from-hf writes them so) goes to the HF writer (hf3d/hf.py `write_hf_dir`) as that
+  view of the file's pages, so the writer's copy into the output is the only one; a tensor that ranks
+  wrote in boxes is assembled in a buffer the size of the largest such tensor. Peak: about one
+  largest tensor (its pages; plus that buffer).
+- from-hf: DCP plans and writes `.metadata`; its data file is written here (`_OneFileWriter`): every
+  tensor goes into one file, mapped from the safetensors (`_ReadOnDemand`, in file order) just before
+  it is written and dropped just after, so the state dict handed to DCP holds only meta tensors. DCP's
+  own FileSystemWriter (torch 2.13) keeps every tensor of a file referenced until the file is closed,
+  and one file per tensor cost a fsync each (8x a raw read + write, benchmarks/README.md). The data
+  file's CRC-32 for the marker is computed from the page cache while its fsync runs.
 
 Tensors are written in the model's state-dict order, so a sharded output is cut where transformers
 would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
@@ -22,27 +24,24 @@ would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
-import mmap
 import os
-import pickle
 import re
 import shutil
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.utils import _create_file_view
-from torch.serialization import StorageType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from . import checkpoint
-from .faults import one_line
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     SAFE_INDEX,
@@ -56,6 +55,7 @@ from .hf import (
     resolve_model_dir,
     write_hf_dir,
 )
+from .stored import stored_box
 from .train_config import DTYPES
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -100,73 +100,6 @@ def _state_dict_order(config) -> dict[str, tuple[int, ...]]:
 
 
 # -- checkpoint -> HF -----------------------------------------------------------------------------
-# madvise(MADV_POPULATE_READ), Linux 5.14+ (Python has no name for it): maps a range's pages from the page
-# cache in one call, without copying them; faulting them in one at a time costs more than a read() copy
-_MADV_POPULATE_READ = 22
-
-
-def _rebuilt_layout(storage, offset, size, stride, requires_grad, hooks, dtype=None, *_):
-    """What torch's _rebuild_tensor_v2/_v3 would build, as (dtype, storage key, offset, size, stride)."""
-    _, storage_type, key, _, _ = storage
-    return dtype or StorageType(storage_type).dtype, key, offset, tuple(size), tuple(stride)
-
-
-# the globals torch.save writes for a plain tensor, each mapped to what the layout reader builds instead
-_LAYOUT_GLOBALS = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuilt_layout,
-    ("torch._utils", "_rebuild_tensor_v3"): _rebuilt_layout,
-    ("collections", "OrderedDict"): dict,
-    **{
-        (m, n): n
-        for m, names in (("torch", dir(torch)), ("torch.storage", dir(torch.storage)))
-        for n in names
-        if n.endswith("Storage")
-    },
-    **checkpoint.TORCH_DTYPES,
-}
-
-
-def _layout_unpickler(data: bytes, what: str) -> checkpoint.AllowListUnpickler:
-    """Reads one stored box's data.pkl (DCP torch.saves each box) for its layout, running no code."""
-    # persistent ids are ("storage", storage type, key, location, numel): kept as they are
-    return checkpoint.AllowListUnpickler(io.BytesIO(data), _LAYOUT_GLOBALS, what, persistent_load=lambda pid: pid)
-
-
-def _stored(root: Path, info, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """The box DCP stored as item `info` (a _StorageInfo), as a view of its file's pages: a private
-    mapping, so nothing written to the tensor reaches the file."""
-    path = root / info.relative_path  # SafeReader.read_metadata refused names outside root
-    if info.transform_descriptors:
-        raise ValueError(f"{path}: stored with DCP transforms {info.transform_descriptors}, which hf3d does not write")
-    with open(path, "rb") as f:
-        item = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
-        try:
-            layout = _layout_unpickler(item.get_record("data.pkl"), f"{path} at byte {info.offset}").load()
-            stored_dtype, key, offset, size, stride = layout
-        except pickle.UnpicklingError as e:
-            raise ValueError(str(e)) from None
-        except (KeyError, TypeError, ValueError) as e:  # a storage type torch does not know, a malformed layout
-            raise ValueError(f"{path} at byte {info.offset} is not a stored tensor ({one_line(e)})") from None
-        if stored_dtype != dtype or size != shape:
-            raise ValueError(
-                f"{path} at byte {info.offset}: a {stored_dtype} tensor of shape {size} where the checkpoint's "
-                f"metadata says {dtype}, {shape}"
-            )
-        if math.prod(shape) == 0:
-            return torch.empty(shape, dtype=dtype)
-        start = info.offset + item.get_record_offset(f"data/{key}")
-        extent = offset + 1 + sum((n - 1) * step for n, step in zip(size, stride))  # elements up to the last one
-        first_page = start - start % mmap.ALLOCATIONGRANULARITY
-        pages = mmap.mmap(
-            f.fileno(), start + extent * dtype.itemsize - first_page, offset=first_page, access=mmap.ACCESS_COPY
-        )
-    with contextlib.suppress(OSError):  # before Linux 5.14 the pages fault in one by one as they are read
-        pages.madvise(_MADV_POPULATE_READ)
-    return torch.frombuffer(pages, dtype=dtype, count=extent, offset=start - first_page).as_strided(
-        size, stride, offset
-    )
-
-
 def _nbytes(info) -> int:
     return math.prod(info.size) * info.properties.dtype.itemsize
 
@@ -189,7 +122,7 @@ class _TensorReader:
 
     def _box(self, key: str, chunk, dtype: torch.dtype) -> torch.Tensor:
         info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
-        return _stored(self.root, info, dtype, tuple(chunk.sizes))
+        return stored_box(self.root / info.relative_path, info, dtype, tuple(chunk.sizes))
 
     def __call__(self, name: str) -> torch.Tensor:
         key = self.keys[name]
@@ -229,7 +162,7 @@ def checkpoint_to_hf(
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     meta = checkpoint.read_marker(ckpt)
-    checkpoint.refuse_damaged(ckpt, meta)
+    checkpoint.refuse_damaged(ckpt, meta, checksums=False)  # sizes now, checksums beside the conversion
     name = dtype or meta.get("dtype")
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}; pass --dtype")
@@ -268,11 +201,35 @@ def checkpoint_to_hf(
 
     produce = _TensorReader(ckpt, metadata, keys)
     config.dtype = out_dtype
-    write_hf_dir(
-        out_dir, specs, lambda n: produce(n).to(out_dtype), config, src_dir=ckpt, max_shard_bytes=max_shard_bytes
-    )
+    with _checksums_beside(ckpt, meta) as damage:
+        try:
+            write_hf_dir(
+                out_dir,
+                specs,
+                lambda n: produce(n).to(out_dtype),
+                config,
+                src_dir=ckpt,
+                max_shard_bytes=max_shard_bytes,
+                check=lambda: checkpoint.refuse_damaged(ckpt, meta, problem=damage()),
+            )
+        except ValueError:  # a damaged file can fail the read first: say that it is damaged
+            checkpoint.refuse_damaged(ckpt, meta, problem=damage())
+            raise
     _write_training_summary(ckpt, out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def _checksums_beside(ckpt: Path, meta: dict):
+    """The checksum half of `find_damage`, run in a thread while the weights are converted (zlib.crc32
+    releases the GIL, so on a second core it costs no time): yields a function that waits for it and
+    returns its verdict. The output is published only after that verdict (`write_hf_dir`'s check)."""
+    pool = ThreadPoolExecutor(1)
+    verdict = pool.submit(checkpoint.find_damage, ckpt, meta)
+    try:
+        yield verdict.result
+    finally:
+        pool.shutdown(wait=True)
 
 
 def _write_training_summary(ckpt: Path, out_dir: Path) -> None:
@@ -289,14 +246,78 @@ def _write_training_summary(ckpt: Path, out_dir: Path) -> None:
 
 # -- HF -> checkpoint -----------------------------------------------------------------------------
 class _ReadOnDemand(DefaultSavePlanner):
-    """The state dict holds meta tensors; each one's data is read from the safetensors when DCP writes it."""
+    """The state dict holds meta tensors; each one's data is mapped from the safetensors when DCP writes it
+    (a mapping of its own pages: torch.save writes a view's whole storage)."""
 
     def __init__(self, source: SafetensorsSource):
         super().__init__()
         self.source = source
 
     def lookup_object(self, index):
-        return self.source.tensor(index.fqn[len(checkpoint.MODEL_PREFIX) :])
+        return self.source.mapped(index.fqn[len(checkpoint.MODEL_PREFIX) :])
+
+
+_ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a mapping of the file
+
+
+class _OneFileWriter(FileSystemWriter):
+    """DCP's FileSystemWriter, writing all of a plan's items into one file, in the plan's order, each
+    torch.saved as DCP stores it (so DCP's reader and hf3d's read them) and released before the next is
+    asked for. The file's fsync runs in a thread from then on; `finish_file()` checksums the file from the
+    page cache meanwhile (zlib releases the GIL, so the two overlap), waits for the fsync and returns the
+    file's {name: {"size", "crc32"}}, as the marker records them."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.pool = ThreadPoolExecutor(1)
+        self.written: list[tuple[Path, object]] = []  # (file, its fsync)
+
+    def write_data(self, plan, planner):
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        path, results = Path(self.path) / name, []
+        f = open(path, "wb")  # noqa: SIM115 (closed by the fsync thread)
+        try:
+            with _without_record_crc():
+                for item in plan.items:
+                    start = f.tell()
+                    torch.save(planner.resolve_data(item), f)  # torch.load checks no record CRC: the marker's covers it
+                    length = f.tell() - start
+                    info = _StorageInfo(name, start, length)
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+                    f.write(bytes(-f.tell() % _ALIGN))
+            f.flush()
+        except BaseException:
+            f.close()
+            raise
+        self.written.append((path, self.pool.submit(_sync_and_close, f)))
+        done = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+    def finish_file(self) -> dict[str, dict[str, int]]:
+        checked = {p.name: {"size": p.stat().st_size, "crc32": checkpoint._crc32(p)} for p, _ in self.written}
+        for _, synced in self.written:
+            synced.result()
+        self.pool.shutdown()
+        return checked
+
+
+def _sync_and_close(f) -> None:
+    try:
+        os.fsync(f.fileno())
+    finally:
+        f.close()
+
+
+@contextlib.contextmanager
+def _without_record_crc():
+    """torch.save computes a CRC-32 of every record it writes; torch.load does not check it."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def _check_safetensors(model_dir: Path) -> None:
@@ -341,6 +362,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     for s in specs:
         weight[s.dtype] += math.prod(s.shape)
     main_dtype = weight.most_common(1)[0][0]
+    specs.sort(key=lambda s: source.entries[s.name][:2])  # file order: each file is read once, front to back
     state = {checkpoint.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
     tmp = checkpoint.staging_dir(final)
@@ -348,10 +370,10 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    writer = _OneFileWriter(tmp)
     with _single_process():
-        # one file per tensor: DCP's writer keeps every tensor of a file referenced until the file is closed
-        writer = FileSystemWriter(tmp, single_file_per_rank=False)
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
+    checked = writer.finish_file()
     shutil.copyfile(model_dir / "config.json", tmp / "config.json")
     copy_model_files(model_dir, tmp)
     meta = {
@@ -361,6 +383,6 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
         "model_type": config.model_type,
         "parallel": None,
     }
-    checkpoint.write_marker(tmp, meta)
+    checkpoint.write_marker(tmp, {**meta, "files": checked})
     checkpoint.publish(tmp, final)
     return final

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import mmap
 import os
 import re
 import shutil
@@ -98,6 +100,14 @@ class SafetensorsSource:
             _read_into(f, offset, out.view(-1))
         return out
 
+    def mapped(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` as a view of its file's pages (`mapped`): no copy is made."""
+        fpath, offset, dtype_name, shape = self.entries[name]
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=_ST_DTYPES[dtype_name])
+        with open(fpath, "rb") as f:
+            return mapped(f, offset, _ST_DTYPES[dtype_name], math.prod(shape)).view(shape)
+
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name not in self.entries:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
@@ -121,6 +131,50 @@ class SafetensorsSource:
                 _read_into(f, offset + r0 * row_bytes, block[: r1 - r0])
                 out[r0:r1].copy_(block[: r1 - r0].narrow(dim, start, stop - start))
             return out
+
+    def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+        """Fill `out` (a parameter's piece) with `get(name, dim, start, stop)`, converted to out's dtype,
+        without holding that slice in memory of its own: rows of the file go straight into `out` when
+        they are its bytes (same dtype, rows along dim 0, out contiguous); otherwise they pass through a
+        block of at most _INTO_BLOCK_BYTES."""
+        if name not in self.entries:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+        fpath, offset, dtype_name, shape = self.entries[name]
+        dtype = _ST_DTYPES[dtype_name]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        rows = (start, stop) if dim == 0 else (0, shape[0])  # the file rows the slice lies in
+        with open(fpath, "rb", buffering=0) as f:
+            if dim == 0 and out.dtype == dtype and out.is_contiguous():
+                _read_into(f, offset + start * row_bytes, out)
+                return
+            per_block = max(1, _INTO_BLOCK_BYTES // max(row_bytes, 1))
+            block = torch.empty((min(per_block, rows[1] - rows[0]), *shape[1:]), dtype=dtype)
+            for r0 in range(rows[0], rows[1], per_block):
+                r1 = min(rows[1], r0 + per_block)
+                _read_into(f, offset + r0 * row_bytes, block[: r1 - r0])
+                part = block[: r1 - r0] if dim == 0 else block[: r1 - r0].narrow(dim, start, stop - start)
+                out[r0 - rows[0] : r1 - rows[0]].copy_(part)
+
+
+_INTO_BLOCK_BYTES = 4 * 2**20  # read_into's block, when the file's rows cannot go straight into the target
+
+
+# madvise(MADV_POPULATE_READ), Linux 5.14+ (Python has no name for it): maps a range's pages from the page
+# cache in one call, without copying them; faulting them in one at a time costs more than a read() copy
+_MADV_POPULATE_READ = 22
+
+
+def mapped(f, start: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """`count` elements of `dtype` at byte `start` of the open file f, as a 1-D view of its pages: a private
+    (copy-on-write) mapping, so nothing written to the tensor reaches the file. The mapping lives as long
+    as the tensor; its pages are populated from the page cache in one call."""
+    first_page = start - start % mmap.ALLOCATIONGRANULARITY
+    pages = mmap.mmap(
+        f.fileno(), start + count * dtype.itemsize - first_page, offset=first_page, access=mmap.ACCESS_COPY
+    )
+    with contextlib.suppress(OSError):  # before Linux 5.14 the pages fault in one by one as they are read
+        pages.madvise(_MADV_POPULATE_READ)
+    return torch.frombuffer(pages, dtype=dtype, count=count, offset=start - first_page)
 
 
 def _read_into(f, offset: int, out: torch.Tensor) -> None:
@@ -164,6 +218,14 @@ class StateDictSource:
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor]):
         self.state_dict = state_dict
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` as a view of its file's pages (`mapped`): no copy is made."""
+        fpath, offset, dtype_name, shape = self.entries[name]
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=_ST_DTYPES[dtype_name])
+        with open(fpath, "rb") as f:
+            return mapped(f, offset, _ST_DTYPES[dtype_name], math.prod(shape)).view(shape)
 
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name not in self.state_dict:
@@ -352,6 +414,7 @@ def write_hf_dir(
     *,
     src_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    check: Callable[[], None] | None = None,
 ) -> None:
     """Write an HF directory, holding at most one tensor at a time.
 
@@ -364,6 +427,8 @@ def write_hf_dir(
     src_dir when it has them. Files go into a temporary sibling directory that replaces out_dir at the
     end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
     replaced only when it holds nothing but an HF export's files (`check_output_dir`).
+    check(): called when every shard is written, before anything is published; what it raises is raised
+    after the staging folder is removed.
     """
     tmp = start_staging(out_dir)
     plan = plan_shards(list(specs), max_shard_bytes)
@@ -371,6 +436,12 @@ def write_hf_dir(
         write_shard(tmp / fname, group, produce)
     if len(plan) > 1:
         write_index(tmp, specs, plan)
+    if check is not None:
+        try:
+            check()
+        except BaseException:
+            shutil.rmtree(tmp)
+            raise
     _finish_staging(tmp, out_dir, config, src_dir=src_dir)
 
 

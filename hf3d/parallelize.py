@@ -327,5 +327,8 @@ def _load_pieces(hf_model: nn.Module, source, dtype: torch.dtype) -> None:
         pieces = get_pieces(param)
         param.zero_()  # padded vocab rows stay zero
         for p in pieces:
-            p.local(param).copy_(source.get(p.hf_name, p.dim, p.hf_start, p.hf_stop).to(dtype))
+            if hasattr(source, "read_into"):  # safetensors: straight into the parameter, no slice of its own
+                source.read_into(p.hf_name, p.dim, p.hf_start, p.hf_stop, p.local(param))
+            else:
+                p.local(param).copy_(source.get(p.hf_name, p.dim, p.hf_start, p.hf_stop).to(dtype))
         param.requires_grad_(True)

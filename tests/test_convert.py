@@ -15,6 +15,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,63 @@ def test_round_trip_is_bit_identical(family_dirs, moe_dirs, tmp_path, family):
     assert (checkpoint.model_key("lm_head.weight") in stored) == (not tied)
     out = checkpoint_to_hf(ckpt, tmp_path / "hf")
     _assert_same_model(src, out)
+
+
+def test_from_hf_writes_one_data_file_checksummed_as_written(family_dirs, tmp_path):
+    """One data file whatever the number of tensors (one per tensor cost a fsync each), and the CRC-32 that
+    the marker records for it, computed while writing, is the file's own: a flipped byte is found."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp"]
+    data = ckpt / "__0_0.distcp"
+    meta, raw = checkpoint.read_marker(ckpt), data.read_bytes()
+    assert meta["files"]["__0_0.distcp"] == {"size": len(raw), "crc32": zlib.crc32(raw)}
+    assert sorted(meta["files"]) == sorted(p.name for p in ckpt.iterdir() if p.name != checkpoint.MARKER)
+    assert checkpoint.find_damage(ckpt, meta) is None
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 1
+    data.write_bytes(flipped)
+    assert checkpoint.find_damage(ckpt, meta) == "__0_0.distcp does not match the checksum written with it"
+
+
+@pytest.mark.parametrize("where", ["data", "zip header"])
+def test_to_hf_refuses_a_damaged_checkpoint_and_publishes_nothing(family_dirs, tmp_path, where):
+    """to-hf checks the sizes first and the checksums beside the conversion: a flipped byte in a tensor's
+    data or in the zip header of the first stored box (which fails the read before the checksums are in)
+    gives the damage message, and neither the output nor its staging folder is left."""
+    ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
+    data = ckpt / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2 if where == "data" else 12] ^= 0xFF
+    data.write_bytes(raw)
+    with pytest.raises(ValueError, match="is damaged: __0_0.distcp does not match the checksum written with it"):
+        checkpoint_to_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp-hf3d").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_read_into_matches_get(tmp_path, monkeypatch, dtype):
+    """SafetensorsSource.read_into fills a parameter's piece with what get() returns, converted: straight
+    from the file (rows, same dtype) and through blocks of rows (a column range, a dtype change), the
+    block cut to 3 rows so that slices span several blocks and end inside one; nothing outside the piece
+    is written."""
+    from safetensors.torch import save_file
+
+    from hf3d import hf
+
+    g = torch.Generator().manual_seed(0)
+    save_file({"a": torch.randn(13, 7, generator=g), "b": torch.randn(5, generator=g).bfloat16()}, tmp_path / "x")
+    (tmp_path / "x").rename(tmp_path / "model.safetensors")
+    source = hf.SafetensorsSource(tmp_path)
+    monkeypatch.setattr(hf, "_INTO_BLOCK_BYTES", 3 * 7 * 4)
+    for name, dim, start, stop in [("a", 0, 2, 11), ("a", 1, 1, 6), ("b", 0, 1, 4)]:
+        want = source.get(name, dim, start, stop).to(dtype)
+        holder = torch.full((want.shape[0] + 2, *want.shape[1:]), float("nan"), dtype=dtype)
+        if dim == 1:  # a column piece of a wider parameter: not contiguous
+            holder = torch.full((want.shape[0], want.shape[1] + 3), float("nan"), dtype=dtype)
+        out = holder.narrow(dim, 1, want.shape[dim])
+        source.read_into(name, dim, start, stop, out)
+        assert torch.equal(out, want), (name, dim)
+        assert int(holder.isnan().sum()) == holder.numel() - out.numel(), (name, dim)
 
 
 def test_tied_head_in_safetensors_is_dropped(tmp_path):
