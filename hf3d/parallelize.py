@@ -119,6 +119,30 @@ def parallelize(
     _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device)
     del source
 
+    pmodel = _assemble(
+        hf_model,
+        config,
+        pcfg,
+        my_stages,
+        layer_split,
+        owners,
+        mesh=mesh,
+        cp=cp,
+        rng=rng,
+        hf_shapes=hf_shapes,
+        tokenizer_dir=tokenizer_dir,
+    )
+    if compile:
+        compile_layers([layer for stage in pmodel.stages for layer in stage.layers])
+    pmodel.router_stats = ep.stats
+    pmodel.fp8, pmodel.fp8_projections = fp8, fp8_projections
+    return pmodel
+
+
+def _assemble(
+    hf_model, config, pcfg: ParallelConfig, my_stages, layer_split, owners, *, mesh, cp, rng, hf_shapes, tokenizer_dir
+) -> ParallelModel:
+    """The ParallelModel of this rank's pipeline stages over the filled, swapped model."""
     stages = [
         StageModule(
             hf_model,
@@ -132,8 +156,6 @@ def parallelize(
         )
         for s in my_stages
     ]
-    if compile:
-        compile_layers([layer for stage in stages for layer in stage.layers])
     pmodel = ParallelModel(
         hf_model,
         stages,
@@ -146,8 +168,6 @@ def parallelize(
         cp=cp,
     )
     pmodel.dropout_rng = rng
-    pmodel.router_stats = ep.stats
-    pmodel.fp8, pmodel.fp8_projections = fp8, fp8_projections
     return pmodel
 
 
