@@ -69,6 +69,7 @@ from . import optim_state
 from .faults import is_communication_error, one_line
 from .layout import hf_boxes
 from .mesh import on_rank0
+from .stored import TORCH_DTYPES, AllowListUnpickler, stored_box
 
 MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
@@ -85,32 +86,6 @@ def optim_key(state: str, hf_name: str) -> str:
     return f"{OPTIM_PREFIX}{state}/{hf_name}"
 
 
-# -- reading pickles without running code ----------------------------------------------------------
-# DCP's own reader unpickles `.metadata` with a plain pickle.load, and DCP torch.saves each stored box: a
-# checkpoint from an untrusted source could run code when it is opened. hf3d reads both through
-# AllowListUnpickler, which resolves a global only when its exact (module, name) pair is listed. The table maps
-# each pair to the object itself, taken from hf3d's own imports: nothing named in the file is ever imported
-# or looked up (pickle's default find_class follows dotted names, so "os.system" under any module that
-# imports os would resolve).
-class AllowListUnpickler(pickle.Unpickler):
-    """Unpickles only the globals of `allowed` ({(module, name): object}); `what` names the file in errors."""
-
-    def __init__(self, file, allowed: dict[tuple[str, str], object], what: str, persistent_load=None):
-        super().__init__(file)
-        self.allowed, self.what = allowed, what
-        if persistent_load is not None:
-            self.persistent_load = persistent_load
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in self.allowed:  # a dotted name is never a key: no attribute chain is followed
-            return self.allowed[(module, name)]
-        raise pickle.UnpicklingError(
-            f"{self.what} refers to {module}.{name}, which hf3d never writes there; refusing to load it "
-            "(the file may have been crafted to run code)"
-        )
-
-
-TORCH_DTYPES = {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 _METADATA_GLOBALS = {
     **{
         ("torch.distributed.checkpoint.metadata", c.__name__): c
@@ -181,7 +156,6 @@ class SafeReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner):
         """DCP's read, with each stored box mapped (hf3d/stored.py) instead of torch.loaded into new memory:
         the one copy is into the target, from the page cache; each file is read front to back."""
-        from .stored import stored_box
 
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):  # hf3d stores none; DCP's way
             return super().read_data(plan, planner)

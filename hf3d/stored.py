@@ -18,9 +18,36 @@ import torch
 from torch.distributed.checkpoint.utils import _create_file_view
 from torch.serialization import StorageType
 
-from .checkpoint import TORCH_DTYPES, AllowListUnpickler
 from .faults import one_line
 from .hf import mapped
+
+
+# -- reading pickles without running code ----------------------------------------------------------
+# DCP's own reader unpickles `.metadata` with a plain pickle.load, and DCP torch.saves each stored box: a
+# checkpoint from an untrusted source could run code when it is opened. hf3d reads both through
+# AllowListUnpickler, which resolves a global only when its exact (module, name) pair is listed. The table maps
+# each pair to the object itself, taken from hf3d's own imports: nothing named in the file is ever imported
+# or looked up (pickle's default find_class follows dotted names, so "os.system" under any module that
+# imports os would resolve).
+class AllowListUnpickler(pickle.Unpickler):
+    """Unpickles only the globals of `allowed` ({(module, name): object}); `what` names the file in errors."""
+
+    def __init__(self, file, allowed: dict[tuple[str, str], object], what: str, persistent_load=None):
+        super().__init__(file)
+        self.allowed, self.what = allowed, what
+        if persistent_load is not None:
+            self.persistent_load = persistent_load
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.allowed:  # a dotted name is never a key: no attribute chain is followed
+            return self.allowed[(module, name)]
+        raise pickle.UnpicklingError(
+            f"{self.what} refers to {module}.{name}, which hf3d never writes there; refusing to load it "
+            "(the file may have been crafted to run code)"
+        )
+
+
+TORCH_DTYPES = {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
 
 def _rebuilt_layout(storage, offset, size, stride, requires_grad, hooks, dtype=None, *_):
