@@ -6,6 +6,9 @@ thread of its own, with collectives on the process group it is given. That group
 for the checkpoints alone: the training step keeps the model's groups, so the two never queue behind
 each other (and nccl, which async_save refuses for the background collectives, is never asked).
 
+The background threads (DCP's writer and hf3d's completion) run at the lowest CPU priority: the training
+step keeps its cores, and the write takes the time the step leaves idle (collective waits, data loading).
+
 What comes after the files (hf3d's checksums, marker, rename, `latest`, pruning) is the caller's `then`,
 run on this rank once its own write has finished: on the coordinator (rank 0) that is after every rank's
 files are on disk, since DCP's save returns there only when all ranks have reported their writes.
@@ -14,6 +17,7 @@ files are on disk, since DCP's save returns there only when all ranks have repor
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,6 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+
+def lower_thread_priority() -> None:
+    """Give the calling (background) thread the lowest CPU priority, where the OS allows it per thread
+    (Linux: a thread id is a PRIO_PROCESS target). Elsewhere, or when refused, it keeps its priority."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
 
 
 class BackgroundSaver:
@@ -56,6 +69,7 @@ class BackgroundSaver:
         )
 
         def complete() -> None:
+            lower_thread_priority()
             upload.result()
             if then is not None:
                 then()

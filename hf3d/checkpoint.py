@@ -383,8 +383,16 @@ class _Boxes:
 
 
 class _SavePlanner(DefaultSavePlanner):
-    def __init__(self):
+    def __init__(self, *, background: bool = False):
         super().__init__(flatten_state_dict=False)
+        self.background = background  # planning starts DCP's write thread of an async save
+
+    def set_up_planner(self, *args, **kwargs) -> None:
+        if self.background:
+            from .async_save import lower_thread_priority
+
+            lower_thread_priority()
+        super().set_up_planner(*args, **kwargs)
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
@@ -653,7 +661,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
     def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
         _checksum_and_publish(tmp, saver.group, publish_now)
 
-    future = saver.save(entries, tmp, _SavePlanner(), then=complete)
+    future = saver.save(entries, tmp, _SavePlanner(background=True), then=complete)
     saver.checkpoint = PendingCheckpoint(final, future)
     return saver.checkpoint
 

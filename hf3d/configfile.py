@@ -27,7 +27,7 @@ def build_section(cls, values: dict | None, where: str):
     fields = {key_of(f.name): f for f in dataclasses.fields(cls) if f.init}
     for key in values:
         if key not in fields:
-            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             hint = f"did you mean {near[0]!r}? " if near else ""
             raise ValueError(f"unknown key {key!r} in {where}; {hint}known keys: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
