@@ -109,34 +109,21 @@ class SafetensorsSource:
             return mapped(f, offset, _ST_DTYPES[dtype_name], math.prod(shape)).view(shape)
 
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of `name` along `dim`, in the file's dtype."""
         if name not in self.entries:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
-        fpath, offset, dtype_name, shape = self.entries[name]
-        dtype = _ST_DTYPES[dtype_name]
-        item = torch.empty((), dtype=dtype).element_size()
-        row_elems = 1
-        for n in shape[1:]:
-            row_elems *= n
-        row_bytes = row_elems * item
-        with open(fpath, "rb", buffering=0) as f:
-            if dim == 0:
-                out = torch.empty((stop - start, *shape[1:]), dtype=dtype)
-                _read_into(f, offset + start * row_bytes, out)
-                return out
-            out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1 :]), dtype=dtype)
-            rows_per_block = max(1, _BLOCK_BYTES // max(row_bytes, 1))
-            block = torch.empty((min(rows_per_block, shape[0]), *shape[1:]), dtype=dtype)
-            for r0 in range(0, shape[0], rows_per_block):
-                r1 = min(shape[0], r0 + rows_per_block)
-                _read_into(f, offset + r0 * row_bytes, block[: r1 - r0])
-                out[r0:r1].copy_(block[: r1 - r0].narrow(dim, start, stop - start))
-            return out
+        _, _, dtype_name, shape = self.entries[name]
+        out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1 :]), dtype=_ST_DTYPES[dtype_name])
+        self.read_into(name, dim, start, stop, out, block_bytes=_BLOCK_BYTES)
+        return out
 
-    def read_into(self, name: str, dim: int, start: int, stop: int, out: torch.Tensor) -> None:
+    def read_into(
+        self, name: str, dim: int, start: int, stop: int, out: torch.Tensor, *, block_bytes: int | None = None
+    ) -> None:
         """Fill `out` (a parameter's piece) with `get(name, dim, start, stop)`, converted to out's dtype,
         without holding that slice in memory of its own: rows of the file go straight into `out` when
         they are its bytes (same dtype, rows along dim 0, out contiguous); otherwise they pass through a
-        block of at most _INTO_BLOCK_BYTES."""
+        block of at most `block_bytes` (default _INTO_BLOCK_BYTES)."""
         if name not in self.entries:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
         fpath, offset, dtype_name, shape = self.entries[name]
@@ -147,7 +134,7 @@ class SafetensorsSource:
             if dim == 0 and out.dtype == dtype and out.is_contiguous():
                 _read_into(f, offset + start * row_bytes, out)
                 return
-            per_block = max(1, _INTO_BLOCK_BYTES // max(row_bytes, 1))
+            per_block = max(1, (block_bytes or _INTO_BLOCK_BYTES) // max(row_bytes, 1))
             block = torch.empty((min(per_block, rows[1] - rows[0]), *shape[1:]), dtype=dtype)
             for r0 in range(rows[0], rows[1], per_block):
                 r1 = min(rows[1], r0 + per_block)
@@ -218,14 +205,6 @@ class StateDictSource:
 
     def __init__(self, state_dict: Mapping[str, torch.Tensor]):
         self.state_dict = state_dict
-
-    def mapped(self, name: str) -> torch.Tensor:
-        """The whole tensor `name` as a view of its file's pages (`mapped`): no copy is made."""
-        fpath, offset, dtype_name, shape = self.entries[name]
-        if math.prod(shape) == 0:
-            return torch.empty(shape, dtype=_ST_DTYPES[dtype_name])
-        with open(fpath, "rb") as f:
-            return mapped(f, offset, _ST_DTYPES[dtype_name], math.prod(shape)).view(shape)
 
     def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if name not in self.state_dict:
