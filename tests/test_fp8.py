@@ -3,7 +3,10 @@
 The oracle: stock Llama converted by torchao with the same recipe and the same module filter
 (`FP8Config.module_filter_fn`, which leaves the output head out), trained by torch AdamW with gradient
 accumulation over the same contiguous chunks of rows that hf3d's micro-batches (and dp ranks) take.
-- tp=1 with 2 micro-batches, tensorwise and rowwise: losses, grad norms and weights after 3 steps.
+- tp=1 with 2 micro-batches, tensorwise and rowwise: losses, grad norms and weights after 3 steps, under
+  AdamW and under plain SGD. SGD carries the step's gradient into the weights as it is; AdamW divides each
+  gradient element by its own root mean square, so an element whose gradient is float noise moves by up to
+  its learning rate whatever the noise, and hf3d's fp32 tp=1 without FP8 is already 4.4e-6 off stock there.
 - tp=2 (and tensorwise with sequence parallelism, and at cp=2, where token amaxes reduce over cp) and
   pp=2 x dp=2: the same, against the reference of the same chunks; tp=2 is also compared with hf3d's own
   tp=1 FP8 run.
@@ -52,18 +55,25 @@ WEIGHT_ATOL = 2e-4  # max |Δw|; measured 1.4e-5 (tp1 tensorwise: AdamW's noise,
 # noise (1e-7), so after the first update every scale moves by as much and each element near an fp8 rounding
 # boundary rounds the other way. Rowwise scales are powers of two, which that noise does not move.
 DP_TENSORWISE_RTOL = 1e-3  # losses and grad norms of pp2-dp2 tensorwise; measured 7.0e-5 (loss), 2.4e-3 (norm)
+SGD_LR = 1.0  # moves weights by up to 0.043 in 3 steps (AdamW at LR: 6e-3)
+SGD_WEIGHT_ATOL = 3e-7  # max |Δw| after 3 SGD steps; measured 1.5e-8 (tensorwise, rowwise, rowwise-scaled-mm)
+SGD_MIN_UPDATE = 1e-2  # the SGD weights move at least this much, so SGD_WEIGHT_ATOL is a test that can fail
 MUTATION_MIN = 3e-5  # a wrong scale moves step 1's loss by more than this, relative; measured >= 1.3e-4
 
 
-def fp8_reference(model_dir, recipe: str, chunks: int, *, head_fp8: bool = False):
-    """(losses, grad norms, state dict) of torchao's FP8 stock model, gradients accumulated over `chunks`."""
+def fp8_reference(model_dir, recipe: str, chunks: int, *, head_fp8: bool = False, sgd: bool = False):
+    """(losses, grad norms, state dict) of torchao's FP8 stock model, gradients accumulated over `chunks`,
+    trained by AdamW or (sgd) by plain SGD at SGD_LR."""
     from torchao.float8 import convert_to_float8_training
 
     cfg = hf3d.FP8Config(**RECIPES[recipe])
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     keep = (lambda m, fqn: isinstance(m, torch.nn.Linear)) if head_fp8 else cfg.module_filter_fn
     convert_to_float8_training(model, config=cfg.torchao_config(), module_filter_fn=keep)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
     losses, norms = [], []
     for ids, labels in batches(STEPS, BATCH, SEQ, VOCAB):
         targets = labels[:, 1:]
@@ -83,6 +93,7 @@ def fp8_reference(model_dir, recipe: str, chunks: int, *, head_fp8: bool = False
 
 CASES = {  # name: (world, ParallelConfig keywords)
     "tp1": (1, dict(num_microbatches=2)),
+    "tp1-sgd": (1, dict(num_microbatches=2)),  # trained by SGD on both sides
     "tp2": (2, dict(tp=2, num_microbatches=2)),
     "tp2-sp": (2, dict(tp=2, num_microbatches=2, sequence_parallel=True)),
     "cp2": (2, dict(cp=2, num_microbatches=2)),  # each cp rank holds half of each row's tokens
@@ -91,7 +102,8 @@ CASES = {  # name: (world, ParallelConfig keywords)
 
 
 def _recipes(case: str) -> list[str]:
-    return {"tp1": list(RECIPES), "tp2-sp": ["tensorwise"], "cp2": ["tensorwise"]}.get(case, ["tensorwise", "rowwise"])
+    only = {"tp1": list(RECIPES), "tp1-sgd": list(RECIPES), "tp2-sp": ["tensorwise"], "cp2": ["tensorwise"]}
+    return only.get(case, ["tensorwise", "rowwise"])
 
 
 def _chunks(case: str) -> int:
@@ -119,7 +131,10 @@ def _worker(model_dir, out_dir, world):
                             m.fp8.split = _Split()
                 dp = pmodel.dp_size
                 rows = slice(pmodel.dp_rank * BATCH // dp, (pmodel.dp_rank + 1) * BATCH // dp)
-                losses, norms, opt = hf3d_run(pmodel, data, rows)
+                if case.endswith("-sgd"):
+                    losses, norms, opt = _sgd_run(pmodel, data)
+                else:
+                    losses, norms, opt = hf3d_run(pmodel, data, rows)
                 key = f"{case}/{recipe}" + ("/mutated" if mutated else "")
                 out = Path(out_dir) / key.replace("/", "_")
                 pmodel.save_pretrained(out)
@@ -144,6 +159,16 @@ def _worker(model_dir, out_dir, world):
     report(res, Path(out_dir) / f"world{world}.pt")
 
 
+def _sgd_run(pmodel, data):
+    opt = hf3d.build_optimizer(pmodel, torch.optim.SGD, lr=SGD_LR, max_grad_norm=CLIP)
+    losses, norms = [], []
+    for ids, labels in data:
+        losses.append(pmodel.train_step(ids, labels).item())
+        norms.append(opt.step().item())
+        opt.zero_grad()
+    return losses, norms, opt
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8")
@@ -156,10 +181,16 @@ def runs(tmp_path_factory):
     refs = {}
     for case in CASES:
         for recipe in _recipes(case):
-            if (recipe, _chunks(case)) not in refs:
-                refs[recipe, _chunks(case)] = fp8_reference(model_dir, recipe, _chunks(case))
+            key = _ref_key(case, recipe)
+            if key not in refs:
+                refs[key] = fp8_reference(model_dir, recipe, _chunks(case), sgd=case.endswith("-sgd"))
     refs["tensorwise", "head_fp8"] = fp8_reference(model_dir, "tensorwise", 2, head_fp8=True)
+    refs["tensorwise", "head_fp8", "sgd"] = fp8_reference(model_dir, "tensorwise", 2, head_fp8=True, sgd=True)
     return res, refs, load_file(model_dir / "model.safetensors")
+
+
+def _ref_key(case: str, recipe: str) -> tuple:
+    return (recipe, _chunks(case)) + (("sgd",) if case.endswith("-sgd") else ())
 
 
 def _weights(out: str) -> dict:
@@ -178,7 +209,7 @@ def _update_error(weights: dict, want: dict, start: dict) -> float:
 def test_fp8_matches_torchao_on_stock(runs, case, recipe):
     res, refs, start = runs
     got = res[f"{case}/{recipe}"]
-    losses, norms, state = refs[recipe, _chunks(case)]
+    losses, norms, state = refs[_ref_key(case, recipe)]
     assert got["converted"] > 0 and not got["head_fp8"]
     assert_close(got["losses"][0], losses[0], rtol=FIRST_RTOL, what=f"{case} {recipe} first loss")
     assert_close(got["norms"][0], norms[0], rtol=FIRST_RTOL, what=f"{case} {recipe} first grad norm")
@@ -189,9 +220,13 @@ def test_fp8_matches_torchao_on_stock(runs, case, recipe):
     if drift:
         return  # its weights carry the drift above (update error 2e-2); its losses were checked
     weights = _weights(got["out"])
+    atol = SGD_WEIGHT_ATOL if case.endswith("-sgd") else WEIGHT_ATOL
     for name, want in state.items():
         if name in weights:
-            assert_close(weights[name], want, atol=WEIGHT_ATOL, what=f"{case} {recipe} {name}")
+            assert_close(weights[name], want, atol=atol, what=f"{case} {recipe} {name}")
+    if case.endswith("-sgd"):
+        moved = max(float((start[k] - v).abs().max()) for k, v in state.items() if k in start)
+        assert moved >= SGD_MIN_UPDATE, f"SGD moved the weights by {moved:.1e} only"
     err = _update_error(weights, state, start)
     assert err <= UPDATE_RTOL, f"{case} {recipe}: weights off torchao's by {err:.2e} of the update"
 
@@ -220,6 +255,9 @@ def test_mutation_head_in_fp8_is_caught(runs):
     first = refs["tensorwise", "head_fp8"][0][0]
     got = res["tp1/tensorwise"]["losses"][0]
     assert abs(got - first) / abs(first) > MUTATION_MIN, "an FP8 output head went unnoticed"
+    want, weights = refs["tensorwise", "head_fp8", "sgd"][2], _weights(res["tp1-sgd/tensorwise"]["out"])
+    off = max(float((weights[k] - v).abs().max()) for k, v in want.items() if k in weights)
+    assert off > 10 * SGD_WEIGHT_ATOL, f"an FP8 output head moved the SGD weights by {off:.1e} only"
 
 
 def test_checkpoint_of_an_fp8_run_resumes_without_fp8(runs):
