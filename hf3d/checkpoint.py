@@ -26,14 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import os
 import pickle
 import random
 import re
 import shutil
 import sys
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -66,6 +64,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from . import optim_state
+from .checksums import crc32_file
 from .faults import is_communication_error, one_line
 from .layout import hf_boxes
 from .mesh import on_rank0
@@ -240,23 +239,11 @@ def write_marker(tmp: Path, meta: dict) -> None:
     os.replace(part, tmp / MARKER)
 
 
-def _crc32(path: Path, window: int = 1 << 24) -> int:
-    """CRC-32 of a file, over mappings of its pages, one window at a time: no copy into a buffer (half the
-    time of read + crc32), and no more than one window of the file resident in this process at once."""
-    crc = 0
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        for start in range(0, size, window):  # window is a multiple of the page size
-            with mmap.mmap(f.fileno(), min(window, size - start), offset=start, access=mmap.ACCESS_READ) as pages:
-                crc = zlib.crc32(pages, crc)
-    return crc
-
-
 def _file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
     """Size and CRC-32 of the files under `folder` matching `only`, but the marker and `skip`."""
     files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(MARKER))
     files = (p for p in files if p.relative_to(folder).as_posix() not in skip)
-    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in files}
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": crc32_file(p)} for p in files}
 
 
 def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
@@ -281,7 +268,7 @@ def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None
     if not checksums:
         return None
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    bad = [n for n in names[rank::world] if _crc32(path / n) != files[n].get("crc32")]
+    bad = [n for n in names[rank::world] if crc32_file(path / n) != files[n].get("crc32")]
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, bad)

@@ -31,7 +31,7 @@ import re
 import shutil
 import warnings
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import checkpoint
+from .checksums import RunningFile
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     SAFE_INDEX,
@@ -256,6 +257,10 @@ class _ReadOnDemand(DefaultSavePlanner):
     def lookup_object(self, index):
         return self.source.mapped(index.fqn[len(checkpoint.MODEL_PREFIX) :])
 
+    def resolve_data(self, write_item):
+        """DefaultSavePlanner's, without the two debug records DCP's logging wrapper makes per tensor."""
+        return self.transform_object(write_item, self.lookup_object(write_item.index))
+
 
 _ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a mapping of the file
 
@@ -263,19 +268,18 @@ _ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a 
 class _OneFileWriter(FileSystemWriter):
     """DCP's FileSystemWriter, writing all of a plan's items into one file, in the plan's order, each
     torch.saved as DCP stores it (so DCP's reader and hf3d's read them) and released before the next is
-    asked for. The file's fsync runs in a thread from then on; `finish_file()` checksums the file from the
-    page cache meanwhile (zlib releases the GIL, so the two overlap), waits for the fsync and returns the
-    file's {name: {"size", "crc32"}}, as the marker records them."""
+    asked for. A thread starts each written block's disk write and checksums it meanwhile (RunningFile);
+    `finish_file()` waits for the fsync and returns the file's {name: {"size", "crc32"}}, as the marker
+    records them."""
 
     def __init__(self, path: Path):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.pool = ThreadPoolExecutor(1)
-        self.written: list[tuple[Path, object]] = []  # (file, its fsync)
+        self.written: dict[str, Future] = {}  # file name: its {"size", "crc32"} once on disk
 
     def write_data(self, plan, planner):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        path, results = Path(self.path) / name, []
-        f = open(path, "wb")  # noqa: SIM115 (closed by the fsync thread)
+        out, results = RunningFile(Path(self.path) / name), []
+        f = out.f
         try:
             with _without_record_crc():
                 for item in plan.items:
@@ -285,28 +289,17 @@ class _OneFileWriter(FileSystemWriter):
                     info = _StorageInfo(name, start, length)
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
                     f.write(bytes(-f.tell() % _ALIGN))
-            f.flush()
+                    out.add()
         except BaseException:
-            f.close()
+            out.abandon()
             raise
-        self.written.append((path, self.pool.submit(_sync_and_close, f)))
+        self.written[name] = out.finish()
         done = torch.futures.Future()
         done.set_result(results)
         return done
 
     def finish_file(self) -> dict[str, dict[str, int]]:
-        checked = {p.name: {"size": p.stat().st_size, "crc32": checkpoint._crc32(p)} for p, _ in self.written}
-        for _, synced in self.written:
-            synced.result()
-        self.pool.shutdown()
-        return checked
-
-
-def _sync_and_close(f) -> None:
-    try:
-        os.fsync(f.fileno())
-    finally:
-        f.close()
+        return {name: written.result() for name, written in self.written.items()}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,112 @@
+"""The CRC-32s the checkpoint marker records, and the disk writes of the files they cover.
+
+- `crc32_file(path)` checksums a whole file over mappings of its pages (no copy into a buffer).
+- `RunningFile` checksums a file while it is being written: the writer hands over each written block
+  (`add`); a background thread starts that block's disk write (Linux's sync_file_range, so the fsync at the
+  end finds most of the file on disk) and folds it into the CRC-32 from the page cache. `finish()` fsyncs
+  and closes the file in that thread, and its future gives the file's {"size", "crc32"}.
+
+The CRC-32 is ISA-L's (the isal package) where it imports: zlib's values at 3.2x its speed here (8.6 vs
+2.6 GB/s on one core), with the GIL released, as zlib's is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+try:
+    from isal.isal_zlib import crc32 as _crc32_update
+except ImportError:  # a platform without an isal wheel: the same values, slower
+    _crc32_update = zlib.crc32
+
+WINDOW = 1 << 24  # the most of a file mapped at once while it is checksummed
+BLOCK = 32 << 20  # RunningFile hands each block of this many written bytes to its thread
+
+
+def _sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # start writing the range's dirty pages; do not wait
+
+
+def start_writeback(fd: int, start: int, stop: int) -> None:
+    """Start the disk write of bytes [start, stop) of `fd` without waiting for it (a no-op but on Linux)."""
+    if _SYNC_FILE_RANGE is not None and stop > start:
+        _SYNC_FILE_RANGE(fd, start, stop - start, _SYNC_FILE_RANGE_WRITE)
+
+
+def crc32_range(path: Path, start: int, stop: int, crc: int = 0) -> int:
+    """`crc` extended over bytes [start, stop) of the file, read through mappings of at most WINDOW bytes."""
+    with open(path, "rb") as f:
+        pos = start
+        while pos < stop:
+            first = pos - pos % mmap.ALLOCATIONGRANULARITY
+            length = min(stop, first + WINDOW) - first
+            with mmap.mmap(f.fileno(), length, offset=first, access=mmap.ACCESS_READ) as pages:
+                with memoryview(pages) as view:
+                    crc = _crc32_update(view[pos - first :], crc)
+            pos = first + length
+    return crc
+
+
+def crc32_file(path: Path) -> int:
+    """CRC-32 of a whole file."""
+    return crc32_range(path, 0, os.stat(path).st_size)
+
+
+class RunningFile:
+    """A file open for writing whose CRC-32 and disk write follow the writer (see the module's text).
+
+    The caller writes through `f`, calls `add()` as it goes (cheap: it hands a block over once BLOCK bytes
+    have gathered) and `finish()` once, after its last write; nothing else may write to the file then."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.f = open(self.path, "wb")  # noqa: SIM115 (closed by finish's task in the thread)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf3d-crc")
+        self._handed = 0  # bytes handed to the thread so far
+        self._crc = 0
+
+    def add(self, force: bool = False) -> None:
+        pos = self.f.tell()
+        if pos - self._handed < BLOCK and not force:
+            return
+        self.f.flush()
+        self._pool.submit(self._block, self._handed, pos)
+        self._handed = pos
+
+    def _block(self, start: int, stop: int) -> None:
+        start_writeback(self.f.fileno(), start, stop)
+        self._crc = crc32_range(self.path, start, stop, self._crc)
+
+    def finish(self) -> Future:
+        """Hand over the rest, then fsync and close the file in the thread; the future's result is
+        {"size", "crc32"} once the file is on disk (or the write's error)."""
+        self.add(force=True)
+        done = self._pool.submit(self._sync_and_close)
+        self._pool.shutdown(wait=False)
+        return done
+
+    def abandon(self) -> None:
+        """After a failed write: wait for the thread and close the file."""
+        self._pool.shutdown(wait=True)
+        self.f.close()
+
+    def _sync_and_close(self) -> dict[str, int]:
+        try:
+            os.fsync(self.f.fileno())
+        finally:
+            self.f.close()
+        return {"size": self._handed, "crc32": self._crc}

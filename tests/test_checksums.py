@@ -1,0 +1,49 @@
+"""hf3d/checksums.py: the marker's CRC-32s equal zlib's over the same bytes, whole files, ranges at odd
+offsets, and files checksummed block by block while they are written."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+
+from hf3d import checksums
+
+
+@pytest.fixture()
+def data():
+    return os.urandom(3 * 4096 + 123)
+
+
+def test_whole_file_and_ranges(tmp_path, data, monkeypatch):
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    assert checksums.crc32_file(path) == zlib.crc32(data)
+    monkeypatch.setattr(checksums, "WINDOW", 4096)  # several mappings per range, none page-aligned at its start
+    for start, stop in [(0, len(data)), (1, 4097), (4095, 9000), (5000, len(data)), (7, 7)]:
+        assert checksums.crc32_range(path, start, stop, 99) == zlib.crc32(data[start:stop], 99), (start, stop)
+    assert checksums.crc32_file(tmp_path / "f.bin") == zlib.crc32(data)
+
+
+def test_running_file_follows_the_writer(tmp_path, data, monkeypatch):
+    monkeypatch.setattr(checksums, "BLOCK", 1000)  # blocks that start and end off the page boundaries
+    out = checksums.RunningFile(tmp_path / "g.bin")
+    for i in range(0, len(data), 700):
+        out.f.write(data[i : i + 700])
+        out.add()
+    got = out.finish().result()
+    assert got == {"size": len(data), "crc32": zlib.crc32(data)}
+    assert out.f.closed and (tmp_path / "g.bin").read_bytes() == data
+
+
+def test_a_skipped_block_changes_the_sum(tmp_path, data, monkeypatch):
+    """Mutation: a writer that does not hand a block over before writing on gets a sum that differs."""
+    monkeypatch.setattr(checksums, "BLOCK", 1000)
+    out = checksums.RunningFile(tmp_path / "h.bin")
+    out.f.write(data[:2000])
+    out.add()
+    out._handed += 10  # ten bytes never checksummed
+    out.f.write(data[2000:])
+    got = out.finish().result()
+    assert got["crc32"] != zlib.crc32(data)
