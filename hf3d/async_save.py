@@ -60,12 +60,13 @@ class BackgroundSaver:
         self.pending: Future | None = None
         self.checkpoint = None  # the caller's handle on the save in flight (a checkpoint.PendingCheckpoint)
 
-    def save(self, state: dict, path: str | os.PathLike, planner, then: Callable[[], None] | None) -> Future:
-        """Stage `state` now; write it to `path` and then run `then` in the background. Returns the future
-        of the whole (its exception is this rank's failure). The previous save must be finished."""
+    def save(self, state: dict, writer, planner, then: Callable[[], None] | None) -> Future:
+        """Stage `state` now; write it with `writer` (a DCP StorageWriter for the checkpoint's folder) and
+        then run `then` in the background. Returns the future of the whole (its exception is this rank's
+        failure). The previous save must be finished."""
         assert self.pending is None or self.pending.done(), "two checkpoint saves may not overlap"
         upload = dcp.async_save(
-            state, checkpoint_id=path, planner=planner, process_group=self.group, async_stager=self.stager
+            state, storage_writer=writer, planner=planner, process_group=self.group, async_stager=self.stager
         )
 
         def complete() -> None:

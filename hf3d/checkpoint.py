@@ -69,6 +69,7 @@ from .faults import is_communication_error, one_line
 from .layout import hf_boxes
 from .mesh import on_rank0
 from .stored import TORCH_DTYPES, AllowListUnpickler, stored_box
+from .writer import OneFileWriter
 
 MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
@@ -630,10 +631,12 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         if after_publish is not None:
             after_publish()
 
+    writer = OneFileWriter(tmp)  # each rank's file checksummed as it is written
     if not async_:
-        dcp.save(entries, checkpoint_id=tmp, planner=_SavePlanner())  # a failure on any rank raises on all
+        dcp.save(entries, storage_writer=writer, planner=_SavePlanner())  # a failure on any rank raises on all
         _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
-        on_rank0(lambda: (_write_small_files(tmp, pmodel, extra), publish_now()))
+        tables = _gather_file_tables(tmp, writer, group=None, everywhere=True)
+        on_rank0(lambda: (_write_small_files(tmp, pmodel, extra), publish_now(tables)))
         return None
     # the small files first, in the foreground (the RNG states, the data position and the config change
     # as soon as training goes on); the background then writes the model and optimizer state
@@ -646,31 +649,39 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         saver = pmodel._background_saver = BackgroundSaver()
 
     def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
-        _checksum_and_publish(tmp, saver.group, publish_now)
+        tables = _gather_file_tables(tmp, writer, group=saver.group)
+        if rank == 0:
+            publish_now(tables)
 
-    future = saver.save(entries, tmp, _SavePlanner(background=True), then=complete)
+    future = saver.save(entries, writer, _SavePlanner(background=True), then=complete)
     saver.checkpoint = PendingCheckpoint(final, future)
     return saver.checkpoint
 
 
-def _checksum_and_publish(tmp: Path, group, publish_now) -> None:
-    """The background end of an asynchronous save: each rank checksums the files it wrote (its DCP file,
-    its RNG states) and rank 0, with the others' tables gathered on the checkpoints' group, checksums
-    the rest, writes the marker and publishes. A failure on any rank leaves the folder unpublished."""
+def _gather_file_tables(tmp: Path, writer: OneFileWriter, group, *, everywhere: bool = False) -> dict | None:
+    """Every rank's file table (its DCP file's from the writer, once on disk; its RNG states'), gathered
+    on rank 0 (None elsewhere) or, with `everywhere`, on every rank, over `group`. A failure on any rank
+    raises where the tables are gathered (and on that rank): no marker is written, the folder stays
+    unpublished."""
     rank = dist.get_rank()
     try:
-        mine = {**_file_table(tmp, only=f"__{rank}_*.distcp"), **_file_table(tmp, only=f"rng_{rank}.pt")}
+        mine = {**writer.file_table(), **_file_table(tmp, only=f"rng_{rank}.pt")}
     except OSError as e:
         mine = f"rank {rank}: {_one_line(e)}"
-    everyone = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, everyone, dst=0, group=group)
+    if everywhere:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    else:
+        everyone = [None] * dist.get_world_size(group) if rank == 0 else None
+        dist.gather_object(mine, everyone, dst=0, group=group)
     if isinstance(mine, str):
         raise OSError(mine)
-    if rank == 0:
-        failed = [t for t in everyone if isinstance(t, str)]
-        if failed:
-            raise OSError(failed[0])
-        publish_now({name: entry for table in everyone for name, entry in table.items()})
+    if everyone is None:
+        return None
+    failed = [t for t in everyone if isinstance(t, str)]
+    if failed:
+        raise OSError(failed[0])
+    return {name: entry for table in everyone for name, entry in table.items()}
 
 
 def _state_entries(pmodel, opt) -> tuple[dict[str, _Boxes], dict | None]:

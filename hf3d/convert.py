@@ -10,12 +10,12 @@ so conversion needs no mesh and no process group (from-hf calls `dcp.save` with 
   view of the file's pages, so the writer's copy into the output is the only one; a tensor that ranks
   wrote in boxes is assembled in a buffer the size of the largest such tensor. Peak: about one
   largest tensor (its pages; plus that buffer).
-- from-hf: DCP plans and writes `.metadata`; its data file is written here (`_OneFileWriter`): every
-  tensor goes into one file, mapped from the safetensors (`_ReadOnDemand`, in file order) just before
-  it is written and dropped just after, so the state dict handed to DCP holds only meta tensors. DCP's
-  own FileSystemWriter (torch 2.13) keeps every tensor of a file referenced until the file is closed,
-  and one file per tensor cost a fsync each (8x a raw read + write, benchmarks/README.md). The data
-  file's CRC-32 for the marker is computed from the page cache while its fsync runs.
+- from-hf: DCP plans and writes `.metadata`; the data goes into one file through hf3d's writer
+  (hf3d/writer.py `OneFileWriter`, checksummed as it is written), each tensor mapped from the safetensors
+  (`_ReadOnDemand`, in file order) just before it is written and dropped just after, so the state dict
+  handed to DCP holds only meta tensors. DCP's own FileSystemWriter (torch 2.13) keeps every tensor of a
+  file referenced until the file is closed, and one file per tensor cost a fsync each (8x a raw read +
+  write, benchmarks/README.md).
 
 Tensors are written in the model's state-dict order, so a sharded output is cut where transformers
 would cut it, and a round trip HF -> checkpoint -> HF gives back the same files.
@@ -31,18 +31,15 @@ import re
 import shutil
 import warnings
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.storage import WriteResult
 
 from . import checkpoint
-from .checksums import RunningFile
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     SAFE_INDEX,
@@ -58,6 +55,7 @@ from .hf import (
 )
 from .stored import stored_box
 from .train_config import DTYPES
+from .writer import OneFileWriter
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -262,57 +260,6 @@ class _ReadOnDemand(DefaultSavePlanner):
         return self.transform_object(write_item, self.lookup_object(write_item.index))
 
 
-_ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a mapping of the file
-
-
-class _OneFileWriter(FileSystemWriter):
-    """DCP's FileSystemWriter, writing all of a plan's items into one file, in the plan's order, each
-    torch.saved as DCP stores it (so DCP's reader and hf3d's read them) and released before the next is
-    asked for. A thread starts each written block's disk write and checksums it meanwhile (RunningFile);
-    `finish_file()` waits for the fsync and returns the file's {name: {"size", "crc32"}}, as the marker
-    records them."""
-
-    def __init__(self, path: Path):
-        super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.written: dict[str, Future] = {}  # file name: its {"size", "crc32"} once on disk
-
-    def write_data(self, plan, planner):
-        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        out, results = RunningFile(Path(self.path) / name), []
-        f = out.f
-        try:
-            with _without_record_crc():
-                for item in plan.items:
-                    start = f.tell()
-                    torch.save(planner.resolve_data(item), f)  # torch.load checks no record CRC: the marker's covers it
-                    length = f.tell() - start
-                    info = _StorageInfo(name, start, length)
-                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
-                    f.write(bytes(-f.tell() % _ALIGN))
-                    out.add()
-        except BaseException:
-            out.abandon()
-            raise
-        self.written[name] = out.finish()
-        done = torch.futures.Future()
-        done.set_result(results)
-        return done
-
-    def finish_file(self) -> dict[str, dict[str, int]]:
-        return {name: written.result() for name, written in self.written.items()}
-
-
-@contextlib.contextmanager
-def _without_record_crc():
-    """torch.save computes a CRC-32 of every record it writes; torch.load does not check it."""
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
-
-
 def _check_safetensors(model_dir: Path) -> None:
     if (model_dir / SAFE_INDEX).is_file() or (model_dir / SAFE_SINGLE).is_file():
         return
@@ -363,10 +310,10 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    writer = _OneFileWriter(tmp)
+    writer = OneFileWriter(tmp)
     with _single_process():
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
-    checked = writer.finish_file()
+    checked = writer.file_table()
     shutil.copyfile(model_dir / "config.json", tmp / "config.json")
     copy_model_files(model_dir, tmp)
     meta = {

@@ -1,0 +1,82 @@
+"""The DCP storage writer of hf3d's checkpoints (training saves, async saves and `convert from-hf`).
+
+DCP's own FileSystemWriter (torch 2.13) computes a CRC-32 of every record inside torch.save (which
+torch.load never checks), fsyncs the file only once it is whole, and leaves the marker's CRC-32 to a
+second pass that reads every file back. `OneFileWriter` writes a rank's items into one file in the
+plan's order, in the layout DCP stores them (each item torch.saved, or its bytes, at an offset the
+metadata records: DCP's reader and hf3d's read it), with:
+- no record CRC: the marker's CRC-32 covers the file;
+- the file's CRC-32 computed in a thread from the page cache while the next items are written, and each
+  written block handed to the disk at once (`checksums.RunningFile`), so the fsync at the end finds most
+  of the file on disk;
+- each item released before the next is asked for (the planner may make it on demand).
+`file_table()` waits for the fsync and gives {file name: {"size", "crc32"}}, as the marker records it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .checksums import RunningFile
+
+ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a mapping of the file
+
+
+class OneFileWriter(FileSystemWriter):
+    """A FileSystemWriter for one save: one file per rank, checksummed as it is written (see the module)."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self._written: dict[str, Future] = {}  # file name: its {"size", "crc32"} once on disk
+
+    def write_data(self, plan, planner):
+        name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+        out, results = RunningFile(Path(self.path) / name), []
+        f = out.f
+        try:
+            with _without_record_crc():
+                for item in plan.items:
+                    start = f.tell()
+                    data = planner.resolve_data(item)
+                    if item.type == WriteItemType.BYTE_IO:
+                        f.write(data.getbuffer())
+                    else:
+                        torch.save(data, f)
+                    del data
+                    length = f.tell() - start
+                    info = _StorageInfo(name, start, length)
+                    results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+                    f.write(bytes(-f.tell() % ALIGN))
+                    out.add()
+        except BaseException:
+            out.abandon()
+            raise
+        self._written[name] = out.finish()
+        done = torch.futures.Future()
+        done.set_result(results)
+        return done
+
+    def file_table(self) -> dict[str, dict[str, int]]:
+        """{name: {"size", "crc32"}} of the files this rank wrote, once they are on disk (raises the write's
+        error, if its fsync failed)."""
+        return {name: written.result() for name, written in self._written.items()}
+
+
+@contextlib.contextmanager
+def _without_record_crc():
+    """torch.save computes a CRC-32 of every record it writes; torch.load does not check it. (A process-wide
+    switch: a torch.save elsewhere in the process meanwhile also skips it, which its torch.load never sees.)"""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
