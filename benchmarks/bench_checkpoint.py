@@ -5,7 +5,7 @@ dp=2 (ZeRO-1) and at pp=2 (tp=2 does not fit its 9/3 heads), each saving synchro
 and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run:
   - step: median time of one training step (4 x 128 tokens per dp rank) with no save in flight;
   - save: the time `hf3d.save_checkpoint` blocks the step (collective, atomic, fsync'd by DCP). Sync:
-    the whole save, and of it the CRC-32 pass over the files that the marker records. Async: the
+    the whole save (each rank's file is checksummed as it is written: there is no pass after it). Async: the
     staging copy and the small files; training then goes on while the files are written;
   - overlap: async only, what the background write costs the steps it runs beside: the sum over those
     steps of (step time - that round's plain step), plus any wait left at `result()`;
@@ -62,7 +62,6 @@ def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None
     import torch.distributed as dist
 
     hf3d = import_hf3d()
-    from hf3d import checkpoint
 
     torch.set_num_threads(1)
     pcfg = hf3d.ParallelConfig(**MESHES[mesh])
@@ -89,7 +88,7 @@ def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None
     step_times = [step() for _ in range(2)][1:]
     rank = dist.get_rank()
     ckpt, raw = Path(work) / f"ckpt-{mesh}-{mode}", Path(work) / f"raw_{rank}.bin"
-    times = {k: [] for k in ("save", "crc", "overlap", "background_cpu", "raw_write", "load", "raw_read")}
+    times = {k: [] for k in ("save", "overlap", "background_cpu", "raw_write", "load", "raw_read")}
     pm2, opt2 = build()
     same = True
     for _ in range(rounds):
@@ -114,12 +113,6 @@ def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None
             pending.result()
             overlap += time.perf_counter() - t0
             background_cpu += time.process_time() - c0
-            times["crc"].append(float("nan"))
-        else:
-            t0 = time.perf_counter()
-            if rank == 0:
-                checkpoint._file_table(ckpt)  # the marker's CRC-32 pass, again, alone
-            times["crc"].append(time.perf_counter() - t0)
         times["overlap"].append(overlap)
         times["background_cpu"].append(background_cpu)
         mine = sum(f.stat().st_size for f in ckpt.glob(f"__{rank}_*.distcp"))
@@ -188,7 +181,6 @@ def main() -> None:
         "checkpoint MiB",
         "step s",
         "save s (blocks the step)",
-        "of which CRC-32 s",
         "overlap s",
         "background CPU s",
         "stall s",
@@ -228,7 +220,6 @@ def _row(mesh: str, mode: str, m: dict) -> list[str]:
         f"{m['bytes'] / 2**20:.0f}",
         f"{m['step_s']:.3f}",
         f"{t['save']:.3f}",
-        "—" if mode == "async" else f"{t['crc']:.3f}",
         "—" if mode == "sync" else f"{t['overlap']:.3f}",
         "—" if mode == "sync" else f"{t['background_cpu']:.3f}",
         f"{m['stall_s']:.3f}",
