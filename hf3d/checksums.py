@@ -6,6 +6,11 @@
   end finds most of the file on disk) and folds it into the CRC-32 from the page cache. `finish()` fsyncs
   and closes the file in that thread, and its future gives the file's {"size", "crc32"}.
 
+`DirectFile` does the same for a background writer that should cost the CPU as little as possible (an
+asynchronous checkpoint, written beside the training step): the bytes gather in page-aligned buffers that
+a thread checksums and writes with O_DIRECT, so the kernel neither allocates page cache for the file nor
+copies into it. Where the file system refuses O_DIRECT, `open_checksummed` falls back to RunningFile.
+
 The CRC-32 is ISA-L's (the isal package) where it imports: zlib's values at 3.2x its speed here (8.6 vs
 2.6 GB/s on one core), with the GIL released, as zlib's is.
 """
@@ -79,6 +84,15 @@ class RunningFile:
         self._handed = 0  # bytes handed to the thread so far
         self._crc = 0
 
+    def write(self, data) -> int:
+        return self.f.write(data)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def flush(self) -> None:
+        self.f.flush()
+
     def add(self, force: bool = False) -> None:
         pos = self.f.tell()
         if pos - self._handed < BLOCK and not force:
@@ -110,3 +124,93 @@ class RunningFile:
         finally:
             self.f.close()
         return {"size": self._handed, "crc32": self._crc}
+
+
+_DIRECT_ALIGN = 4096  # O_DIRECT's alignment of buffers, offsets and lengths (a page; block devices ask <= this)
+DIRECT_BUFFER = 8 << 20  # each of DirectFile's two buffers
+
+
+class DirectFile:
+    """A file written with O_DIRECT, checksummed on the way (see the module's text). The same calls as
+    RunningFile: write / tell / flush (a no-op: bytes leave a buffer only when it is full) / add (a no-op) /
+    finish / abandon. Two buffers: the writer fills one while the thread writes the other."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        self._bufs = [mmap.mmap(-1, DIRECT_BUFFER) for _ in range(2)]  # anonymous maps: page-aligned
+        self._cur, self._fill, self._pos = 0, 0, 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf3d-direct")
+        self._in_flight: Future | None = None
+        self._crc = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            take = min(len(view) - done, DIRECT_BUFFER - self._fill)
+            self._bufs[self._cur][self._fill : self._fill + take] = view[done : done + take]
+            self._fill += take
+            done += take
+            if self._fill == DIRECT_BUFFER:
+                self._hand_over()
+        self._pos += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def add(self, force: bool = False) -> None:
+        pass
+
+    def _hand_over(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.result()  # the other buffer is free again (or its write's error is raised)
+        self._in_flight = self._pool.submit(self._write_buffer, self._cur, self._fill)
+        self._cur, self._fill = 1 - self._cur, 0
+
+    def _write_buffer(self, i: int, length: int) -> None:
+        buf = self._bufs[i]
+        with memoryview(buf) as view:
+            self._crc = _crc32_update(view[:length], self._crc)
+            padded = -(-length // _DIRECT_ALIGN) * _DIRECT_ALIGN  # the last buffer's tail: cut by finish
+            view[length:padded] = bytes(padded - length)
+            done = 0
+            while done < padded:
+                done += os.write(self.fd, view[done:padded])
+
+    def finish(self) -> Future:
+        """Write the last buffer, then cut the file to its length, fsync and close it in the thread; the
+        future's result is {"size", "crc32"} once the file is on disk (or the write's error)."""
+        self._hand_over()
+        done = self._pool.submit(self._sync_and_close)
+        self._pool.shutdown(wait=False)
+        return done
+
+    def abandon(self) -> None:
+        self._pool.shutdown(wait=True)
+        os.close(self.fd)
+
+    def _sync_and_close(self) -> dict[str, int]:
+        try:
+            self._in_flight.result()
+            os.ftruncate(self.fd, self._pos)
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            for buf in self._bufs:
+                buf.close()
+        return {"size": self._pos, "crc32": self._crc}
+
+
+def open_checksummed(path: Path, *, direct: bool) -> RunningFile | DirectFile:
+    """A DirectFile where asked for and the file system takes O_DIRECT (Linux), else a RunningFile."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return DirectFile(path)
+        except OSError:  # e.g. tmpfs: EINVAL
+            pass
+    return RunningFile(path)

@@ -9,7 +9,12 @@ metadata records: DCP's reader and hf3d's read it), with:
 - the file's CRC-32 computed in a thread from the page cache while the next items are written, and each
   written block handed to the disk at once (`checksums.RunningFile`), so the fsync at the end finds most
   of the file on disk;
-- each item released before the next is asked for (the planner may make it on demand).
+- each item released before the next is asked for (the planner may make it on demand);
+- with `direct` (asynchronous saves: the write runs beside the training step, and what it costs is the
+  CPU it takes from the step), the file is written with O_DIRECT from two page-aligned buffers
+  (`checksums.DirectFile`): no page cache to allocate and fill. Measured at pp=2 (8 layers, 324 MiB per
+  rank, this VM): the buffered write took 1.3-3.4 CPU seconds of kernel time on the rank whose step
+  leaves a core idle, and 0.1-0.7 on the other; 320 MiB through O_DIRECT took 0.02-0.03.
 `file_table()` waits for the fsync and gives {file name: {"size", "crc32"}}, as the marker records it.
 """
 
@@ -25,7 +30,7 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .checksums import RunningFile
+from .checksums import open_checksummed
 
 ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a mapping of the file
 
@@ -33,28 +38,28 @@ ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a m
 class OneFileWriter(FileSystemWriter):
     """A FileSystemWriter for one save: one file per rank, checksummed as it is written (see the module)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, direct: bool = False):
         super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self.direct = direct
         self._written: dict[str, Future] = {}  # file name: its {"size", "crc32"} once on disk
 
     def write_data(self, plan, planner):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        out, results = RunningFile(Path(self.path) / name), []
-        f = out.f
+        out, results = open_checksummed(Path(self.path) / name, direct=self.direct), []
         try:
             with _without_record_crc():
                 for item in plan.items:
-                    start = f.tell()
+                    start = out.tell()
                     data = planner.resolve_data(item)
                     if item.type == WriteItemType.BYTE_IO:
-                        f.write(data.getbuffer())
+                        out.write(data.getbuffer())
                     else:
-                        torch.save(data, f)
+                        torch.save(data, out)
                     del data
-                    length = f.tell() - start
+                    length = out.tell() - start
                     info = _StorageInfo(name, start, length)
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
-                    f.write(bytes(-f.tell() % ALIGN))
+                    out.write(bytes(-out.tell() % ALIGN))
                     out.add()
         except BaseException:
             out.abandon()

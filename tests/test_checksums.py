@@ -47,3 +47,27 @@ def test_a_skipped_block_changes_the_sum(tmp_path, data, monkeypatch):
     out.f.write(data[2000:])
     got = out.finish().result()
     assert got["crc32"] != zlib.crc32(data)
+
+
+def test_direct_file_writes_and_sums_the_same_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(checksums, "DIRECT_BUFFER", 2 * 4096)  # several hand-overs, a partial last buffer
+    data = os.urandom(5 * 4096 + 1234)
+    out = checksums.open_checksummed(tmp_path / "d.bin", direct=True)
+    assert isinstance(out, checksums.DirectFile)
+    for i in range(0, len(data), 3000):
+        assert out.write(memoryview(data[i : i + 3000])) == len(data[i : i + 3000])
+        out.flush()
+    assert out.tell() == len(data)
+    assert out.finish().result() == {"size": len(data), "crc32": zlib.crc32(data)}
+    assert (tmp_path / "d.bin").read_bytes() == data  # cut back to its length after the padded last write
+
+
+def test_direct_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
+    def refuse(self, path):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(checksums.DirectFile, "__init__", refuse)
+    out = checksums.open_checksummed(tmp_path / "e.bin", direct=True)
+    assert isinstance(out, checksums.RunningFile)
+    out.write(b"abc")
+    assert out.finish().result() == {"size": 3, "crc32": zlib.crc32(b"abc")}
