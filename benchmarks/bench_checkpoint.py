@@ -15,7 +15,10 @@ and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run
   - stall = save + overlap, in seconds and in steps (target for async: <= 0.1 step);
   - raw write: each rank writes the same number of bytes to its own file with one write + fsync;
   - load: `hf3d.load_checkpoint` into a fresh model + optimizer on the same mesh;
-  - raw read: each rank reads its raw file back (both reads find the files in the page cache).
+  - raw read: each rank reads its raw file back. Before the load and the raw read every file of the
+    checkpoint and the raw files are dropped from the page cache (posix_fadvise DONTNEED, after their
+    fsync): an async save writes with O_DIRECT and leaves nothing cached, a sync save and the raw
+    write leave their bytes cached, so both reads start from the disk.
 Rounds alternate (a plain step, save [+ overlapped steps], raw write, load, raw read) and the medians
 of the slowest rank are reported. "restored exactly": the loaded parameters equal a copy taken when
 the save was called (async: training changed them meanwhile).
@@ -55,6 +58,14 @@ MODES = ("sync", "async")
 
 def smollm2_135m(layers: int):
     return llama_config(**{**SMOLLM2_135M, "num_hidden_layers": layers})
+
+
+def _drop_cached(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None:
@@ -126,6 +137,8 @@ def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None
         dist.barrier()
         times["raw_write"].append(time.perf_counter() - t0)
         del payload
+        for f in [raw, *(p for p in ckpt.rglob("*") if p.is_file())]:
+            _drop_cached(f)
         dist.barrier()
         t0 = time.perf_counter()
         hf3d.load_checkpoint(ckpt, pm2, opt2)
