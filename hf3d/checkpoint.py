@@ -631,7 +631,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         if after_publish is not None:
             after_publish()
 
-    writer = OneFileWriter(tmp, direct=async_)  # each rank's file checksummed as it is written
+    writer = OneFileWriter(tmp, direct=True)  # O_DIRECT, each rank's file checksummed as it is written
     if not async_:
         dcp.save(entries, storage_writer=writer, planner=_SavePlanner())  # a failure on any rank raises on all
         _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
