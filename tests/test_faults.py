@@ -77,8 +77,10 @@ def raising(fn, exc):
 ParallelModel.train_step = counted
 if site == "forward":
     StageModule.forward = raising(StageModule.forward, ValueError("injected failure in forward"))
-elif site == "dp":
-    dist.all_reduce = raising(dist.all_reduce, RuntimeError("injected failure in the dp reduction"))
+elif site == "dp":  # the buckets' collective: all-reduce, or ZeRO-1's reduce-scatter (all-to-all on gloo)
+    dp_failure = RuntimeError("injected failure in the dp reduction")
+    for name in ("all_reduce", "reduce_scatter_single", "all_to_all_single"):
+        setattr(dist, name, raising(getattr(dist, name), dp_failure))
 elif site == "send":
     dist.batch_isend_irecv = raising(dist.batch_isend_irecv, RuntimeError("injected failure in a pipeline send"))
 elif site == "published":
