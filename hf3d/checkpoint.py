@@ -312,7 +312,13 @@ class CheckpointWriteError(ValueError):
     """A checkpoint could not be written; raised on every rank, after the staging folder is removed."""
 
 
+class _RankFailure(OSError):
+    """A failure on some rank, raised on every rank that learns of it: "rank N: <that rank's one line>"."""
+
+
 def _one_line(e: BaseException) -> str:
+    if isinstance(e, _RankFailure):
+        return str(e)
     if isinstance(e, CheckpointException):  # DCP: {rank: (exception, traceback)}; the first says it
         rank, (e, _) = sorted(e.failures.items(), key=lambda kv: kv[0])[0]
         return f"rank {rank}: {_one_line(e)}"
@@ -331,7 +337,7 @@ def _on_every_rank(fn) -> None:
     dist.all_gather_object(everyone, msg)
     failed = [m for m in everyone if m is not None]
     if failed:
-        raise OSError(failed[0])
+        raise _RankFailure(failed[0])
 
 
 # -- boxes: the rectangles of global HF tensors that one rank writes or reads -------------------------
@@ -634,8 +640,13 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
     writer = OneFileWriter(tmp, direct=True)  # O_DIRECT, each rank's file checksummed as it is written
     if not async_:
         dcp.save(entries, storage_writer=writer, planner=_SavePlanner())  # a failure on any rank raises on all
-        _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
-        tables = _gather_file_tables(tmp, writer, group=None, everywhere=True)
+
+        def own_files() -> dict:  # the data file on disk first (its write's error, if any, is the one told)
+            table = writer.file_table()
+            torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt")
+            return {**table, **_file_table(tmp, only=f"rng_{rank}.pt")}
+
+        tables = _gather_file_tables(own_files, group=None, everywhere=True)
         on_rank0(lambda: (_write_small_files(tmp, pmodel, extra), publish_now(tables)))
         return None
     # the small files first, in the foreground (the RNG states, the data position and the config change
@@ -648,8 +659,10 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
 
         saver = pmodel._background_saver = BackgroundSaver()
 
+    rng = f"rng_{rank}.pt"  # written above
+
     def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
-        tables = _gather_file_tables(tmp, writer, group=saver.group)
+        tables = _gather_file_tables(lambda: {**writer.file_table(), **_file_table(tmp, only=rng)}, saver.group)
         if rank == 0:
             publish_now(tables)
 
@@ -658,15 +671,15 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
     return saver.checkpoint
 
 
-def _gather_file_tables(tmp: Path, writer: OneFileWriter, group, *, everywhere: bool = False) -> dict | None:
-    """Every rank's file table (its DCP file's from the writer, once on disk; its RNG states'), gathered
-    on rank 0 (None elsewhere) or, with `everywhere`, on every rank, over `group`. A failure on any rank
-    raises where the tables are gathered (and on that rank): no marker is written, the folder stays
-    unpublished."""
+def _gather_file_tables(own_files: Callable[[], dict], group, *, everywhere: bool = False) -> dict | None:
+    """Every rank's table of the files it wrote (`own_files()`: {name: {"size", "crc32"}}, once they are on
+    disk), gathered on rank 0 (None elsewhere) or, with `everywhere`, on every rank, over `group`. A failure
+    on any rank raises where the tables are gathered (and on that rank): no marker is written, the folder
+    stays unpublished."""
     rank = dist.get_rank()
     try:
-        mine = {**writer.file_table(), **_file_table(tmp, only=f"rng_{rank}.pt")}
-    except OSError as e:
+        mine = own_files()
+    except Exception as e:
         mine = f"rank {rank}: {_one_line(e)}"
     if everywhere:
         everyone = [None] * dist.get_world_size(group)
@@ -675,12 +688,12 @@ def _gather_file_tables(tmp: Path, writer: OneFileWriter, group, *, everywhere: 
         everyone = [None] * dist.get_world_size(group) if rank == 0 else None
         dist.gather_object(mine, everyone, dst=0, group=group)
     if isinstance(mine, str):
-        raise OSError(mine)
+        raise _RankFailure(mine)
     if everyone is None:
         return None
     failed = [t for t in everyone if isinstance(t, str)]
     if failed:
-        raise OSError(failed[0])
+        raise _RankFailure(failed[0])
     return {name: entry for table in everyone for name, entry in table.items()}
 
 
