@@ -6,10 +6,11 @@
   end finds most of the file on disk) and folds it into the CRC-32 from the page cache. `finish()` fsyncs
   and closes the file in that thread, and its future gives the file's {"size", "crc32"}.
 
-`DirectFile` does the same for a background writer that should cost the CPU as little as possible (an
-asynchronous checkpoint, written beside the training step): the bytes gather in page-aligned buffers that
-a thread checksums and writes with O_DIRECT, so the kernel neither allocates page cache for the file nor
-copies into it. Where the file system refuses O_DIRECT, `open_checksummed` falls back to RunningFile.
+`DirectFile` does the same with O_DIRECT (training checkpoints): the bytes gather in page-aligned buffers
+that a thread checksums and writes, so the kernel neither allocates page cache for the file nor copies
+into it. Where the file system refuses O_DIRECT, `open_checksummed` falls back to RunningFile.
+
+Both are `_CheckedFile`s: write / tell / flush as a file, `add()` after each item, `finish()` once.
 
 The CRC-32 is ISA-L's (the isal package) where it imports: zlib's values at 3.2x its speed here (8.6 vs
 2.6 GB/s on one core), with the GIL released, as zlib's is.
@@ -71,18 +72,52 @@ def crc32_file(path: Path) -> int:
     return crc32_range(path, 0, os.stat(path).st_size)
 
 
-class RunningFile:
-    """A file open for writing whose CRC-32 and disk write follow the writer (see the module's text).
+class _CheckedFile:
+    """A file being written whose CRC-32 and disk write follow the writer, in one background thread.
 
-    The caller writes through `f`, calls `add()` as it goes (cheap: it hands a block over once BLOCK bytes
-    have gathered) and `finish()` once, after its last write; nothing else may write to the file then."""
+    The caller writes through write / tell (flush as torch.save asks), calls `add()` after each item and
+    `finish()` once, after its last write; `abandon()` instead after a failed write. Subclasses hand the
+    written bytes over (`_hand_rest`) and end the file in the thread (`_sync_and_close`)."""
+
+    def __init__(self, path: Path, thread_name: str):
+        self.path = Path(path)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self._crc = 0
+
+    def add(self) -> None:
+        pass
+
+    def finish(self) -> Future:
+        """Hand over the rest, then fsync and close the file in the thread; the future's result is
+        {"size", "crc32"} once the file is on disk (or the write's error). An earlier block's write error
+        may be raised here instead."""
+        self._hand_rest()
+        done = self._pool.submit(self._sync_and_close)
+        self._pool.shutdown(wait=False)
+        return done
+
+    def abandon(self) -> None:
+        """After a failed write (or finish): wait for the thread and close the file."""
+        self._pool.shutdown(wait=True)
+        self._close()
+
+    def _hand_rest(self) -> None:
+        raise NotImplementedError
+
+    def _sync_and_close(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+
+class RunningFile(_CheckedFile):
+    """Buffered writes; a thread starts each block's disk write and checksums it from the page cache."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        super().__init__(path, "hf3d-crc")
         self.f = open(self.path, "wb")  # noqa: SIM115 (closed by finish's task in the thread)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf3d-crc")
         self._handed = 0  # bytes handed to the thread so far
-        self._crc = 0
 
     def write(self, data) -> int:
         return self.f.write(data)
@@ -93,10 +128,12 @@ class RunningFile:
     def flush(self) -> None:
         self.f.flush()
 
-    def add(self, force: bool = False) -> None:
+    def add(self) -> None:
+        if self.f.tell() - self._handed >= BLOCK:
+            self._hand_rest()
+
+    def _hand_rest(self) -> None:
         pos = self.f.tell()
-        if pos - self._handed < BLOCK and not force:
-            return
         self.f.flush()
         self._pool.submit(self._block, self._handed, pos)
         self._handed = pos
@@ -105,17 +142,7 @@ class RunningFile:
         start_writeback(self.f.fileno(), start, stop)
         self._crc = crc32_range(self.path, start, stop, self._crc)
 
-    def finish(self) -> Future:
-        """Hand over the rest, then fsync and close the file in the thread; the future's result is
-        {"size", "crc32"} once the file is on disk (or the write's error)."""
-        self.add(force=True)
-        done = self._pool.submit(self._sync_and_close)
-        self._pool.shutdown(wait=False)
-        return done
-
-    def abandon(self) -> None:
-        """After a failed write: wait for the thread and close the file."""
-        self._pool.shutdown(wait=True)
+    def _close(self) -> None:
         self.f.close()
 
     def _sync_and_close(self) -> dict[str, int]:
@@ -130,19 +157,16 @@ _DIRECT_ALIGN = 4096  # O_DIRECT's alignment of buffers, offsets and lengths (a 
 DIRECT_BUFFER = 8 << 20  # each of DirectFile's two buffers
 
 
-class DirectFile:
-    """A file written with O_DIRECT, checksummed on the way (see the module's text). The same calls as
-    RunningFile: write / tell / flush (a no-op: bytes leave a buffer only when it is full) / add (a no-op) /
-    finish / abandon. Two buffers: the writer fills one while the thread writes the other."""
+class DirectFile(_CheckedFile):
+    """O_DIRECT writes from two page-aligned buffers: the writer fills one while the thread checksums and
+    writes the other. Bytes leave a buffer only when it is full (or at finish), so flush does nothing."""
 
     def __init__(self, path: Path):
-        self.path = Path(path)
+        super().__init__(path, "hf3d-direct")
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         self._bufs = [mmap.mmap(-1, DIRECT_BUFFER) for _ in range(2)]  # anonymous maps: page-aligned
         self._cur, self._fill, self._pos = 0, 0, 0
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hf3d-direct")
         self._in_flight: Future | None = None
-        self._crc = 0
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -153,7 +177,7 @@ class DirectFile:
             self._fill += take
             done += take
             if self._fill == DIRECT_BUFFER:
-                self._hand_over()
+                self._hand_rest()
         self._pos += len(view)
         return len(view)
 
@@ -163,10 +187,7 @@ class DirectFile:
     def flush(self) -> None:
         pass
 
-    def add(self, force: bool = False) -> None:
-        pass
-
-    def _hand_over(self) -> None:
+    def _hand_rest(self) -> None:
         if self._in_flight is not None:
             self._in_flight.result()  # the other buffer is free again (or its write's error is raised)
         self._in_flight = self._pool.submit(self._write_buffer, self._cur, self._fill)
@@ -182,16 +203,7 @@ class DirectFile:
             while done < padded:
                 done += os.write(self.fd, view[done:padded])
 
-    def finish(self) -> Future:
-        """Write the last buffer, then cut the file to its length, fsync and close it in the thread; the
-        future's result is {"size", "crc32"} once the file is on disk (or the write's error)."""
-        self._hand_over()
-        done = self._pool.submit(self._sync_and_close)
-        self._pool.shutdown(wait=False)
-        return done
-
-    def abandon(self) -> None:
-        self._pool.shutdown(wait=True)
+    def _close(self) -> None:
         os.close(self.fd)
 
     def _sync_and_close(self) -> dict[str, int]:
@@ -206,7 +218,7 @@ class DirectFile:
         return {"size": self._pos, "crc32": self._crc}
 
 
-def open_checksummed(path: Path, *, direct: bool) -> RunningFile | DirectFile:
+def open_checksummed(path: Path, *, direct: bool) -> _CheckedFile:
     """A DirectFile where asked for and the file system takes O_DIRECT (Linux), else a RunningFile."""
     if direct and hasattr(os, "O_DIRECT"):
         try:

@@ -62,10 +62,10 @@ class OneFileWriter(FileSystemWriter):
                     results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
                     out.write(bytes(-out.tell() % ALIGN))
                     out.add()
+            self._written[name] = out.finish()
         except BaseException:
             out.abandon()
             raise
-        self._written[name] = out.finish()
         done = torch.futures.Future()
         done.set_result(results)
         return done

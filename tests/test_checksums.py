@@ -71,3 +71,21 @@ def test_direct_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch)
     assert isinstance(out, checksums.RunningFile)
     out.write(b"abc")
     assert out.finish().result() == {"size": 3, "crc32": zlib.crc32(b"abc")}
+
+
+def test_an_earlier_direct_write_error_reaches_finish_and_abandon_closes_the_file(tmp_path, monkeypatch):
+    """A buffer whose write fails in the thread: the next hand-over (here finish) raises its error, and
+    abandon() (what the writer calls then) closes the descriptor."""
+    monkeypatch.setattr(checksums, "DIRECT_BUFFER", 4096)
+
+    def disk_full(self, i, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checksums.DirectFile, "_write_buffer", disk_full)
+    out = checksums.open_checksummed(tmp_path / "full.bin", direct=True)
+    out.write(os.urandom(4096 + 100))  # one full buffer handed over, its write fails
+    with pytest.raises(OSError, match="No space left"):
+        out.finish()
+    out.abandon()
+    with pytest.raises(OSError):
+        os.fstat(out.fd)
