@@ -220,7 +220,7 @@ def checkpoint_to_hf(
 
 @contextlib.contextmanager
 def _checksums_beside(ckpt: Path, meta: dict):
-    """The checksum half of `find_damage`, run in a thread while the weights are converted (zlib.crc32
+    """The checksum half of `find_damage`, run in a thread while the weights are converted (the CRC-32
     releases the GIL, so on a second core it costs no time): yields a function that waits for it and
     returns its verdict. The output is published only after that verdict (`write_hf_dir`'s check)."""
     pool = ThreadPoolExecutor(1)
