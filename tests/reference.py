@@ -90,11 +90,14 @@ def saved_names(state_dict: dict, inter: int) -> dict:
     return out
 
 
-def hf3d_run(pmodel, data, rows: slice, **opt_kwargs):
+def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwargs):
+    """Losses, grad norms and the optimizer of hf3d trained on `data[rows]`: by AdamW with the oracle's
+    settings, or by `optimizer` with `opt_kwargs` alone (clipped at CLIP either way)."""
     import hf3d
 
-    kw = dict(lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP) | opt_kwargs
-    opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, **kw)
+    settings = dict(lr=LR, weight_decay=WD, betas=BETAS) if optimizer is torch.optim.AdamW else {}
+    kw = settings | dict(max_grad_norm=CLIP) | opt_kwargs
+    opt = hf3d.build_optimizer(pmodel, optimizer, **kw)
     losses, norms = [], []
     for ids, labels in data:
         losses.append(pmodel.train_step(ids[rows], labels[rows]).item())

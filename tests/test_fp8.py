@@ -132,7 +132,7 @@ def _worker(model_dir, out_dir, world):
                 dp = pmodel.dp_size
                 rows = slice(pmodel.dp_rank * BATCH // dp, (pmodel.dp_rank + 1) * BATCH // dp)
                 if case.endswith("-sgd"):
-                    losses, norms, opt = _sgd_run(pmodel, data)
+                    losses, norms, opt = hf3d_run(pmodel, data, rows, torch.optim.SGD, lr=SGD_LR)
                 else:
                     losses, norms, opt = hf3d_run(pmodel, data, rows)
                 key = f"{case}/{recipe}" + ("/mutated" if mutated else "")
@@ -157,16 +157,6 @@ def _worker(model_dir, out_dir, world):
         except ValueError as e:
             res["kv1"] = str(e)
     report(res, Path(out_dir) / f"world{world}.pt")
-
-
-def _sgd_run(pmodel, data):
-    opt = hf3d.build_optimizer(pmodel, torch.optim.SGD, lr=SGD_LR, max_grad_norm=CLIP)
-    losses, norms = [], []
-    for ids, labels in data:
-        losses.append(pmodel.train_step(ids, labels).item())
-        norms.append(opt.step().item())
-        opt.zero_grad()
-    return losses, norms, opt
 
 
 @pytest.fixture(scope="module")
