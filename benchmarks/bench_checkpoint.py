@@ -4,7 +4,7 @@ A SmolLM2-135M-shaped Llama (first --layers of its 30 layers, fp32, AdamW) train
 dp=2 (ZeRO-1) and at pp=2 (tp=2 does not fit its 9/3 heads), each saving synchronously (the default)
 and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run:
   - step: median time of one training step (4 x 128 tokens per dp rank) with no save in flight;
-  - save: the time `hf3d.save_checkpoint` blocks the step (collective, atomic, fsync'd by DCP). Sync:
+  - save: the time `hf3d.save_checkpoint` blocks the step (collective, atomic, fsync'd). Sync:
     the whole save (each rank's file is checksummed as it is written: there is no pass after it). Async: the
     staging copy and the small files; training then goes on while the files are written;
   - overlap: async only, what the background write costs the steps it runs beside: the sum over those
@@ -17,8 +17,8 @@ and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run
   - load: `hf3d.load_checkpoint` into a fresh model + optimizer on the same mesh;
   - raw read: each rank reads its raw file back. Before the load and the raw read every file of the
     checkpoint and the raw files are dropped from the page cache (posix_fadvise DONTNEED, after their
-    fsync): an async save writes with O_DIRECT and leaves nothing cached, a sync save and the raw
-    write leave their bytes cached, so both reads start from the disk.
+    fsync): a save writes with O_DIRECT and leaves nothing cached, the raw write leaves its bytes
+    cached, so both reads start from the disk.
 Rounds alternate (a plain step, save [+ overlapped steps], raw write, load, raw read) and the medians
 of the slowest rank are reported. "restored exactly": the loaded parameters equal a copy taken when
 the save was called (async: training changed them meanwhile).
