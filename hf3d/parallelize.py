@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,56 +82,22 @@ def parallelize(
         model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
         config = override_config(config, config_overrides, loading_weights=source is not None)
-    if compile:
-        check_compile(device_type(), config)
-    adapter = get_adapter(config.model_type)
-    adapter.check_tp(config, pcfg.tp)
-    adapter.check_ep(config, pcfg.ep)
-    check_attention(attn_implementation, pcfg.cp)
+    adapter = _checked_adapter(config, pcfg, attn_implementation, compile)
     mesh = build_mesh(pcfg)
     device = (
         torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     )
-
-    tp_group = mesh.get_group("tp")
-    pp_rank = mesh.get_local_rank("pp")
-    cp = CPContext(mesh.get_group("cp"), mesh.get_local_rank("cp"), pcfg.cp)
-    rng = DropoutRNG((pp_rank, mesh.get_local_rank("dp"), mesh.get_local_rank("cp"), mesh.get_local_rank("tp")), device)
-    ctx = TPContext(tp_group, mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype, rng)
+    ctx, cp, rng = _rank_contexts(mesh, pcfg, dtype, device)
     ep = _expert_context(config, adapter, mesh, pcfg, moe_load_balance, moe_bias_rate)
-
-    layer_split = split_layers(pcfg.num_stages, *layer_costs(config, adapter.mlp_costs(config)))
-    owners = stage_ranks(pcfg.num_stages, pcfg.pp, pcfg.pp_schedule)
-    my_stages = [s for s in range(pcfg.num_stages) if owners[s] == pp_rank]
-    has_first, has_last = 0 in my_stages, pcfg.num_stages - 1 in my_stages
-
+    plan = _stage_plan(config, adapter, pcfg, mesh.get_local_rank("pp"))
     hf_model, hf_shapes = _swapped_skeleton(
-        config,
-        adapter,
-        [i for s in my_stages for i in layer_split[s]],
-        first=has_first,
-        last=has_last,
-        ctx=ctx,
-        ep=ep,
-        attn_implementation=attn_implementation,
-        dtype=dtype,
+        config, adapter, plan, ctx=ctx, ep=ep, attn=attn_implementation, dtype=dtype
     )
-    fp8_projections = apply_fp8(hf_model, fp8, hf_shapes, tp_group=tp_group, cp_group=cp.group)
+    fp8_projections = apply_fp8(hf_model, fp8, hf_shapes, tp_group=ctx.group, cp_group=cp.group)
     _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device)
     del source
-
     pmodel = _assemble(
-        hf_model,
-        config,
-        pcfg,
-        my_stages,
-        layer_split,
-        owners,
-        mesh=mesh,
-        cp=cp,
-        rng=rng,
-        hf_shapes=hf_shapes,
-        tokenizer_dir=tokenizer_dir,
+        hf_model, config, pcfg, plan, mesh=mesh, cp=cp, rng=rng, hf_shapes=hf_shapes, tokenizer_dir=tokenizer_dir
     )
     if compile:
         compile_layers([layer for stage in pmodel.stages for layer in stage.layers])
@@ -139,22 +106,71 @@ def parallelize(
     return pmodel
 
 
+def _checked_adapter(config, pcfg: ParallelConfig, attn_implementation: str, compile: bool):
+    """The model family's adapter, once the mesh, the attention and compile are known to fit this config."""
+    if compile:
+        check_compile(device_type(), config)
+    adapter = get_adapter(config.model_type)
+    adapter.check_tp(config, pcfg.tp)
+    adapter.check_ep(config, pcfg.ep)
+    check_attention(attn_implementation, pcfg.cp)
+    return adapter
+
+
+def _rank_contexts(mesh, pcfg: ParallelConfig, dtype: torch.dtype, device) -> tuple[TPContext, CPContext, DropoutRNG]:
+    """This rank's tensor- and context-parallel groups, and its dropout generator (seeded by its mesh position)."""
+    cp = CPContext(mesh.get_group("cp"), mesh.get_local_rank("cp"), pcfg.cp)
+    ranks = ("pp", "dp", "cp", "tp")
+    rng = DropoutRNG(tuple(mesh.get_local_rank(d) for d in ranks), device)
+    tp = TPContext(mesh.get_group("tp"), mesh.get_local_rank("tp"), pcfg.tp, pcfg.sequence_parallel, dtype, rng)
+    return tp, cp, rng
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which decoder layers each pipeline stage holds, and which of the stages this rank runs."""
+
+    layer_split: list[list[int]]  # decoder layers of every stage
+    owners: list[int]  # the pp rank running each stage
+    mine: list[int]  # the stages this pp rank runs
+    num_stages: int
+
+    @property
+    def layers(self) -> list[int]:
+        return [i for s in self.mine for i in self.layer_split[s]]
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.mine
+
+    @property
+    def last(self) -> bool:
+        return self.num_stages - 1 in self.mine
+
+
+def _stage_plan(config, adapter, pcfg: ParallelConfig, pp_rank: int) -> StagePlan:
+    layer_split = split_layers(pcfg.num_stages, *layer_costs(config, adapter.mlp_costs(config)))
+    owners = stage_ranks(pcfg.num_stages, pcfg.pp, pcfg.pp_schedule)
+    mine = [s for s in range(pcfg.num_stages) if owners[s] == pp_rank]
+    return StagePlan(layer_split, owners, mine, pcfg.num_stages)
+
+
 def _assemble(
-    hf_model, config, pcfg: ParallelConfig, my_stages, layer_split, owners, *, mesh, cp, rng, hf_shapes, tokenizer_dir
+    hf_model, config, pcfg: ParallelConfig, plan: StagePlan, *, mesh, cp, rng, hf_shapes, tokenizer_dir
 ) -> ParallelModel:
     """The ParallelModel of this rank's pipeline stages over the filled, swapped model."""
     stages = [
         StageModule(
             hf_model,
-            layer_split[s],
+            plan.layer_split[s],
             first=s == 0,
             last=s == pcfg.num_stages - 1,
             stage_index=s,
-            recompute=[pcfg.recomputes(i) for i in layer_split[s]],
+            recompute=[pcfg.recomputes(i) for i in plan.layer_split[s]],
             cp=cp,
             dropout_rng=rng if getattr(config, "attention_dropout", 0.0) else None,
         )
-        for s in my_stages
+        for s in plan.mine
     ]
     pmodel = ParallelModel(
         hf_model,
@@ -163,8 +179,8 @@ def _assemble(
         pcfg=pcfg,
         hf_shapes=hf_shapes,
         tokenizer_dir=tokenizer_dir,
-        stage_owners=owners,
-        layer_split=layer_split,
+        stage_owners=plan.owners,
+        layer_split=plan.layer_split,
         cp=cp,
     )
     pmodel.dropout_rng = rng
@@ -205,13 +221,14 @@ def _open(model_or_path) -> tuple[PretrainedConfig, object | None, Path | None]:
 
 
 def _swapped_skeleton(
-    config, adapter, keep: list[int], *, first: bool, last: bool, ctx, ep, attn_implementation: str, dtype
+    config, adapter, plan: StagePlan, *, ctx, ep, attn: str, dtype
 ) -> tuple[nn.Module, dict[str, tuple[int, ...]]]:
-    """The stock model on the meta device, pruned to decoder layers `keep` (and the embedding / final norm and
-    lm_head when this rank runs the first / last stage), with the tensor- and expert-parallel modules swapped
-    in under the stock names; and {saved name: shape} of the whole stock model."""
+    """The stock model on the meta device, pruned to this rank's decoder layers (and the embedding / final norm
+    and lm_head when this rank runs the first / last stage), with the tensor- and expert-parallel modules
+    swapped in under the stock names; and {saved name: shape} of the whole stock model."""
+    keep, first, last = plan.layers, plan.first, plan.last
     with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+        hf_model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     hf_shapes = adapter.disk_shapes({k: tuple(v.shape) for k, v in hf_model.state_dict().items()})
     base = hf_model.model
     base.layers = nn.ModuleDict({str(i): base.layers[i] for i in keep})  # stock names: model.layers.<i>

@@ -315,38 +315,12 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     print at start (tokens per step and in all, the lr decay window, data stages against it)."""
     p, r = cfg.parallel, cfg.run
     check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
-    if p.compile:
-        from .compile import check_compile
-        from .mesh import device_type
-
-        check_compile(device_type(), model_config, key="parallel.compile")
-    try:  # before the world size: launching another number of processes would not help
-        from .models import get_adapter
-
-        adapter = get_adapter(model_config.model_type)
-        adapter.check_tp(model_config, p.tp)
-        adapter.check_ep(model_config, p.ep)
-    except ValueError as e:
-        raise ValueError(f"parallel.{e}" if str(e).startswith(("tp=", "ep=")) else str(e)) from None
+    _check_model_fits(cfg, model_config)
     if r.save_final:  # the export at the end replaces only an earlier export there
         from .hf import check_output_dir, is_export_file
 
         check_output_dir(Path(r.output_dir) / "final", is_export_file)
-    tp_pp = p.tp * p.pp * p.cp
-    if world_size % tp_pp or (p.dp is not None and p.dp * tp_pp != world_size):
-        dp = "dp" if p.dp is None else f"dp={p.dp}"
-        raise ValueError(
-            f"world size {world_size} is not tp·pp·{dp}·cp = {p.tp}·{p.pp}·{p.dp or '?'}·{p.cp}: launch "
-            f"tp·pp·dp·cp processes (e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
-            "parallel.tp/pp/dp/cp"
-        )
-    dp = world_size // tp_pp
-    if dp % p.ep:
-        raise ValueError(
-            f"parallel.ep={p.ep} does not divide dp={dp}: expert-parallel groups are made of dp ranks; use an ep "
-            f"that divides {dp}, or launch more processes"
-        )
-    check_cp_seq_len(cfg.data.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=p.sequence_parallel, where="data.seq_len")
+    dp = _check_world(cfg, world_size)
     m = p.num_microbatches
     if r.global_batch % (dp * m):
         raise ValueError(
@@ -371,7 +345,54 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
         f"{r.global_batch // dp // m} rows per rank); tokens in all: {total:,} over {r.steps} steps"
     ]
     lines += describe_schedule(cfg.optim, r.steps)
+    return lines + _stage_lines(cfg, stages)
+
+
+def _check_model_fits(cfg: TrainConfig, model_config) -> None:
+    """parallel.compile, tp and ep against the model, before the world size: launching another number of
+    processes would not help."""
+    p = cfg.parallel
+    if p.compile:
+        from .compile import check_compile
+        from .mesh import device_type
+
+        check_compile(device_type(), model_config, key="parallel.compile")
+    try:
+        from .models import get_adapter
+
+        adapter = get_adapter(model_config.model_type)
+        adapter.check_tp(model_config, p.tp)
+        adapter.check_ep(model_config, p.ep)
+    except ValueError as e:
+        raise ValueError(f"parallel.{e}" if str(e).startswith(("tp=", "ep=")) else str(e)) from None
+
+
+def _check_world(cfg: TrainConfig, world_size: int) -> int:
+    """dp, once the launched processes fit tp·pp·dp·cp and ep fits dp."""
+    p = cfg.parallel
+    tp_pp = p.tp * p.pp * p.cp
+    if world_size % tp_pp or (p.dp is not None and p.dp * tp_pp != world_size):
+        dp = "dp" if p.dp is None else f"dp={p.dp}"
+        raise ValueError(
+            f"world size {world_size} is not tp·pp·{dp}·cp = {p.tp}·{p.pp}·{p.dp or '?'}·{p.cp}: launch "
+            f"tp·pp·dp·cp processes (e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
+            "parallel.tp/pp/dp/cp"
+        )
+    dp = world_size // tp_pp
+    if dp % p.ep:
+        raise ValueError(
+            f"parallel.ep={p.ep} does not divide dp={dp}: expert-parallel groups are made of dp ranks; use an ep "
+            f"that divides {dp}, or launch more processes"
+        )
+    check_cp_seq_len(cfg.data.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=p.sequence_parallel, where="data.seq_len")
+    return dp
+
+
+def _stage_lines(cfg: TrainConfig, stages) -> list[str]:
+    """One start-of-run line per later data stage: where it starts against the lr decay, and what changes."""
+    r, seq = cfg.run, stages[0].seq_len
     decay = decay_start_step(cfg.optim, r.steps)
+    lines = []
     for (start, name), stage in zip(stage_starts(cfg.data), stages):
         if start >= r.steps:
             raise ValueError(
