@@ -21,7 +21,9 @@ is the peak RSS of the call above the RSS just before it: the peak is reset
 (`/proc/self/clear_refs` = 5) before the call and read from VmHWM after it, so import transients
 do not count. The export part runs `parallelize` + `save_pretrained` under torchrun at tp=3
 (`--export-tp 1,3` adds tp=1) and reports rank 0's extra memory during `save_pretrained` next to
-the largest tensor. Files are in the page cache for every timed run.
+the largest tensor. Files are in the page cache for every timed run, and `os.sync()` runs before each
+call (not timed): raw and the writer leave their output unsynced, and its writeback, landing in the next
+call's fsync, made that call (from-hf's first, in the next process) 2-15x slower.
 
     python benchmarks/bench_convert.py            # bf16 + fp32, 2 rounds x 3 calls, export at tp=3 (~2 min)
     python benchmarks/bench_convert.py --small    # smoke: 4 layers, 1 round; results go to results/quick/
@@ -52,6 +54,7 @@ def _reset_peak() -> None:
 
 
 def _measured(fn) -> dict:
+    os.sync()  # no call waits on the writeback of another side's (or its own previous) unsynced output
     before = C.proc_status()
     _reset_peak()
     with C.PeakSampler() as sampler:
