@@ -10,9 +10,12 @@ the script shows hf3d's refusal (on 2 processes) and measures tp=3.
 Peak RSS is VmHWM from /proc/self/status (what `ru_maxrss` would report, except that in a
 subprocess ru_maxrss inherits the parent's high-water mark across fork + exec). It counts
 file-backed pages of mmapped safetensors too, so RssAnon (private memory) and RssFile are
-reported next to it. Stock from_pretrained keeps same-dtype weights as zero-copy mmap views that
-only become resident when used, so each worker also reads and then writes every weight once
-("first use") and reports memory after that. The checkpoint is in the page cache for every run.
+reported next to it. The hf3d worker imports what baseline B imports as well and starts its process
+group before `parallelize`, so its load-only peak splits into hf3d's modules, the process group and
+`parallelize` (mesh, meta skeleton, slices), each against the rank's own parameter bytes. Stock
+from_pretrained keeps same-dtype weights as zero-copy mmap views that only become resident when used,
+so each worker also reads and then writes every weight once ("first use") and reports memory after that.
+The checkpoint is in the page cache for every run.
 
     python benchmarks/bench_load_memory.py            # full: bf16 and fp32 loads, 3 repeats (~3-5 min)
     python benchmarks/bench_load_memory.py --quick    # smoke: bf16, 1 repeat
@@ -50,7 +53,7 @@ def worker(args) -> None:
     _snap(rec, "import_torch_transformers")  # baseline A: what the issue called the baseline
     if args.worker in ("hf3d", "refuse"):
         hf3d = C.import_hf3d()
-    if args.worker == "baseline":  # baseline B: + the modeling code both sides import to build a model
+    if args.worker in ("baseline", "hf3d"):  # baseline B: + the modeling code both sides import to build a model
         import torch.distributed  # noqa: F401
         import transformers.modeling_utils  # noqa: F401
         from transformers import LlamaForCausalLM  # noqa: F401
@@ -69,6 +72,11 @@ def worker(args) -> None:
         _write(args.out, rank, rec)
         return
 
+    if args.worker == "hf3d":  # the process group on its own, to tell it from parallelize's share
+        from hf3d.mesh import init_distributed
+
+        init_distributed()
+        _snap(rec, "process_group")
     tensors = []
     with C.PeakSampler() as sampler:
         t0 = time.perf_counter()
@@ -308,7 +316,7 @@ def summarise(dt: str, runs: dict, tp: int, data: dict) -> str:
         "param_bytes": pb,
         "load_s": lt,
     }
-    lines = []
+    lines = [_own_bytes_line(runs[f"hf3d-{dt}"], base_b, pb["hf3d rank 0"], data["summary"][dt])]
     for mname in list(metrics)[:3]:
         r = stats[mname]["ratio_above_baseline_B"]
         lines.append(
@@ -318,6 +326,28 @@ def summarise(dt: str, runs: dict, tp: int, data: dict) -> str:
     return (
         f"### bf16 checkpoint loaded as {dt}\n\nBaselines: A {C.mib(base_a):.0f} MiB, B {C.mib(base_b):.0f} MiB "
         f"(peak RSS of the baseline process).\n\n{table}\n\n" + "\n".join(lines)
+    )
+
+
+def _own_bytes_line(runs: list, base_b: float, own: int, summary: dict) -> str:
+    """The load-only peak of hf3d's rank 0 against its own parameter bytes, split by phase (medians): hf3d's
+    modules, the process group, then parallelize (mesh, meta skeleton, slices)."""
+
+    def hwm(phase):
+        return C.median([recs[0]["phases"][phase]["VmHWM"] for recs in runs])
+
+    code, group, loaded = hwm("imports_done") - base_b, hwm("process_group"), hwm("loaded")
+    parts = {"hf3d's modules": code, "process group": group - hwm("imports_done"), "parallelize": loaded - group}
+    summary["own_bytes"] = {
+        "ratio": (loaded - base_b) / own,
+        "parts": parts,
+        "parallelize_ratio": parts["parallelize"] / own,
+    }
+    split = ", ".join(f"{k} {C.mib(v):.1f}" for k, v in parts.items())
+    return (
+        f"- load-only peak of hf3d rank 0 above baseline B / its own parameter bytes ({C.mib(own):.1f} MiB) = "
+        f"**{(loaded - base_b) / own:.3f}x** ({'meets' if (loaded - base_b) / own <= 1.05 else 'misses'} the ≤ 1.05x "
+        f"target); in MiB: {split}; parallelize alone {parts['parallelize'] / own:.3f}x"
     )
 
 
