@@ -72,6 +72,25 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(out)
 
 
+def line_panels(panels: list[dict], path: Path, *, width: float = 7.0, height: float = 4.0) -> None:
+    """Side-by-side panels of named curves, saved as a PNG. Each panel: {"curves": {name: (xs, ys)}, "xlabel",
+    "ylabel", "title"}; the first panel carries the legend. matplotlib is in the dev extra."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, height), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for name, (xs, ys) in panel["curves"].items():
+            ax.plot(xs, ys, label=name, linewidth=1)
+        ax.set(xlabel=panel["xlabel"], ylabel=panel["ylabel"], title=panel["title"])
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # -- environment ------------------------------------------------------------------------------------
 def env_info() -> dict:
     import torch

@@ -27,21 +27,10 @@ TAIL = 10  # steps averaged for the final loss
 
 
 def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, points in curves.items():
-        ax.plot([s for s, _ in points], [v for _, v in points], label=name, linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("embedded default run, bf16 vs FP8 (torchao recipes), tp=2")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panel = {"curves": {name: ([s for s, _ in pts], [v for _, v in pts]) for name, pts in curves.items()}}
+    title = "embedded default run, bf16 vs FP8 (torchao recipes), tp=2"
+    panel.update(xlabel="step", ylabel="training loss", title=title)
+    C.line_panels([panel], path)
 
 
 def main() -> None:

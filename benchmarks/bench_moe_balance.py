@@ -36,22 +36,12 @@ def run(balance: str, out: Path, steps: int) -> tuple[list[dict], float]:
 
 
 def plot(curves: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
+    def panel(key: str, ylabel: str, title: str) -> dict:
+        lines = {name: ([r["step"] for r in recs], [r[key] for r in recs]) for name, recs in curves.items()}
+        return {"curves": lines, "xlabel": "step", "ylabel": ylabel, "title": title}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, records in curves.items():
-        steps = [r["step"] for r in records]
-        ax.plot(steps, [r["moe/load_imbalance"] for r in records], label=name, linewidth=1)
-        bx.plot(steps, [r["loss"] for r in records], label=name, linewidth=1)
-    ax.set(xlabel="step", ylabel="max / mean expert load (worst layer)", title="expert load imbalance")
-    bx.set(xlabel="step", ylabel="training loss", title="loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    imbalance = panel("moe/load_imbalance", "max / mean expert load (worst layer)", "expert load imbalance")
+    C.line_panels([imbalance, panel("loss", "training loss", "loss")], path, width=10, height=3.6)
 
 
 def main() -> None:
