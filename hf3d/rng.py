@@ -103,7 +103,8 @@ class DropoutRNG:
         return contextlib.nullcontext(), replay()
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "coords": list(self.coords), "state": self.state()}
+        state = self.state()  # first: a stream never used is seeded here, and its seed recorded with it
+        return {"seed": self.seed, "coords": list(self.coords), "state": state}
 
     def load_state_dict(self, saved: dict) -> None:
         self.seed, self._state = saved["seed"], saved["state"]

@@ -179,3 +179,15 @@ def test_streams_differ_over_every_mesh_coordinate():
     assert len(set(tp_states.values())) == len(coords)
     assert all(shared[(pp, dp, cp, 0)] == shared[(pp, dp, cp, 1)] for pp, dp, cp, _ in coords)
     assert len(set(shared.values())) == 8
+
+
+def test_a_stream_seeded_on_first_use_records_its_seed():
+    """A stream that nothing seeded takes `torch.initial_seed()` when first used; a checkpoint taken before
+    any use records that seed, not None."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        saved = DropoutRNG((0, 0, 0, 0), torch.device("cpu")).state_dict()
+        again = DropoutRNG((0, 0, 0, 0), torch.device("cpu"))
+        again.manual_seed(1234)
+    assert saved["seed"] == 1234
+    assert torch.equal(saved["state"], again.state())
