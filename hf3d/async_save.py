@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from .writer import dcp_debug_records_off
+
 
 def lower_thread_priority() -> None:
     """Give the calling (background) thread the lowest CPU priority, where the OS allows it per thread
@@ -65,9 +67,10 @@ class BackgroundSaver:
         then run `then` in the background. Returns the future of the whole (its exception is this rank's
         failure). The previous save must be finished."""
         assert self.pending is None or self.pending.done(), "two checkpoint saves may not overlap"
-        upload = dcp.async_save(
-            state, storage_writer=writer, planner=planner, process_group=self.group, async_stager=self.stager
-        )
+        with dcp_debug_records_off():  # the foreground part: staging and the entries' state_dict() calls
+            upload = dcp.async_save(
+                state, storage_writer=writer, planner=planner, process_group=self.group, async_stager=self.stager
+            )
 
         def complete() -> None:
             lower_thread_priority()

@@ -69,7 +69,7 @@ from .faults import is_communication_error, one_line
 from .layout import hf_boxes
 from .mesh import on_rank0
 from .stored import TORCH_DTYPES, AllowListUnpickler, stored_box
-from .writer import OneFileWriter
+from .writer import OneFileWriter, dcp_debug_records_off
 
 MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
@@ -639,7 +639,8 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
 
     writer = OneFileWriter(tmp, direct=True)  # O_DIRECT, each rank's file checksummed as it is written
     if not async_:
-        dcp.save(entries, storage_writer=writer, planner=_SavePlanner())  # a failure on any rank raises on all
+        with dcp_debug_records_off():  # a failure on any rank raises on all
+            dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
 
         def own_files() -> dict:  # the data file on disk first (its write's error, if any, is the one told)
             table = writer.file_table()
@@ -771,7 +772,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
             _entry(into, prefix + name, hf_shapes, name, torch.float32).add(off, view)
         if keys:  # on the device torch's fused and capturable kernels read it from
             optim_state.restore_steps(opt, meta["optim"]["step"])
-    with torch.no_grad():
+    with torch.no_grad(), dcp_debug_records_off():
         for part in (entries, masters):
             if part:
                 dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())

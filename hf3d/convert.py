@@ -55,7 +55,7 @@ from .hf import (
 )
 from .stored import stored_box
 from .train_config import DTYPES
-from .writer import OneFileWriter
+from .writer import OneFileWriter, dcp_debug_records_off
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
@@ -311,7 +311,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     writer = OneFileWriter(tmp)
-    with _single_process():
+    with _single_process(), dcp_debug_records_off():
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
     checked = writer.file_table()
     shutil.copyfile(model_dir / "config.json", tmp / "config.json")

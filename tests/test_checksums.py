@@ -89,3 +89,30 @@ def test_an_earlier_direct_write_error_reaches_finish_and_abandon_closes_the_fil
     out.abandon()
     with pytest.raises(OSError):
         os.fstat(out.fd)
+
+
+def test_dcp_debug_records_are_off_only_while_nothing_would_hear_them():
+    """hf3d's DCP calls raise DCP's logger to INFO while its only handlers are NullHandlers, and put it back;
+    a logger someone gave a handler keeps its level and gets its records."""
+    import logging
+
+    from torch.distributed.checkpoint import logger as dcp_logger_module
+
+    from hf3d.writer import dcp_debug_records_off
+
+    logger = dcp_logger_module._dcp_logger
+    assert logger.level == logging.DEBUG and all(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    with dcp_debug_records_off():
+        assert not logger.isEnabledFor(logging.DEBUG)
+        assert logger.isEnabledFor(logging.WARNING)
+    assert logger.level == logging.DEBUG
+    heard = []
+    handler = logging.Handler()
+    handler.emit = heard.append
+    logger.addHandler(handler)
+    try:
+        with dcp_debug_records_off():
+            logger.debug("kept")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in heard] == ["kept"]
