@@ -8,9 +8,11 @@ and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run
     the whole save (each rank's file is checksummed as it is written: there is no pass after it). Async: the
     staging copy and the small files; training then goes on while the files are written;
   - overlap: async only, what the background write costs the steps it runs beside: the sum over those
-    steps of (step time - that round's plain step), plus any wait left at `result()`;
-  - background CPU: async only, the CPU seconds (all threads of the process) of those steps beyond a
-    plain step's: the work of the write itself, which on this 2-core machine, with both cores busy
+    steps of (step time - the median plain step of this rank so far), plus any wait left at `result()`.
+    Each round runs two plain steps before its save. Until f40ac41 the baseline was that round's one
+    plain step, so one step's jitter went straight into the figure;
+  - background CPU: async only, the CPU seconds (all threads of the process) of those steps beyond the
+    median plain step's: the work of the write itself, which on this 2-core machine, with both cores busy
     with the two ranks' steps, can only come out of the steps;
   - stall = save + overlap, in seconds and in steps (target for async: <= 0.1 step);
   - raw write: each rank writes the same number of bytes to its own file with one write + fsync;
@@ -23,7 +25,7 @@ Rounds alternate (a plain step, save [+ overlapped steps], raw write, load, raw 
 of the slowest rank are reported. "restored exactly": the loaded parameters equal a copy taken when
 the save was called (async: training changed them meanwhile).
 
-    python benchmarks/bench_checkpoint.py [--layers 8] [--rounds 3] [--quick]
+    python benchmarks/bench_checkpoint.py [--layers 8] [--rounds 5] [--quick]
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from _common import (  # noqa: E402
 )
 
 MESHES = {"dp2-zero1": dict(), "pp2": dict(pp=2)}
+PLAIN_STEPS = 2  # per round, before the save: the baseline of the steps beside an async write
 MODES = ("sync", "async")
 
 
@@ -97,15 +100,17 @@ def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None
         return time.perf_counter() - t0
 
     step_times = [step() for _ in range(2)][1:]
+    plain_cpus = [cpu[0]]
     rank = dist.get_rank()
     ckpt, raw = Path(work) / f"ckpt-{mesh}-{mode}", Path(work) / f"raw_{rank}.bin"
     times = {k: [] for k in ("save", "overlap", "background_cpu", "raw_write", "load", "raw_read")}
     pm2, opt2 = build()
     same = True
     for _ in range(rounds):
-        plain = step()
-        plain_cpu = cpu[0]
-        step_times.append(plain)
+        for _ in range(PLAIN_STEPS):
+            step_times.append(step())
+            plain_cpus.append(cpu[0])
+        plain, plain_cpu = median(step_times), median(plain_cpus)  # every plain step of this rank so far
         saved = [p.detach().clone() for _, p in pm.unique_parameters()]
         dist.barrier()
         t0 = time.perf_counter()
@@ -160,7 +165,7 @@ def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="2 layers, 1 round: a smoke run")
     ap.add_argument("--worker", nargs=5, metavar=("MODEL", "WORK", "MESH", "MODE", "ROUNDS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
