@@ -336,18 +336,15 @@ def _own_bytes_line(runs: list, base_b: float, own: int, summary: dict) -> str:
     def hwm(phase):
         return C.median([recs[0]["phases"][phase]["VmHWM"] for recs in runs])
 
-    code, group, loaded = hwm("imports_done") - base_b, hwm("process_group"), hwm("loaded")
-    parts = {"hf3d's modules": code, "process group": group - hwm("imports_done"), "parallelize": loaded - group}
-    summary["own_bytes"] = {
-        "ratio": (loaded - base_b) / own,
-        "parts": parts,
-        "parallelize_ratio": parts["parallelize"] / own,
-    }
+    imports, group, loaded = hwm("imports_done"), hwm("process_group"), hwm("loaded")
+    parts = {"hf3d's modules": imports - base_b, "process group": group - imports, "parallelize": loaded - group}
+    ratio = (loaded - base_b) / own
+    summary["own_bytes"] = {"ratio": ratio, "parts": parts, "parallelize_ratio": parts["parallelize"] / own}
     split = ", ".join(f"{k} {C.mib(v):.1f}" for k, v in parts.items())
     return (
         f"- load-only peak of hf3d rank 0 above baseline B / its own parameter bytes ({C.mib(own):.1f} MiB) = "
-        f"**{(loaded - base_b) / own:.3f}x** ({'meets' if (loaded - base_b) / own <= 1.05 else 'misses'} the ≤ 1.05x "
-        f"target); in MiB: {split}; parallelize alone {parts['parallelize'] / own:.3f}x"
+        f"**{ratio:.3f}x** ({'meets' if ratio <= 1.05 else 'misses'} the ≤ 1.05x target); in MiB: {split}; "
+        f"parallelize alone {parts['parallelize'] / own:.3f}x"
     )
 
 
