@@ -16,8 +16,11 @@ def _is_main_rank() -> bool:
 def _train(args) -> int:
     """Every rank of `hf3d train` ends the same way: 0, or the code of faults.fail (one line for the
     whole job, no rank left waiting on a dead peer); a signal ends it with 128 + N (trainer.StopSignal).
-    Under a launcher a finished run leaves through faults.leave: no interpreter teardown, which with
-    gloo's threads up could abort and turn 0 into 134."""
+    A run that got as far as its process group leaves through faults.leave, under a launcher or not: no
+    interpreter teardown, which with gloo's threads up can abort and turn 0 into 134 (it did so in a
+    one-process run, its process group destroyed first)."""
+    import torch.distributed as dist
+
     from .faults import RunState, die_with_parent, fail, leave, started_by_launcher
 
     if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
@@ -33,10 +36,11 @@ def _train(args) -> int:
 
         train(cfg, state=state)
     except Exception as e:
-        return fail(e, state, "hf3d train")
-    if started_by_launcher():
-        leave(0)
-    return 0
+        code = fail(e, state, "hf3d train")  # it returns only in a process without peers
+        if not (dist.is_available() and dist.is_initialized()):
+            return code  # it failed before the process group: no gloo threads (and a caller in-process lives on)
+        leave(code)
+    leave(0)
 
 
 def _generate(args) -> None:

@@ -15,9 +15,9 @@ error that stopped the run is printed once, with the rank's mesh coordinates and
   prints; ranks that fail after it (a broken collective, or the same ValueError raised on every rank)
   stay silent. torchrun's own summary names every rank's exit code.
 
-- A finished run. Under a launcher every rank also ends with `os._exit`, once all ranks have
-  arrived (`leave`): interpreter teardown with gloo's threads up can abort ("terminate called
-  without an active exception", SIGABRT) and turn a finished run's 0 into 134.
+- A finished run. Every rank also ends with `os._exit`, once all ranks have arrived (`leave`), under
+  a launcher or in one plain process: interpreter teardown with gloo's threads up can abort
+  ("terminate called without an active exception", SIGABRT) and turn a finished run's 0 into 134.
 
 Exit codes of `hf3d train`: 0 done; 1 this rank raised (a configuration or input error, or a bug);
 2 bad command line; 3 a collective failed (a peer died, or the collective timed out);
