@@ -390,18 +390,22 @@ class _SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
-        if isinstance(obj, _Boxes):  # a contiguous copy: torch.save of a view would write its whole storage
+        if isinstance(obj, _Boxes):  # torch.save of a view would write its whole storage (a flat buffer)
             box = obj.__get_tensor_shard__(index)
-            if box.dtype == obj.dtype and _whole_storage(box):
-                return box  # nothing more would be written: no copy needed
+            if box.dtype == obj.dtype and box.is_contiguous() and box.device.type == "cpu":
+                return _alone(box)
             return box.to(obj.dtype, copy=True).contiguous()
         return super().lookup_object(index)
 
 
-def _whole_storage(t: torch.Tensor) -> bool:
-    return (
-        t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
-    )
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """`t` on a storage of exactly its own bytes, without a copy: a slice of its storage, which keeps the
+    rest alive. torch.save then writes the same record as for `t.clone()`. Measured here on 39 boxes of
+    4 MB: 0.14 CPU s instead of 0.55 with the copy (which also had fresh pages to fault in)."""
+    size = t.element_size()
+    start = t.storage_offset() * size
+    storage = t.untyped_storage()[start : start + t.numel() * size]
+    return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride())
 
 
 class _LoadPlanner(DefaultLoadPlanner):

@@ -256,6 +256,35 @@ def test_step_placement_rule_is_torchs(group):
     assert (got.device, got.dtype, got.dim()) == (want.device, torch.float32, 0)
 
 
+def test_a_box_is_written_as_its_own_bytes_without_a_copy():
+    """A box (a view into a flat buffer) goes to torch.save as an alias on exactly its bytes: the record is
+    the one of its clone, and no copy is made; a box of another dtype or layout is still copied."""
+    import io
+
+    flat = torch.arange(40, dtype=torch.float32)
+    boxes = checkpoint._Boxes([8, 4], torch.float32)
+    boxes.add([0, 0], flat[6:22].view(4, 4))
+    boxes.add([4, 0], flat[22:38].view(4, 4))
+    planner = checkpoint._SavePlanner()
+    planner.state_dict = {"w": boxes}
+    for off, box in boxes.boxes.items():
+        item = planner.lookup_object(checkpoint.MetadataIndex("w", off))
+        assert item.data_ptr() == box.data_ptr() and item.untyped_storage().nbytes() == box.numel() * 4
+        mine, clone = io.BytesIO(), io.BytesIO()
+        torch.save(item, mine)
+        torch.save(box.clone(), clone)
+        assert mine.getvalue() == clone.getvalue()
+    bf16 = checkpoint._Boxes([4, 4], torch.bfloat16)
+    bf16.add([0, 0], flat[6:22].view(4, 4))
+    strided = checkpoint._Boxes([4, 2], torch.float32)
+    strided.add([0, 0], flat[:16].view(4, 4)[:, :2])
+    for obj in (bf16, strided):
+        planner.state_dict = {"w": obj}
+        item = planner.lookup_object(checkpoint.MetadataIndex("w", torch.Size([0, 0])))
+        assert item.dtype == obj.dtype and item.untyped_storage().nbytes() == item.numel() * item.element_size()
+        assert torch.equal(item.float(), next(iter(obj.boxes.values())).to(obj.dtype).float())
+
+
 def test_weights_only_checkpoint_leaves_the_optimizer_fresh(saved):
     got = saved["resume"]["weights"]
     assert got == dict(step=0, state=0, params_equal=True)
