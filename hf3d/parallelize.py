@@ -133,7 +133,6 @@ class StagePlan:
     layer_split: list[list[int]]  # decoder layers of every stage
     owners: list[int]  # the pp rank running each stage
     mine: list[int]  # the stages this pp rank runs
-    num_stages: int
 
     @property
     def layers(self) -> list[int]:
@@ -145,14 +144,14 @@ class StagePlan:
 
     @property
     def last(self) -> bool:
-        return self.num_stages - 1 in self.mine
+        return len(self.layer_split) - 1 in self.mine
 
 
 def _stage_plan(config, adapter, pcfg: ParallelConfig, pp_rank: int) -> StagePlan:
     layer_split = split_layers(pcfg.num_stages, *layer_costs(config, adapter.mlp_costs(config)))
     owners = stage_ranks(pcfg.num_stages, pcfg.pp, pcfg.pp_schedule)
     mine = [s for s in range(pcfg.num_stages) if owners[s] == pp_rank]
-    return StagePlan(layer_split, owners, mine, pcfg.num_stages)
+    return StagePlan(layer_split, owners, mine)
 
 
 def _assemble(
