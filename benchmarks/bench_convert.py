@@ -8,6 +8,7 @@ process, in alternating order over the rounds:
 
 - raw: `safetensors.torch.load_file` of the model file + `save_file` of the same tensors (the whole
   model in memory: the floor for time, the model size for memory);
+- raw-fsync: raw, then an fsync of the file it wrote (from-hf's floor: it fsyncs what it writes);
 - writer: the same `load_file`, then hf3d's streaming `write_hf_dir` instead of `save_file` (the
   writer alone, to tell its cost from the checkpoint reader's);
 - to-hf: `hf3d.convert.checkpoint_to_hf` of a checkpoint of the same weights (made by from-hf);
@@ -25,7 +26,7 @@ the largest tensor. Files are in the page cache for every timed run, and `os.syn
 call (not timed): raw and the writer leave their output unsynced, and its writeback, landing in the next
 call's fsync, made that call (from-hf's first, in the next process) 2-15x slower.
 
-    python benchmarks/bench_convert.py            # bf16 + fp32, 2 rounds x 3 calls, export at tp=3 (~2 min)
+    python benchmarks/bench_convert.py            # bf16 + fp32, 2 rounds x 3 calls, export at tp=3 (~5 min)
     python benchmarks/bench_convert.py --small    # smoke: 4 layers, 1 round; results go to results/quick/
 """
 
@@ -44,7 +45,7 @@ import _common as C
 SCRIPT = Path(__file__).resolve()
 SMOLLM2_135M = C.SMOLLM2_135M
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-SIDES = ("raw", "writer", "to-hf", "from-hf")
+SIDES = ("raw", "raw-fsync", "writer", "to-hf", "from-hf")
 
 
 # -- workers (each in a fresh process) -------------------------------------------------------------
@@ -78,12 +79,16 @@ def worker(args) -> None:
 
     C.import_hf3d()  # every side: no measured call imports a module
 
-    if args.worker == "raw":
+    if args.worker in ("raw", "raw-fsync"):
 
         def op():
             tensors = load_file(Path(args.src) / "model.safetensors")
             Path(args.out).mkdir(parents=True, exist_ok=True)
             save_file(tensors, Path(args.out) / "model.safetensors", metadata={"format": "pt"})
+            if args.worker == "raw-fsync":
+                fd = os.open(Path(args.out) / "model.safetensors", os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
 
     elif args.worker == "writer":
         from transformers import AutoConfig
@@ -206,6 +211,7 @@ def summarise(dt: str, res: dict) -> tuple[str, dict]:
             [s, t, f"{t / raw_t:.2f}x", C.mib(m), f"{(m - raw_m) / largest:+.2f}", f"{m / res['model_bytes']:.2f}"]
         )
     t_ratio = med["to-hf"]["seconds"] / raw_t
+    from_ratio = med["from-hf"]["seconds"] / raw_t
     above = (med["to-hf"]["extra_peak"] - raw_m) / largest
     verdicts = {
         "to_hf_time_vs_raw": t_ratio,
@@ -213,7 +219,9 @@ def summarise(dt: str, res: dict) -> tuple[str, dict]:
         "to_hf_extra_mem_above_raw_in_largest_tensors": above,
         "to_hf_mem_target_met": above <= 1.0,
         "writer_time_vs_raw": med["writer"]["seconds"] / raw_t,
-        "from_hf_time_vs_raw": med["from-hf"]["seconds"] / raw_t,
+        "from_hf_time_vs_raw": from_ratio,
+        "from_hf_time_target_met": from_ratio <= 2.0,
+        "from_hf_time_vs_raw_fsync": med["from-hf"]["seconds"] / med["raw-fsync"]["seconds"],
         "from_hf_extra_mem_above_raw_in_largest_tensors": (med["from-hf"]["extra_peak"] - raw_m) / largest,
         "medians": med,
     }
@@ -233,6 +241,9 @@ def summarise(dt: str, res: dict) -> tuple[str, dict]:
         f"{C.mib(largest):.1f} MiB (embed_tokens)\n\n{table}\n\n"
         f"- to-hf / raw time = **{t_ratio:.2f}x** ({'meets' if t_ratio <= 2 else 'MISSES'} the ≤ 2x target); "
         f"the streaming writer alone {med['writer']['seconds'] / raw_t:.2f}x, so the rest is reading the checkpoint\n"
+        f"- from-hf / raw time = **{from_ratio:.2f}x** ({'meets' if from_ratio <= 2 else 'MISSES'} the ≤ 2x target); "
+        f"against raw with an fsync of its file (from-hf fsyncs the files it writes, so that the marker never "
+        f"vouches for data not on disk) {verdicts['from_hf_time_vs_raw_fsync']:.2f}x\n"
         f"- to-hf peak memory above raw = **{above:+.2f}** largest tensors "
         f"({'meets' if above <= 1 else 'MISSES'} the ≤ +1 tensor target); to-hf's own extra peak is "
         f"{med['to-hf']['extra_peak'] / largest:.2f} largest tensors, from-hf's "
