@@ -16,11 +16,9 @@ def _is_main_rank() -> bool:
 def _train(args) -> int:
     """Every rank of `hf3d train` ends the same way: 0, or the code of faults.fail (one line for the
     whole job, no rank left waiting on a dead peer); a signal ends it with 128 + N (trainer.StopSignal).
-    A run that got as far as its process group leaves through faults.leave, under a launcher or not: no
-    interpreter teardown, which with gloo's threads up can abort and turn 0 into 134 (it did so in a
-    one-process run, its process group destroyed first)."""
-    import torch.distributed as dist
-
+    A run that got as far as its process group leaves through faults.leave (or faults.fail), under a
+    launcher or not: no interpreter teardown, which with gloo's threads up can abort and turn 0 into 134
+    (it did so in a one-process run, its process group destroyed first)."""
     from .faults import RunState, die_with_parent, fail, leave, started_by_launcher
 
     if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
@@ -36,10 +34,7 @@ def _train(args) -> int:
 
         train(cfg, state=state)
     except Exception as e:
-        code = fail(e, state, "hf3d train")  # it returns only in a process without peers
-        if not (dist.is_available() and dist.is_initialized()):
-            return code  # it failed before the process group: no gloo threads (and a caller in-process lives on)
-        leave(code)
+        return fail(e, state, "hf3d train")  # it returns only before the process group
     leave(0)
 
 

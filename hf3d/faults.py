@@ -145,10 +145,12 @@ def fail(e: BaseException, state: RunState, command: str) -> int:
 
     The first rank of the job to fail prints `<command>: rank R (pp=., dp=., cp=., tp=.) failed at step S:
     Type: message` (a traceback first when `e` is not an error a user can cause); later ones print
-    nothing. Returns the exit code when this process has no peers (no process group, or a world of
-    one), so the caller can return it; otherwise leaves with `os._exit`."""
+    nothing. Returns the exit code when no process group was started, so the caller can return it (an
+    in-process caller lives on); otherwise leaves with `os._exit`, in a world of one too: interpreter
+    teardown with gloo's threads up can abort (SIGABRT)."""
     e = root_cause(e)
-    peers = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    group = dist.is_available() and dist.is_initialized()
+    peers = group and dist.get_world_size() > 1
     communication = is_communication_error(e)
     code = EXIT_COMMUNICATION if communication else EXIT_ERROR
     first = _first_to_report() if peers else state.rank == 0
@@ -159,8 +161,13 @@ def fail(e: BaseException, state: RunState, command: str) -> int:
             print(f"{command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # before any rank started
         else:
             print(f"{command}: {state.where()}: {one_line(e)}", file=sys.stderr)
-    if not peers:
+    if not group:
         return code
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """os._exit with `code`, stdout and stderr flushed first."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
@@ -193,9 +200,7 @@ def leave(code: int) -> NoReturn:
         if dist.get_rank() == 0:
             while store.add("hf3d/left", 0) < dist.get_world_size():
                 time.sleep(0.05)
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    _exit_now(code)
 
 
 def finish(code: int = 0) -> NoReturn:
@@ -207,8 +212,6 @@ def finish(code: int = 0) -> NoReturn:
     then no barrier is left to wait in, and the process still leaves without the teardown."""
     if not (dist.is_available() and dist.is_initialized()):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            os._exit(code)
+            _exit_now(code)
         raise SystemExit(code)
     leave(code)
