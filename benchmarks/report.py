@@ -239,11 +239,11 @@ def _convert(d: dict) -> str:
 
     met = all(s[dt]["to_hf_time_target_met"] for dt in dts)
     from_hf_target = ""
-    if all("from_hf_time_vs_raw_fsync" in s[dt] for dt in dts):  # results from before the raw-fsync side lack it
+    if all("from_hf_fsync_time_vs_raw_fsync" in s[dt] for dt in dts):  # results before the --fsync side lack it
         met_from = all(s[dt]["from_hf_time_target_met"] for dt in dts)
         from_hf_target = (
-            f" (target ≤ 2x raw: {'met' if met_from else 'missed'}; against raw + fsync, as from-hf fsyncs: "
-            f"{per_dtype(lambda dt: s[dt]['from_hf_time_vs_raw_fsync'], 'x')})"
+            f" (target ≤ 2x raw: {'met' if met_from else 'missed'}; with --fsync, against raw + fsync: "
+            f"{per_dtype(lambda dt: s[dt]['from_hf_fsync_time_vs_raw_fsync'], 'x')})"
         )
     same = all(d[dt]["to_hf_bit_identical_to_source"] for dt in dts)
     return (

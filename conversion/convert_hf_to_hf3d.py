@@ -1,6 +1,6 @@
 """HF model (directory or Hub id) -> weights-only hf3d checkpoint; the same as `hf3d convert from-hf`.
 
-    python conversion/convert_hf_to_hf3d.py SRC OUT
+    python conversion/convert_hf_to_hf3d.py SRC OUT [--fsync]
 
 `hf3d train` starts from the result with `--set model.path=OUT` (step 0, fresh optimizer), and
 `hf3d.load_checkpoint` loads it; see hf3d/convert.py for the format.

@@ -4,7 +4,8 @@
 - `RunningFile` checksums a file while it is being written: the writer hands over each written block
   (`add`); a background thread starts that block's disk write (Linux's sync_file_range, so the fsync at the
   end finds most of the file on disk) and folds it into the CRC-32 from the page cache. `finish()` fsyncs
-  and closes the file in that thread, and its future gives the file's {"size", "crc32"}.
+  and closes the file in that thread, and its future gives the file's {"size", "crc32"}. Unsynced
+  (`sync=False`, `convert from-hf`), it only checksums and closes.
 
 `DirectFile` does the same with O_DIRECT (training checkpoints): the bytes gather in page-aligned buffers
 that a thread checksums and writes, so the kernel neither allocates page cache for the file nor copies
@@ -112,11 +113,14 @@ class _CheckedFile:
 
 
 class RunningFile(_CheckedFile):
-    """Buffered writes; a thread starts each block's disk write and checksums it from the page cache."""
+    """Buffered writes; a thread starts each block's disk write and checksums it from the page cache.
+    With `sync=False` the file is left to the page cache: no block's write is started and finish does
+    not fsync (the CRC-32 is the same)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, sync: bool = True):
         super().__init__(path, "hf3d-crc")
         self.f = open(self.path, "wb")  # noqa: SIM115 (closed by finish's task in the thread)
+        self.sync = sync
         self._handed = 0  # bytes handed to the thread so far
 
     def write(self, data) -> int:
@@ -139,7 +143,8 @@ class RunningFile(_CheckedFile):
         self._handed = pos
 
     def _block(self, start: int, stop: int) -> None:
-        start_writeback(self.f.fileno(), start, stop)
+        if self.sync:
+            start_writeback(self.f.fileno(), start, stop)
         self._crc = crc32_range(self.path, start, stop, self._crc)
 
     def _close(self) -> None:
@@ -147,7 +152,8 @@ class RunningFile(_CheckedFile):
 
     def _sync_and_close(self) -> dict[str, int]:
         try:
-            os.fsync(self.f.fileno())
+            if self.sync:
+                os.fsync(self.f.fileno())
         finally:
             self.f.close()
         return {"size": self._handed, "crc32": self._crc}
@@ -218,11 +224,12 @@ class DirectFile(_CheckedFile):
         return {"size": self._pos, "crc32": self._crc}
 
 
-def open_checksummed(path: Path, *, direct: bool) -> _CheckedFile:
-    """A DirectFile where asked for and the file system takes O_DIRECT (Linux), else a RunningFile."""
+def open_checksummed(path: Path, *, direct: bool, sync: bool = True) -> _CheckedFile:
+    """A DirectFile where asked for and the file system takes O_DIRECT (Linux), else a RunningFile (left
+    unsynced with `sync=False`; a DirectFile always syncs)."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
             return DirectFile(path)
         except OSError:  # e.g. tmpfs: EINVAL
             pass
-    return RunningFile(path)
+    return RunningFile(path, sync=sync)

@@ -66,7 +66,7 @@ def _to_hf(args) -> None:
 def _from_hf(args) -> None:
     from .convert import hf_to_checkpoint
 
-    print(f"wrote {hf_to_checkpoint(args.src, args.out)}")
+    print(f"wrote {hf_to_checkpoint(args.src, args.out, fsync=args.fsync)}")
 
 
 def _push(args) -> None:
@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     d = directions.add_parser("from-hf", help="HF model -> weights-only hf3d checkpoint")
     d.add_argument("src", help="HF model directory or Hub id (safetensors weights)")
     d.add_argument("out", help="checkpoint folder to write (replaced if it is an hf3d checkpoint already)")
+    d.add_argument(
+        "--fsync",
+        action="store_true",
+        help="fsync the files before the checkpoint is marked complete (default: left to the page cache, as "
+        "save_pretrained does; every load checks the marker's checksums)",
+    )
     d.set_defaults(func=_from_hf)
     p = sub.add_parser("push", help="upload an HF model directory to the Hub, with a model card")
     p.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")

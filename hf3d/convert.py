@@ -11,7 +11,8 @@ so conversion needs no mesh and no process group (from-hf calls `dcp.save` with 
   wrote in boxes is assembled in a buffer the size of the largest such tensor. Peak: about one
   largest tensor (its pages; plus that buffer).
 - from-hf: DCP plans and writes `.metadata`; the data goes into one file through hf3d's writer
-  (hf3d/writer.py `OneFileWriter`, checksummed as it is written), each tensor mapped from the safetensors
+  (hf3d/writer.py `OneFileWriter`, checksummed as it is written, not fsynced unless asked: see
+  `hf_to_checkpoint`), each tensor mapped from the safetensors
   (`_ReadOnDemand`, in file order) just before it is written and dropped just after, so the state dict
   handed to DCP holds only meta tensors. DCP's own FileSystemWriter (torch 2.13) keeps every tensor of a
   file referenced until the file is closed, and one file per tensor cost a fsync each (8x a raw read +
@@ -273,13 +274,18 @@ def _check_safetensors(model_dir: Path) -> None:
     raise ValueError(f"{model_dir} has no {SAFE_SINGLE} or {SAFE_INDEX}; point at an HF model directory with weights")
 
 
-def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Path:
+def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsync: bool = False) -> Path:
     """Write an HF model (directory or Hub id) as a weights-only hf3d checkpoint; returns its path.
 
     Every tensor of the safetensors becomes `model/<name>` in its own dtype (a tied lm_head.weight is
     dropped, as HF drops it); config.json, generation_config.json and tokenizer files are copied. The
     marker says kind "weights", step 0 and the dtype of most of the weights. Atomic: a staging folder
     gets the marker last and is then renamed.
+
+    The files are left to the page cache, as save_pretrained leaves its own, unless `fsync`: the marker
+    records each file's size and CRC-32 and every load checks them, so an output a power loss cut short
+    is refused as damaged, never trained on, and the source is there to convert again. (Training
+    checkpoints always fsync: keep_last deletes older ones once a newer one is complete.)
     """
     from transformers import AutoConfig
 
@@ -310,7 +316,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike) -> Pat
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    writer = OneFileWriter(tmp)
+    writer = OneFileWriter(tmp, sync=fsync)
     with _single_process(), dcp_debug_records_off():
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
     checked = writer.file_table()

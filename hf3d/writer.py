@@ -15,8 +15,11 @@ metadata records: DCP's reader and hf3d's read it), with:
   (8 layers, 324 MiB per rank, this VM): the buffered write took 1.3-3.4 CPU seconds of kernel time on the
   rank whose step leaves a core idle (0.1-0.7 on the other), and a synchronous save blocked 2.1-5.5 s;
   with O_DIRECT, 0.03 CPU s of kernel time and 1.0-1.2 s. from-hf keeps the buffered write: its output
-  is read again soon (to-hf, the first load), and there it was faster (1.9x vs 2.2x a raw copy).
-`file_table()` waits for the fsync and gives {file name: {"size", "crc32"}}, as the marker records it.
+  is read again soon (to-hf, the first load), and there it was faster (1.9x vs 2.2x a raw copy);
+- with `sync=False` (from-hf), no fsync: the file is left to the page cache, as save_pretrained leaves
+  its files.
+`file_table()` waits for the fsync (if any) and gives {file name: {"size", "crc32"}}, as the marker
+records it.
 
 `dcp_debug_records_off()` is worn around hf3d's calls into DCP (see there).
 """
@@ -42,14 +45,14 @@ ALIGN = 64  # each item starts on this boundary, so its data lies aligned in a m
 class OneFileWriter(FileSystemWriter):
     """A FileSystemWriter for one save: one file per rank, checksummed as it is written (see the module)."""
 
-    def __init__(self, path: str | Path, *, direct: bool = False):
-        super().__init__(path, single_file_per_rank=True, sync_files=True)
-        self.direct = direct
+    def __init__(self, path: str | Path, *, direct: bool = False, sync: bool = True):
+        super().__init__(path, single_file_per_rank=True, sync_files=sync)
+        self.direct, self.sync = direct, sync
         self._written: dict[str, Future] = {}  # file name: its {"size", "crc32"} once on disk
 
     def write_data(self, plan, planner):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        out, results = open_checksummed(Path(self.path) / name, direct=self.direct), []
+        out, results = open_checksummed(Path(self.path) / name, direct=self.direct, sync=self.sync), []
         try:
             with _without_record_crc():
                 for item in plan.items:

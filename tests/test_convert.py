@@ -112,6 +112,28 @@ def test_from_hf_writes_one_data_file_checksummed_as_written(family_dirs, tmp_pa
     assert checkpoint.find_damage(ckpt, meta) == "__0_0.distcp does not match the checksum written with it"
 
 
+def test_from_hf_fsyncs_its_files_only_when_asked(family_dirs, tmp_path, monkeypatch, capsys):
+    """By default from-hf leaves its files to the page cache, as save_pretrained does (the marker's
+    checksums, checked at every load, catch an output a power loss cut short); `--fsync` syncs the data
+    file and DCP's .metadata before the marker is written. The data file is the same either way."""
+    import os
+
+    synced = []
+    real_fsync = os.fsync
+
+    def recording(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    plain = hf_to_checkpoint(family_dirs["llama"], tmp_path / "plain")
+    assert synced == []
+    assert cli_main(["convert", "from-hf", "--fsync", str(family_dirs["llama"]), str(tmp_path / "synced")]) == 0
+    assert sorted(synced) == [".metadata.tmp", "__0_0.distcp"]
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'synced'}"
+    assert (plain / "__0_0.distcp").read_bytes() == (tmp_path / "synced" / "__0_0.distcp").read_bytes()
+
+
 @pytest.mark.parametrize("where", ["data", "zip header"])
 def test_to_hf_refuses_a_damaged_checkpoint_and_publishes_nothing(family_dirs, tmp_path, where):
     """to-hf checks the sizes first and the checksums beside the conversion: a flipped byte in a tensor's
