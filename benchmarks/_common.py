@@ -295,6 +295,15 @@ SMOLLM2_360M = dict(
     num_key_value_heads=5,
     intermediate_size=2560,
 )
+SMOLLM2_1_7B = dict(
+    _SMOLLM2,
+    hidden_size=2048,
+    num_hidden_layers=24,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    intermediate_size=8192,
+    rope_parameters={"rope_type": "default", "rope_theta": 130000.0},
+)
 
 
 def llama_config(**kw):

@@ -17,8 +17,13 @@ from_pretrained keeps same-dtype weights as zero-copy mmap views that only becom
 so each worker also reads and then writes every weight once ("first use") and reports memory after that.
 The checkpoint is in the page cache for every run.
 
-    python benchmarks/bench_load_memory.py            # full: bf16 and fp32 loads, 3 repeats (~3-5 min)
-    python benchmarks/bench_load_memory.py --quick    # smoke: bf16, 1 repeat
+The same load-only peak is then measured at two larger published shapes (hf3d only, bf16): SmolLM2-360M
+at tp=3 and SmolLM2-1.7B at tp=4 (its 32 heads do not split in 3). With the 135M point, a straight line
+through (own parameter bytes, load-only peak) splits the peak into a fixed part (code pages, the process
+group, the mesh, the skeleton) and a part per byte of parameters.
+
+    python benchmarks/bench_load_memory.py            # full: bf16 and fp32 loads, 3 repeats, scale (~6-9 min)
+    python benchmarks/bench_load_memory.py --quick    # smoke: bf16, 1 repeat, no scale
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import _common as C
 SCRIPT = Path(__file__).resolve()
 SMOLLM2_135M = C.SMOLLM2_135M
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# (name, shape, tp) of the larger loads that measure how the load-only peak grows with the shard
+SCALE = [("SmolLM2-360M", C.SMOLLM2_360M, 3), ("SmolLM2-1.7B", C.SMOLLM2_1_7B, 4)]
 
 
 # -- workers (each in a fresh process) ---------------------------------------------------------------
@@ -137,6 +144,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtypes", default="bf16,fp32", help="dtype(s) to load the bf16 checkpoint at: bf16, fp32")
     ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--no-scale", action="store_true", help="skip the SmolLM2-360M and -1.7B loads")
     ap.add_argument("--worker", choices=["baseline", "stock", "hf3d", "refuse"], help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
@@ -145,7 +153,7 @@ def main():
     if args.worker:
         return worker(args)
     if args.quick:
-        args.repeats, args.dtypes = 1, "bf16"
+        args.repeats, args.dtypes, args.no_scale = 1, "bf16", True
     dtypes = args.dtypes.split(",")
 
     import torch
@@ -181,6 +189,8 @@ def main():
                     flush=True,
                 )
         data["runs"] = runs
+        if not args.no_scale:
+            data["scale"] = measure_scale(tmp, args.repeats)
     data["wall_s"] = time.perf_counter() - t_all
     tp2 = data["tp2"]
     body = [
@@ -194,6 +204,8 @@ def main():
     ]
     for dt in dtypes:
         body.append(summarise(dt, runs, args.tp, data))
+    if "scale" in data and "bf16" in data["summary"]:
+        body.append(summarise_scale(data, args.tp))
     body_md = "\n\n".join(body)
     print("\n" + body_md)
     path = C.write_results(
@@ -327,6 +339,65 @@ def summarise(dt: str, runs: dict, tp: int, data: dict) -> str:
         f"### bf16 checkpoint loaded as {dt}\n\nBaselines: A {C.mib(base_a):.0f} MiB, B {C.mib(base_b):.0f} MiB "
         f"(peak RSS of the baseline process).\n\n{table}\n\n" + "\n".join(lines)
     )
+
+
+def measure_scale(tmp: Path, repeats: int) -> list[dict]:
+    """hf3d's bf16 load at each SCALE shape: per repeat, every rank's record (phases, param_bytes)."""
+    import torch
+
+    out = []
+    for name, shape, tp in SCALE:
+        cfg = C.llama_config(**shape)
+        ckpt = tmp / name
+        t0 = time.perf_counter()
+        n_params = C.save_model_dir(cfg, ckpt, dtype=torch.bfloat16)
+        print(f"[scale] {name}: {n_params:,} params, checkpoint made in {time.perf_counter() - t0:.0f}s", flush=True)
+        runs = [run_worker("hf3d", ckpt, "bf16", tmp, f"{name}-{rep}", tp=tp) for rep in range(repeats)]
+        for f in ckpt.iterdir():
+            f.unlink()
+        ckpt.rmdir()
+        out.append({"name": name, "shape": C.shape_str(cfg), "tp": tp, "n_params": n_params, "runs": runs})
+    return out
+
+
+def summarise_scale(data: dict, tp: int) -> str:
+    """The load-only peak of the worst rank against its own parameter bytes at each size, and the line
+    through them: peak = fixed + per_byte x own bytes (least squares)."""
+    base_b = data["summary"]["bf16"]["baseline_B"]
+
+    def point(name: str, shape: str, point_tp: int, runs: list) -> dict:
+        peak = C.median([max(r["phases"]["loaded"]["VmHWM"] for r in recs) for recs in runs])
+        own = max(r["param_bytes"] for r in runs[0])
+        above = peak - base_b
+        return {"name": name, "shape": shape, "tp": point_tp, "own": own, "above_B": above, "ratio": above / own}
+
+    points = [point("SmolLM2-135M", data["shapes"].split(", rope")[0], tp, data["runs"]["hf3d-bf16"])]
+    points += [point(s["name"], s["shape"], s["tp"], s["runs"]) for s in data["scale"]]
+    xs, ys = [p["own"] for p in points], [p["above_B"] for p in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    per_byte = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - per_byte * mx
+    met_from = fixed / (1.05 - per_byte) if per_byte < 1.05 else float("inf")
+    data["scale_fit"] = {"points": points, "fixed": fixed, "per_byte": per_byte, "met_from_own_bytes": met_from}
+    rows = [
+        [p["name"], str(p["tp"]), C.mib(p["own"]), C.mib(p["above_B"]), f"{p['ratio']:.3f}x ({_met(p['ratio'])})"]
+        for p in points
+    ]
+    table = C.md_table(
+        ["shape (bf16)", "tp", "own parameter bytes (MiB)", "load-only peak above baseline B (MiB)", "ratio (≤ 1.05x)"],
+        rows,
+    )
+    return (
+        "### The load-only peak against the shard's size (hf3d, bf16, worst rank)\n\n"
+        f"{table}\n\n"
+        f"- a line through the {len(points)} points: peak above baseline B = **{C.mib(fixed):.1f} MiB fixed + "
+        f"{per_byte:.3f} x own parameter bytes**; the ≤ 1.05x target holds from "
+        f"{C.mib(met_from):.0f} MiB of own parameters per rank"
+    )
+
+
+def _met(ratio: float) -> str:
+    return "met" if ratio <= 1.05 else "missed"
 
 
 def _own_bytes_line(runs: list, base_b: float, own: int, summary: dict) -> str:

@@ -122,6 +122,16 @@ def _load_memory(d: dict) -> str:
     if "fp32" in s:
         fp32 = s["fp32"]["metrics"]["peak RSS during load (VmHWM)"]["ratio_above_baseline_B_worst_rank"]
         out += f"; {fp32:.2f}x (bf16 → fp32)"
+    fit = d.get("scale_fit")
+    if fit:  # the same load-only peak at larger shards (results files before it have none)
+        larger = ", ".join(
+            f"{p['name']} tp={p['tp']} {p['ratio']:.3f}x ({_verdict(p['ratio'], 1.05).split(': ')[1]})"
+            for p in fit["points"][1:]
+        )
+        out += (
+            f"; against own bytes at larger shards: {larger} (a fixed {fit['fixed'] / 2**20:.1f} MiB + "
+            f"{fit['per_byte']:.3f}x per byte)"
+        )
     return out
 
 
