@@ -18,7 +18,7 @@ so each worker also reads and then writes every weight once ("first use") and re
 The checkpoint is in the page cache for every run.
 
 The same load-only peak is then measured at two larger published shapes (hf3d only, bf16): SmolLM2-360M
-at tp=3 and SmolLM2-1.7B at tp=4 (its 32 heads do not split in 3). With the 135M point, a straight line
+at tp=5 (its 15/5 heads) and SmolLM2-1.7B at tp=4 (its 32/32). With the 135M point, a straight line
 through (own parameter bytes, load-only peak) splits the peak into a fixed part (code pages, the process
 group, the mesh, the skeleton) and a part per byte of parameters.
 
@@ -42,7 +42,7 @@ SCRIPT = Path(__file__).resolve()
 SMOLLM2_135M = C.SMOLLM2_135M
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 # (name, shape, tp) of the larger loads that measure how the load-only peak grows with the shard
-SCALE = [("SmolLM2-360M", C.SMOLLM2_360M, 3), ("SmolLM2-1.7B", C.SMOLLM2_1_7B, 4)]
+SCALE = [("SmolLM2-360M", C.SMOLLM2_360M, 5), ("SmolLM2-1.7B", C.SMOLLM2_1_7B, 4)]
 
 
 # -- workers (each in a fresh process) ---------------------------------------------------------------
