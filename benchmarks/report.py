@@ -125,7 +125,7 @@ def _load_memory(d: dict) -> str:
     fit = d.get("scale_fit")
     if fit:  # the same load-only peak at larger shards (results files before it have none)
         larger = ", ".join(
-            f"{p['name']} tp={p['tp']} {p['ratio']:.3f}x ({_verdict(p['ratio'], 1.05).split(': ')[1]})"
+            f"{p['name']} tp={p['tp']} {p['ratio']:.3f}x ({'met' if p['ratio'] <= 1.05 else 'missed'})"
             for p in fit["points"][1:]
         )
         out += (
