@@ -26,6 +26,8 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 try:
     from isal.isal_zlib import crc32 as _crc32_update
 except ImportError:  # a platform without an isal wheel: the same values, slower
@@ -165,21 +167,26 @@ DIRECT_BUFFER = 8 << 20  # each of DirectFile's two buffers
 
 class DirectFile(_CheckedFile):
     """O_DIRECT writes from two page-aligned buffers: the writer fills one while the thread checksums and
-    writes the other. Bytes leave a buffer only when it is full (or at finish), so flush does nothing."""
+    writes the other. Bytes leave a buffer only when it is full (or at finish), so flush does nothing.
+
+    The bytes are copied into a buffer by numpy, which lets go of the GIL for the copy (a slice assignment
+    into the mmap keeps it): an asynchronous save writes from a background thread, and the training step
+    beside it needs the GIL between its ops."""
 
     def __init__(self, path: Path):
         super().__init__(path, "hf3d-direct")
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         self._bufs = [mmap.mmap(-1, DIRECT_BUFFER) for _ in range(2)]  # anonymous maps: page-aligned
+        self._arrays = [np.frombuffer(buf, np.uint8) for buf in self._bufs]  # released before the maps close
         self._cur, self._fill, self._pos = 0, 0, 0
         self._in_flight: Future | None = None
 
     def write(self, data) -> int:
-        view = memoryview(data).cast("B")
+        view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
         done = 0
         while done < len(view):
             take = min(len(view) - done, DIRECT_BUFFER - self._fill)
-            self._bufs[self._cur][self._fill : self._fill + take] = view[done : done + take]
+            self._arrays[self._cur][self._fill : self._fill + take] = view[done : done + take]
             self._fill += take
             done += take
             if self._fill == DIRECT_BUFFER:
@@ -219,6 +226,7 @@ class DirectFile(_CheckedFile):
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
+            self._arrays = None  # a map with a view of it open cannot close
             for buf in self._bufs:
                 buf.close()
         return {"size": self._pos, "crc32": self._crc}

@@ -47,12 +47,12 @@ class OneFileWriter(FileSystemWriter):
 
     def __init__(self, path: str | Path, *, direct: bool = False, sync: bool = True):
         super().__init__(path, single_file_per_rank=True, sync_files=sync)
-        self.direct, self.sync = direct, sync
+        self.direct = direct  # `sync` is FileSystemWriter's sync_files
         self._written: dict[str, Future] = {}  # file name: its {"size", "crc32"} once on disk
 
     def write_data(self, plan, planner):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        out, results = open_checksummed(Path(self.path) / name, direct=self.direct, sync=self.sync), []
+        out, results = open_checksummed(Path(self.path) / name, direct=self.direct, sync=self.sync_files), []
         try:
             with _without_record_crc():
                 for item in plan.items:
