@@ -8,9 +8,12 @@ and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run
     the whole save (each rank's file is checksummed as it is written: there is no pass after it). Async: the
     staging copy and the small files; training then goes on while the files are written;
   - overlap: async only, what the background write costs the steps it runs beside: the sum over those
-    steps of (step time - the median plain step of this rank so far), plus any wait left at `result()`.
-    Each round runs two plain steps before its save. Until f40ac41 the baseline was that round's one
-    plain step, so one step's jitter went straight into the figure;
+    steps of (step time - the round's plain step), plus any wait left at `result()`. Each round runs two
+    plain steps before its save and two after the write has finished; the round's plain step is the
+    median of those four. The step time drifts by more than the target between rounds on this VM (2.2 s
+    to 3.0 s within one run), so the baseline comes from the steps on both sides of the write. Until
+    this commit it was the median of every plain step of the rank so far: back to back, with the same
+    code, that gave 0.05 and 0.24 step at dp=2. Until f40ac41 it was the round's one plain step before;
   - background CPU: async only, the CPU seconds (all threads of the process) of those steps beyond the
     median plain step's: the work of the write itself, which on this 2-core machine, with both cores busy
     with the two ranks' steps, can only come out of the steps;
@@ -21,9 +24,9 @@ and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run
     checkpoint and the raw files are dropped from the page cache (posix_fadvise DONTNEED, after their
     fsync): a save writes with O_DIRECT and leaves nothing cached, the raw write leaves its bytes
     cached, so both reads start from the disk.
-Rounds alternate (a plain step, save [+ overlapped steps], raw write, load, raw read) and the medians
-of the slowest rank are reported. "restored exactly": the loaded parameters equal a copy taken when
-the save was called (async: training changed them meanwhile).
+Rounds alternate (two plain steps, save [+ the steps beside it], two plain steps, raw write, load, raw
+read) and the medians of the slowest rank are reported. "restored exactly": the loaded parameters equal a
+copy taken when the save was called (async: training changed them meanwhile).
 
     python benchmarks/bench_checkpoint.py [--layers 8] [--rounds 5] [--quick]
 """
@@ -55,7 +58,7 @@ from _common import (  # noqa: E402
 )
 
 MESHES = {"dp2-zero1": dict(), "pp2": dict(pp=2)}
-PLAIN_STEPS = 2  # per round, before the save: the baseline of the steps beside an async write
+PLAIN_STEPS = 2  # per round, before the save and again after the write: the baseline of the steps beside it
 MODES = ("sync", "async")
 
 
@@ -99,38 +102,42 @@ def worker(model_dir: str, work: str, mesh: str, mode: str, rounds: int) -> None
         cpu[0] = time.process_time() - c0
         return time.perf_counter() - t0
 
-    step_times = [step() for _ in range(2)][1:]
-    plain_cpus = [cpu[0]]
+    step()  # the first step (allocations, the first collectives) is not a plain one
+    step_times = []
+
+    def plain_steps() -> list[tuple[float, float]]:
+        out = [(step(), cpu[0]) for _ in range(PLAIN_STEPS)]
+        step_times.extend(w for w, _ in out)
+        return out
+
     rank = dist.get_rank()
     ckpt, raw = Path(work) / f"ckpt-{mesh}-{mode}", Path(work) / f"raw_{rank}.bin"
     times = {k: [] for k in ("save", "overlap", "background_cpu", "raw_write", "load", "raw_read")}
     pm2, opt2 = build()
     same = True
     for _ in range(rounds):
-        for _ in range(PLAIN_STEPS):
-            step_times.append(step())
-            plain_cpus.append(cpu[0])
-        plain, plain_cpu = median(step_times), median(plain_cpus)  # every plain step of this rank so far
+        before = plain_steps()
         saved = [p.detach().clone() for _, p in pm.unique_parameters()]
         dist.barrier()
         t0 = time.perf_counter()
         pending = hf3d.save_checkpoint(ckpt, pm, opt, step=3, async_=mode == "async")
         times["save"].append(time.perf_counter() - t0)
-        overlap = background_cpu = 0.0
+        beside = []  # (wall, CPU) of the steps beside the write
+        wait = wait_cpu = 0.0
         if mode == "async":
             while True:  # steps beside the write, until every rank's part is done
-                overlap += step() - plain
-                background_cpu += cpu[0] - plain_cpu  # the process's CPU beyond a plain step's
+                beside.append((step(), cpu[0]))
                 done = torch.tensor(int(pending.done()))
                 dist.all_reduce(done, op=dist.ReduceOp.MIN)
                 if done.item():
                     break
             t0, c0 = time.perf_counter(), time.process_time()
             pending.result()
-            overlap += time.perf_counter() - t0
-            background_cpu += time.process_time() - c0
-        times["overlap"].append(overlap)
-        times["background_cpu"].append(background_cpu)
+            wait, wait_cpu = time.perf_counter() - t0, time.process_time() - c0
+        around = before + plain_steps()
+        plain, plain_cpu = median([w for w, _ in around]), median([c for _, c in around])
+        times["overlap"].append(sum(w - plain for w, _ in beside) + wait)
+        times["background_cpu"].append(sum(c - plain_cpu for _, c in beside) + wait_cpu)
         mine = sum(f.stat().st_size for f in ckpt.glob(f"__{rank}_*.distcp"))
         payload = os.urandom(1 << 20) * max(1, mine >> 20)
         dist.barrier()
