@@ -4,9 +4,11 @@ The oracle: stock Llama converted by torchao with the same recipe and the same m
 (`FP8Config.module_filter_fn`, which leaves the output head out), trained by torch AdamW with gradient
 accumulation over the same contiguous chunks of rows that hf3d's micro-batches (and dp ranks) take.
 - tp=1 with 2 micro-batches, tensorwise and rowwise: losses, grad norms and weights after 3 steps, under
-  AdamW and under plain SGD. SGD carries the step's gradient into the weights as it is; AdamW divides each
-  gradient element by its own root mean square, so an element whose gradient is float noise moves by up to
-  its learning rate whatever the noise, and hf3d's fp32 tp=1 without FP8 is already 4.4e-6 off stock there.
+  AdamW and under plain SGD; tensorwise under AdamW: step 1's loss, then losses and grad norms within the
+  reach of fp8 rounding flips (see TENSORWISE_LOSS_RTOL), as at every mesh. SGD carries the step's
+  gradient into the weights as it is; AdamW divides each gradient element by its own root mean square, so
+  an element whose gradient is float noise moves by up to its learning rate whatever the noise, and hf3d's
+  fp32 tp=1 without FP8 is already 4.4e-6 off stock there.
 - tp=2 (and tensorwise with sequence parallelism, and at cp=2, where token amaxes reduce over cp) and
   pp=2 x dp=2: the same, against the reference of the same chunks; tp=2 is also compared with hf3d's own
   tp=1 FP8 run.
@@ -51,10 +53,19 @@ FIRST_RTOL = 2e-6  # step 1's loss and grad norm (the same weights everywhere); 
 LOSS_RTOL = 3e-6  # every step's loss and grad norm; measured 3.1e-7
 UPDATE_RTOL = 3e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all weights; measured 2.1e-5 (tp1 tensorwise)
 WEIGHT_ATOL = 2e-4  # max |Δw|; measured 1.4e-5 (tp1 tensorwise: AdamW's noise, as in test_tensor_parallel)
-# Under data parallelism, tensorwise scales drift: the dp-reduced gradients differ from the reference's by float
-# noise (1e-7), so after the first update every scale moves by as much and each element near an fp8 rounding
-# boundary rounds the other way. Rowwise scales are powers of two, which that noise does not move.
-DP_TENSORWISE_RTOL = 1e-3  # losses and grad norms of pp2-dp2 tensorwise; measured 7.0e-5 (loss), 2.4e-3 (norm)
+# Tensorwise FP8 turns float noise into fp8 rounding flips. Wherever two runs differ by float noise (a
+# row-parallel sum split over tp, dp-reduced gradients, hf3d's fused fp32 ops against stock's after an update),
+# an element that lies that close to an fp8 rounding boundary rounds the other way, and one e4m3 step is 1/16 of
+# the value. Measured on an AVX-512 (AMX) Xeon: at tp=2 the scales of step 1 are the same as tp=1's to the last
+# bit, yet 75 of the 4096 e4m3 elements of layer 1's MLP input differ (a 6.6e-3 relative change that started as
+# 2.3e-7 of noise upstream), and tp=1 against torchao flips at step 3. Which case flips depends on the CPU's
+# kernels: on the CPU these tolerances were first measured on, only pp2-dp2 did (7.0e-5 loss, 2.4e-3 norm).
+# So every tensorwise case but SGD's is held to step 1's loss (no update yet, no flip seen on either CPU) and
+# to losses and grad norms within the flips' reach, without its weights (AdamW carries a flipped gradient
+# element into its weight at full learning rate: 0.11 of the update at tp=2). Rowwise scales are powers of
+# two: scaling is exact, and no rowwise case has flipped on either CPU.
+TENSORWISE_LOSS_RTOL = 5e-3  # losses; measured 3.0e-4 (tp2, this CPU), 7.0e-5 (pp2-dp2, the first CPU)
+TENSORWISE_NORM_RTOL = 3e-2  # grad norms; measured 1.9e-3 (tp2, this CPU), 2.4e-3 (pp2-dp2, the first CPU)
 SGD_LR = 1.0  # moves weights by up to 0.043 in 3 steps (AdamW at LR: 6e-3)
 SGD_WEIGHT_ATOL = 3e-7  # max |Δw| after 3 SGD steps; measured 1.5e-8 (tensorwise, rowwise, rowwise-scaled-mm)
 SGD_MIN_UPDATE = 1e-2  # the SGD weights move at least this much, so SGD_WEIGHT_ATOL is a test that can fail
@@ -202,13 +213,14 @@ def test_fp8_matches_torchao_on_stock(runs, case, recipe):
     losses, norms, state = refs[_ref_key(case, recipe)]
     assert got["converted"] > 0 and not got["head_fp8"]
     assert_close(got["losses"][0], losses[0], rtol=FIRST_RTOL, what=f"{case} {recipe} first loss")
+    flips = recipe == "tensorwise" and not case.endswith("-sgd")
+    if flips:
+        assert_close(got["losses"], losses, rtol=TENSORWISE_LOSS_RTOL, what=f"{case} {recipe} losses")
+        assert_close(got["norms"], norms, rtol=TENSORWISE_NORM_RTOL, what=f"{case} {recipe} grad norms")
+        return  # its weights carry the flips (see TENSORWISE_LOSS_RTOL); its losses and norms were checked
     assert_close(got["norms"][0], norms[0], rtol=FIRST_RTOL, what=f"{case} {recipe} first grad norm")
-    drift = case == "pp2-dp2" and recipe == "tensorwise"
-    rtol = DP_TENSORWISE_RTOL if drift else LOSS_RTOL
-    assert_close(got["losses"], losses, rtol=rtol, what=f"{case} {recipe} losses")
-    assert_close(got["norms"], norms, rtol=rtol * (3 if drift else 1), what=f"{case} {recipe} grad norms")
-    if drift:
-        return  # its weights carry the drift above (update error 2e-2); its losses were checked
+    assert_close(got["losses"], losses, rtol=LOSS_RTOL, what=f"{case} {recipe} losses")
+    assert_close(got["norms"], norms, rtol=LOSS_RTOL, what=f"{case} {recipe} grad norms")
     weights = _weights(got["out"])
     atol = SGD_WEIGHT_ATOL if case.endswith("-sgd") else WEIGHT_ATOL
     for name, want in state.items():
@@ -225,6 +237,10 @@ def test_fp8_matches_torchao_on_stock(runs, case, recipe):
 def test_tp2_equals_tp1(runs, recipe):
     res, _, start = runs
     tp1, tp2 = res[f"tp1/{recipe}"], res[f"tp2/{recipe}"]
+    assert_close(tp2["losses"][0], tp1["losses"][0], rtol=FIRST_RTOL, what="tp2 vs tp1 first loss")
+    if recipe == "tensorwise":  # fp8 rounding flips (see TENSORWISE_LOSS_RTOL)
+        assert_close(tp2["losses"], tp1["losses"], rtol=TENSORWISE_LOSS_RTOL, what="tp2 vs tp1 losses")
+        return
     assert_close(tp2["losses"], tp1["losses"], rtol=LOSS_RTOL, what="tp2 vs tp1 losses")
     w1, w2 = _weights(tp1["out"]), _weights(tp2["out"])
     assert _update_error(w2, w1, start) <= UPDATE_RTOL
