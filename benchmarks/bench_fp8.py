@@ -8,6 +8,8 @@ step time is not a target (fp8 matmuls here are torch._scaled_mm's CPU kernel, n
 
     python benchmarks/bench_fp8.py            # 200 steps each
     python benchmarks/bench_fp8.py --quick    # 10 steps; results/quick/
+    python benchmarks/bench_fp8.py --emulate  # fp8 runs with precision.fp8_emulate=true (CPUs where
+                                              # torch._scaled_mm takes a slow path)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def _plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="10 steps, results/quick/")
+    ap.add_argument("--emulate", action="store_true", help="fp8 runs through torchao's emulated matmul")
     args = ap.parse_args()
     env = C.env_info()
     rows, curves = {}, {}
@@ -43,6 +46,8 @@ def main() -> None:
         for name, extra in RUNS.items():
             out = Path(tmp) / name.replace(" ", "-")
             settings = [f"run.output_dir={out}", "model.dtype=bfloat16", "checkpoint.every=0", *extra]
+            if args.emulate and extra:
+                settings.append("precision.fp8_emulate=true")
             if args.quick:
                 settings += ["run.steps=10", "optim.warmup_steps=2", "data.eval.every=5"]
             proc, wall = C.hf3d_train(CONFIG, settings)
