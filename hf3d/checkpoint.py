@@ -34,7 +34,7 @@ import shutil
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 from typing import NoReturn
 
@@ -358,6 +358,13 @@ class _Boxes:
     def size(self) -> torch.Size:
         return self._size
 
+    def copied(self, into: Callable[[torch.Size, torch.Tensor, torch.dtype], torch.Tensor]) -> _Boxes:
+        """The same entry over copies of its boxes: `into(offsets, box, dtype)` returns the copy (an async
+        save's staging)."""
+        out = _Boxes(list(self._size), self.dtype)
+        out.boxes = {off: into(off, t, self.dtype) for off, t in self.boxes.items()}
+        return out
+
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         props = TensorProperties(dtype=self.dtype)
         return [
@@ -530,8 +537,9 @@ def save_checkpoint(
     and nothing is published, so the checkpoints already there (and `latest`) are unchanged. A peer
     that dies mid-save leaves the staging folder unmarked: never loaded, replaced by the next save.
 
-    async_=True returns a PendingCheckpoint as soon as this rank's state is copied (staged): the big
-    files are written in the background while training goes on, and the checksums, the marker, the
+    async_=True returns a PendingCheckpoint at once: this rank's state is copied (staged) and the big
+    files are written in the background while training goes on (the next update of `opt` waits for the
+    copy; without `opt` the call returns once the copy is taken), and the checksums, the marker, the
     rename and `after_publish` follow them there, with the same atomicity. Its `result()` (collective)
     waits and returns the folder or raises as above; the next save or load of this model waits for it
     first, so two saves never overlap."""
@@ -671,7 +679,11 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         if rank == 0:
             publish_now(tables)
 
-    future = saver.save(entries, writer, _SavePlanner(background=True), then=complete)
+    staged, future = saver.save(entries, writer, _SavePlanner(background=True), then=complete)
+    if opt is not None:
+        opt.wait_before_update(staged)  # the copy runs beside the next forward and backward
+    else:
+        wait([staged])  # nothing here to hold back whatever changes the parameters next
     saver.checkpoint = PendingCheckpoint(final, future)
     return saver.checkpoint
 

@@ -18,6 +18,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.last_values: dict[str, float] = {}
         self._riders: dict[str, torch.Tensor] = {}
         self._deferred: list[tuple[torch.Tensor, Callable[[], None]]] = []
+        self._being_copied: list[Future] = []  # copies of the parameters and state still being taken
         # torch.optim.Optimizer's bookkeeping (hooks, step patching), over the very same group dicts
         torch.optim.Optimizer.__init__(self, self.optimizer.param_groups, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
@@ -249,10 +251,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
             self.main_grad.mul_(coef)
         for _p, master, lo, hi in self._masters:
             master.grad = self.main_grad[lo:hi]
+        wait(self._being_copied)  # an asynchronous checkpoint's staging copy (its failure is the save's)
+        self._being_copied.clear()
         self.optimizer.step()
         self._write_back()
         self._step_started = False
         return norm
+
+    def wait_before_update(self, copying: Future) -> None:
+        """Make the next update of the parameters and the optimizer state wait until `copying` is done: a
+        copy of them being taken in the background (an asynchronous checkpoint's staging)."""
+        self._being_copied.append(copying)
 
     def _write_back(self) -> None:
         """The updated masters into this rank's parameters, then every rank's shards into all of them."""

@@ -1,8 +1,9 @@
 """Asynchronous checkpoints (`save_checkpoint(..., async_=True)`, `checkpoint.async: true`).
 
 The oracle is the synchronous save of the same state: the background write must produce the same bytes
-(every file but DCP's .metadata, which records its own path) even though training changes the parameters
-before the write begins, and a resume from it must continue bit for bit. Around it: nothing is published
+(every file but DCP's .metadata, which records its own path) even though training goes on before the
+copy of the state is taken (the optimizer's update waits for it) and changes the parameters before the
+write begins, and a resume from it must continue bit for bit. Around it: nothing is published
 before the marker (no folder, no `latest`), a second save waits for the first, and a background failure
 raises one CheckpointWriteError on every rank with nothing published.
 """
@@ -27,6 +28,7 @@ from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
+from hf3d.async_save import BoxStager  # noqa: E402
 
 BATCH, SEQ, SAVE_AT, STEPS = 4, 16, 2, 5
 MESHES = {"dp2": dict(), "pp2": dict(pp=2, num_microbatches=2)}
@@ -63,15 +65,18 @@ def _async_world(model_dir: str, out: str) -> None:
     start_watchdog(240)
     data, res, rank = batches(STEPS, BATCH, SEQ, 101), {}, dist.get_rank()
     plan, write_marker = checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker
+    copy = BoxStager._copy
     for name, pkw in MESHES.items():
         root = Path(out) / name
         pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
         opt = _opt(pm)
         first = _train(pm, opt, data[:SAVE_AT])
         hf3d.save_checkpoint(root / "sync", pm, opt, step=SAVE_AT, extra={"note": name})
-        # the background write begins only after the next step changed the parameters (planning held),
-        # and rank 0's marker waits until the checks below have looked at the folders
-        planned, marked = threading.Event(), threading.Event()
+        # the staging copy starts 1 s after the save returned, while the next step runs (its update must
+        # wait for the copy); the background write begins only after that step changed the parameters
+        # (planning held), and rank 0's marker waits until the checks below have looked at the folders
+        staged, planned, marked = threading.Event(), threading.Event(), threading.Event()
+        BoxStager._copy = _held_until(copy, staged)
         checkpoint._SavePlanner.create_local_plan = _held_until(plan, planned)
         checkpoint.write_marker = _held_until(write_marker, marked)
         published = []
@@ -79,6 +84,7 @@ def _async_world(model_dir: str, out: str) -> None:
             root / "async", pm, opt, step=SAVE_AT, extra={"note": name}, async_=True,
             after_publish=lambda seen=published, final=root / "async": seen.append(checkpoint.is_complete(final)),
         )  # fmt: skip
+        threading.Timer(1.0, staged.set).start()
         rest = _train(pm, opt, data[SAVE_AT : SAVE_AT + 1])
         planned.set()
         rest += _train(pm, opt, data[SAVE_AT + 1 :])
@@ -90,6 +96,7 @@ def _async_world(model_dir: str, out: str) -> None:
         marked.set()
         res[name] = dict(before=before, path=str(pending.result()), after_publish=published, uninterrupted=first + rest)
         checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker = plan, write_marker
+        BoxStager._copy = copy
         sync, done = checkpoint.read_marker(root / "sync"), checkpoint.read_marker(root / "async")
         # byte for byte but DCP's .metadata (it records its path) and the RNG files (the dropout stream's
         # state_dict records its lazily drawn seed only from its second call on): those compared by value
