@@ -124,8 +124,9 @@ def _load_memory(d: dict) -> str:
         out += f"; {fp32:.2f}x (bf16 → fp32)"
     fit = d.get("scale_fit")
     if fit:  # the same load-only peak at larger shards (results files before it have none)
+        target = fit["target"]
         larger = ", ".join(
-            f"{p['name']} tp={p['tp']} {p['ratio']:.3f}x ({'met' if p['ratio'] <= 1.05 else 'missed'})"
+            f"{p['name']} tp={p['tp']} {p['ratio']:.3f}x ({'met' if p['ratio'] <= target else 'missed'})"
             for p in fit["points"][1:]
         )
         out += (
