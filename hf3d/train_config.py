@@ -177,8 +177,9 @@ class CheckpointConfig:
     async_: bool = False
     """YAML `async`. true: a save returns at once; the state is copied (into host buffers kept for the run,
     pinned memory on a GPU) beside the next forward and backward, whose optimizer update waits for the copy,
-    and the files, the checksums and the marker are written in the background; `latest` and keep_last follow there. The next save, the end of the run
-    and a stop signal wait for it. A kill during the write publishes nothing, as with false."""
+    and the files, the checksums and the marker are written in the background; `latest` and keep_last follow
+    there. The next save, the end of the run and a stop signal wait for it. A kill during the write publishes
+    nothing, as with false."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
