@@ -87,10 +87,14 @@ def main() -> None:
     body = C.md_table(
         ["run", f"final loss (mean of last {TAIL})", "/ bf16", "last eval loss", "median step s", "step / bf16"], table
     )
+    if args.emulate:
+        body += "\n\nThe fp8 runs used `precision.fp8_emulate=true`: torchao's emulated fp8 matmul (the same casts and "
+        body += "scales, the product in high precision), not torch._scaled_mm."
     body += "\n\n![loss curves](fp8_loss_curves.png)\n\n" + "\n".join(
         f"- {name}: `{r['fp8_line']}`" for name, r in rows.items() if r["fp8_line"]
     )
     data = {"env": env, "command": "torchrun --nproc-per-node 2 -m hf3d train " + CONFIG, "runs": rows}
+    data["emulate"] = args.emulate
     path = C.write_results("fp8", "FP8 (torchao) vs bf16 on the embedded default run", body, data, quick=args.quick)
     print(f"wrote {path}: " + ", ".join(f"{n} {r['final_loss']:.4f}" for n, r in rows.items()))
 
