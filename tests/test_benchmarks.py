@@ -127,10 +127,16 @@ def test_report_counts_docstring_edits_as_current(tmp_path):
     import report
 
     def git(*args: str) -> str:
-        env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-               "GIT_COMMITTER_EMAIL": "t@t"}
-        return subprocess.run(["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True,
-                              text=True).stdout.strip()
+        env = {
+            **os.environ,
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@t",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t",
+        }
+        return subprocess.run(
+            ["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     def commit(source: str) -> str:
         (tmp_path / "hf3d" / "m.py").write_text(source)
