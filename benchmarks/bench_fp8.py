@@ -93,8 +93,8 @@ def main() -> None:
     body += "\n\n![loss curves](fp8_loss_curves.png)\n\n" + "\n".join(
         f"- {name}: `{r['fp8_line']}`" for name, r in rows.items() if r["fp8_line"]
     )
-    data = {"env": env, "command": "torchrun --nproc-per-node 2 -m hf3d train " + CONFIG, "runs": rows}
-    data["emulate"] = args.emulate
+    command = "torchrun --nproc-per-node 2 -m hf3d train " + CONFIG
+    data = {"env": env, "command": command, "runs": rows, "emulate": args.emulate}
     path = C.write_results("fp8", "FP8 (torchao) vs bf16 on the embedded default run", body, data, quick=args.quick)
     print(f"wrote {path}: " + ", ".join(f"{n} {r['final_loss']:.4f}" for n, r in rows.items()))
 

@@ -7,8 +7,7 @@ file in benchmarks/README.md (results/<name>.md's tables under a heading saying 
 commit, they were recorded).
 
 Every results file records the git commit it was measured at (benchmarks/_common.env_info). A row is
-"current" when no file of hf3d/ has changed its code since <commit> (a change to comments or docstrings
-only is not one: the files' ASTs without docstrings are compared) and no uncommitted hf3d/ change was
+"current" when `git diff --stat <commit> HEAD -- hf3d` is empty and no uncommitted hf3d/ change was
 recorded at measurement; otherwise it is marked STALE (hf3d/ changed since), UNCOMMITTED (measured on
 hf3d/ changes that are in no commit) or UNKNOWN (commit not in this repository). Marked rows are kept,
 not hidden.
@@ -21,7 +20,6 @@ not hidden.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import re
 import subprocess
@@ -41,40 +39,17 @@ def status(env: dict, repo: Path = REPO) -> tuple[str, str]:
     if not commit:
         return "UNKNOWN", "no commit recorded"
     diff = subprocess.run(
-        ["git", "diff", "--name-only", commit, "HEAD", "--", "hf3d"], cwd=repo, capture_output=True, text=True
+        ["git", "diff", "--stat", commit, "HEAD", "--", "hf3d"], cwd=repo, capture_output=True, text=True
     )
     if diff.returncode != 0:
         return "UNKNOWN", f"commit {commit} is not in this repository"
-    changed = [f for f in diff.stdout.splitlines() if f]
-    code_changed = [f for f in changed if _code(repo, commit, f) != _code(repo, "HEAD", f)]
-    if code_changed:
-        files = len(code_changed)
+    if diff.stdout.strip():
+        files = len(diff.stdout.strip().splitlines()) - 1
         return "STALE", f"hf3d/ changed since {commit} ({files} file{'s' * (files != 1)})"
     dirty = env.get("hf3d_uncommitted_at_start") or env.get("hf3d_uncommitted_at_end")
     if dirty:
         return "UNCOMMITTED", f"measured at {commit} with uncommitted hf3d/ changes"
     return "current", commit
-
-
-def _code(repo: Path, commit: str, path: str) -> str | None:
-    """The file's code at commit with its comments and docstrings left out (ast.dump); its text when it is not
-    Python; None when it does not exist there."""
-    shown = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=repo, capture_output=True, text=True)
-    if shown.returncode != 0:
-        return None
-    if not path.endswith(".py"):
-        return shown.stdout
-    tree = ast.parse(shown.stdout)
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list):
-            node.body = [n for n in body if not _bare_string(n)] or [ast.Pass()]
-    return ast.dump(tree)
-
-
-def _bare_string(node: ast.AST) -> bool:
-    """A docstring, or an attribute's docstring: a string standing alone as a statement, which runs nothing."""
-    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 def load(name: str, results: Path) -> dict | None:

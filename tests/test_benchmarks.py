@@ -121,33 +121,3 @@ def test_report_marks_results_by_commit(tmp_path):
     row = next(line for line in table.splitlines() if "memory model" in line)
     assert "**UNKNOWN**" in row and "+20.0%" in row and "1 outside" in row
     assert "no `results/step_time.json` yet" in table  # a missing file is shown, not hidden
-
-
-def test_report_counts_docstring_edits_as_current(tmp_path):
-    import report
-
-    def git(*args: str) -> str:
-        env = {
-            **os.environ,
-            "GIT_AUTHOR_NAME": "t",
-            "GIT_AUTHOR_EMAIL": "t@t",
-            "GIT_COMMITTER_NAME": "t",
-            "GIT_COMMITTER_EMAIL": "t@t",
-        }
-        return subprocess.run(
-            ["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True, text=True
-        ).stdout.strip()
-
-    def commit(source: str) -> str:
-        (tmp_path / "hf3d" / "m.py").write_text(source)
-        git("add", "-A")
-        git("commit", "-qm", "x")
-        return git("rev-parse", "--short", "HEAD")
-
-    git("init", "-q")
-    (tmp_path / "hf3d").mkdir()
-    measured = commit('class C:\n    """Old."""\n\n    every: int = 1\n    """Steps."""\n')
-    commit('class C:\n    """New words."""\n\n    every: int = 1  # a comment\n    """Steps between saves."""\n')
-    assert report.status({"git_commit": measured}, tmp_path)[0] == "current"
-    commit('class C:\n    """New words."""\n\n    every: int = 2\n    """Steps between saves."""\n')
-    assert report.status({"git_commit": measured}, tmp_path)[0] == "STALE"
