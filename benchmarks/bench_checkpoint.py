@@ -6,9 +6,9 @@ and with `async_=True` (`checkpoint.async: true`). Per mesh and mode, in one run
   - step: median time of one training step (4 x 128 tokens per dp rank) with no save in flight;
   - save: the time `hf3d.save_checkpoint` blocks the step (collective, atomic, fsync'd). Sync:
     the whole save (each rank's file is checksummed as it is written: there is no pass after it). Async: the
-    small files and the save's collectives; training then goes on while the state is copied (the next
-    optimizer update waits for the copy) and the files are written;
-  - overlap: async only, what the background copy and write cost the steps they run beside: the sum over those
+    small files and the save's collectives; training then goes on while the files are written (on a CPU
+    the write reads the live state, and the next optimizer update waits until it has);
+  - overlap: async only, what the background write costs the steps it runs beside: the sum over those
     steps of (step time - the round's plain step), plus any wait left at `result()`. Each round runs two
     plain steps before its save and two after the write has finished; the round's plain step is the
     median of those four. The step time drifts by more than the target between rounds on this VM (2.2 s

@@ -1,22 +1,29 @@
-"""DCP saves that return at once: the state is copied (staged) and the files are written in the background.
+"""DCP saves that return at once: the files are written in the background while training goes on.
 
-`torch.distributed.checkpoint.async_save` stages the state dict (a copy the training step can no longer
-change), then plans and writes it in a thread of its own, with collectives on the process group it is
-given. That group is a gloo group made for the checkpoints alone: the training step keeps the model's
-groups, so the two never queue behind each other (and nccl, which async_save refuses for the background
-collectives, is never asked).
+`torch.distributed.checkpoint.async_save` stages the state dict (gives the write a state the training step
+cannot change under it), then plans and writes it in a thread of its own, with collectives on the process
+group it is given. That group is a gloo group made for the checkpoints alone: the training step keeps the
+model's groups, so the two never queue behind each other (and nccl, which async_save refuses for the
+background collectives, is never asked).
 
-The stager is hf3d's (`BoxStager`, a DCP AsyncStager): it copies exactly the boxes this rank writes, in a
-thread, into host buffers kept from one save to the next (pinned memory on a GPU). DCP's DefaultStager
-copies whole storages: at dp=2 under ZeRO-1 a rank's parameter shard is a view of the whole flat buffer,
-so it copied 432 MiB per rank for 324 MiB written (8 layers of SmolLM2-135M), and it copied before the
-save returned. The copy now runs beside the next step's forward and backward, and `ready` is the future
-the optimizer's next update waits for (`ParallelOptimizer.wait_before_update`).
+What holds the state still until it is read depends on where it lives:
+- On a CPU, with an optimizer, nothing is copied: the write reads the live tensors, and the optimizer's
+  next update waits until this rank's write has read all of them (`OneFileWriter.read`, through
+  `ParallelOptimizer.wait_before_update`). The write runs beside the next step's forward and backward.
+  A copy took 0.09 of the 0.41-0.48 CPU s a save cost each rank at dp=2 (8 layers of SmolLM2-135M), on
+  cores the training step already uses, and kept a host copy of the rank's state (324 MiB there) for the
+  whole run. The price: the update waits for the write itself (its disk writes too) where the step left
+  it too little idle time to finish before (benchmarks/README.md, the eighth round).
+- On a GPU, and for a save without an optimizer (nothing to hold back), hf3d's `BoxStager` copies exactly
+  the boxes this rank writes, in a thread, into host buffers kept from one save to the next (pinned
+  memory on a GPU); the update (or the save itself, without an optimizer) waits for that copy only.
+  DCP's DefaultStager copies whole storages: at dp=2 under ZeRO-1 a rank's parameter shard is a view of
+  the whole flat buffer, so it copied 432 MiB per rank for 324 MiB written, before the save returned.
 
 The background threads (the staging copy, DCP's writer and hf3d's completion) run at the lowest CPU
 priority: the training step keeps its cores, and the background takes the time the step leaves idle
-(collective waits, data loading). A staging copy still unfinished at the update is finished while the
-step waits for it, with the cores the step leaves idle then.
+(collective waits, data loading). What the update still waits for is finished with the cores the step
+leaves idle then.
 
 What comes after the files (hf3d's checksums, marker, rename, `latest`, pruning) is the caller's `then`,
 run on this rank once its own write has finished: on the coordinator (rank 0) that is after every rank's
@@ -87,43 +94,66 @@ class BoxStager(AsyncStager):
             if queued is not None:
                 self.stream.wait_event(queued)
             # one call for every box: the GIL is let go for all of the copies, not taken back between them
-            torch._foreach_copy_(list(used.values()), boxes, non_blocking=self.on_gpu)
+            if boxes:  # a rank may write nothing (a save without an optimizer, at dp > 1), and take part all the same
+                torch._foreach_copy_(list(used.values()), boxes, non_blocking=self.on_gpu)
             if self.on_gpu:
                 self.stream.synchronize()
         self.buffers = used  # what this save did not use (another mesh's or a weights-only save's) is let go
         return staged
 
 
-class BackgroundSaver:
-    """One per model: the checkpoints' gloo group, the stager (whose host buffers are reused from one
-    save to the next) and the save in flight, if any. Made collectively: every rank, in the same order.
+class _Unstaged(AsyncStager):
+    """The state dict as it is: the write reads the live tensors (the caller holds them still)."""
 
-    The stager keeps one host copy of what this rank writes for as long as the model lives: the memory
-    an asynchronous checkpoint costs."""
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> Future:
+        same: Future = Future()
+        same.set_result(state_dict)
+        return same
+
+
+class BackgroundSaver:
+    """One per model: the checkpoints' gloo group, the stager of the saves that copy (its host buffers are
+    reused from one save to the next, and kept for as long as the model lives: the memory such saves cost)
+    and the save in flight, if any. Made collectively: every rank, in the same order."""
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo")
-        self.stager = BoxStager()
+        self.stager: BoxStager | None = None  # made by the first save that copies
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf3d-checkpoint")
         self.pending: Future | None = None
         self.checkpoint = None  # the caller's handle on the save in flight (a checkpoint.PendingCheckpoint)
 
-    def save(self, state: dict, writer, planner, then: Callable[[], None] | None) -> tuple[Future, Future]:
-        """Stage `state` and write it with `writer` (a DCP StorageWriter for the checkpoint's folder), then run
-        `then`, all in the background. Returns two futures: the staging copy's (until it is done, nothing in
-        `state` may change) and the whole save's (its exception is this rank's failure). The previous save
-        must be finished."""
+    def save(
+        self, state: dict, writer, planner, then: Callable[[], None] | None, *, copy: bool
+    ) -> tuple[Future, Future]:
+        """Write `state` with `writer` (hf3d's OneFileWriter for the checkpoint's folder), then run `then`, all in
+        the background; with `copy`, from a staged copy. Returns two futures: the first is done once nothing in
+        `state` is read any more (the staging copy taken, or without `copy` this rank's write having read every
+        tensor, or the save having failed before it); until then nothing in `state` may change. The second is
+        the whole save's (its exception is this rank's failure). The previous save must be finished."""
         assert self.pending is None or self.pending.done(), "two checkpoint saves may not overlap"
+        if copy and self.stager is None:
+            self.stager = BoxStager()
         with dcp_debug_records_off():  # the foreground part: the entries' state_dict() calls
             response = dcp.async_save(
-                state, storage_writer=writer, planner=planner, process_group=self.group, async_stager=self.stager
+                state,
+                storage_writer=writer,
+                planner=planner,
+                process_group=self.group,
+                async_stager=self.stager if copy else _Unstaged(),
             )
 
         def complete() -> None:
             lower_thread_priority()
-            response.upload_completion.result()
+            try:
+                response.upload_completion.result()
+            finally:  # a save that failed before its write began (planning) releases the state too
+                if not writer.read.done():
+                    writer.read.set_result(None)
             if then is not None:
                 then()
 
         self.pending = self.executor.submit(complete)
-        return response.staging_completion, self.pending
+        return (response.staging_completion if copy else writer.read), self.pending

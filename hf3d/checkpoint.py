@@ -537,12 +537,12 @@ def save_checkpoint(
     and nothing is published, so the checkpoints already there (and `latest`) are unchanged. A peer
     that dies mid-save leaves the staging folder unmarked: never loaded, replaced by the next save.
 
-    async_=True returns a PendingCheckpoint at once: this rank's state is copied (staged) and the big
-    files are written in the background while training goes on (the next update of `opt` waits for the
-    copy; without `opt` the call returns once the copy is taken), and the checksums, the marker, the
-    rename and `after_publish` follow them there, with the same atomicity. Its `result()` (collective)
-    waits and returns the folder or raises as above; the next save or load of this model waits for it
-    first, so two saves never overlap."""
+    async_=True returns a PendingCheckpoint at once: the big files are written in the background while
+    training goes on (the next update of `opt` waits until this rank's write has read the state, on a
+    GPU until it is copied to the host; without `opt` the call returns once a copy is taken), and the
+    checksums, the marker, the rename and `after_publish` follow them there, with the same atomicity.
+    Its `result()` (collective) waits and returns the folder or raises as above; the next save or load of
+    this model waits for it first, so two saves never overlap."""
     final = Path(path)
     tmp = staging_dir(final)
     wait_for_checkpoint(pmodel)
@@ -679,11 +679,13 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         if rank == 0:
             publish_now(tables)
 
-    staged, future = saver.save(entries, writer, _SavePlanner(background=True), then=complete)
+    # on a CPU the write reads the live state, and the update waits for it; on a GPU it reads a host copy
+    copy = opt is None or pmodel.device.type != "cpu"
+    released, future = saver.save(entries, writer, _SavePlanner(background=True), then=complete, copy=copy)
     if opt is not None:
-        opt.wait_before_update(staged)  # the copy runs beside the next forward and backward
+        opt.wait_before_update(released)  # the write (or the copy) runs beside the next forward and backward
     else:
-        wait([staged])  # nothing here to hold back whatever changes the parameters next
+        wait([released])  # nothing here to hold back whatever changes the parameters next
     saver.checkpoint = PendingCheckpoint(final, future)
     return saver.checkpoint
 

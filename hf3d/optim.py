@@ -108,7 +108,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self.last_values: dict[str, float] = {}
         self._riders: dict[str, torch.Tensor] = {}
         self._deferred: list[tuple[torch.Tensor, Callable[[], None]]] = []
-        self._being_copied: list[Future] = []  # copies of the parameters and state still being taken
+        self._being_read: list[Future] = []  # the parameters and state are still being read (a checkpoint)
         # torch.optim.Optimizer's bookkeeping (hooks, step patching), over the very same group dicts
         torch.optim.Optimizer.__init__(self, self.optimizer.param_groups, self.optimizer.defaults)
         self.param_groups, self.state = self.optimizer.param_groups, self.optimizer.state
@@ -251,17 +251,17 @@ class ParallelOptimizer(torch.optim.Optimizer):
             self.main_grad.mul_(coef)
         for _p, master, lo, hi in self._masters:
             master.grad = self.main_grad[lo:hi]
-        wait(self._being_copied)  # an asynchronous checkpoint's staging copy (its failure is the save's)
-        self._being_copied.clear()
+        wait(self._being_read)  # an asynchronous checkpoint's write or copy (its failure is the save's)
+        self._being_read.clear()
         self.optimizer.step()
         self._write_back()
         self._step_started = False
         return norm
 
-    def wait_before_update(self, copying: Future) -> None:
-        """Make the next update of the parameters and the optimizer state wait until `copying` is done: a
-        copy of them being taken in the background (an asynchronous checkpoint's staging)."""
-        self._being_copied.append(copying)
+    def wait_before_update(self, reading: Future) -> None:
+        """Make the next update of the parameters and the optimizer state wait until `reading` is done: they
+        are being read in the background (an asynchronous checkpoint's write, or its staging copy)."""
+        self._being_read.append(reading)
 
     def _write_back(self) -> None:
         """The updated masters into this rank's parameters, then every rank's shards into all of them."""

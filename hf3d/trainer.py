@@ -418,7 +418,7 @@ def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth,
                 after_publish=lambda: finish_save(root, c.keep_last),
             )  # fmt: skip
             run.saved_to = run.pending.result() if last else path  # a stop or the end waits for the write
-            how = "saved" if last else "staged (written in the background)"
+            how = "saved" if last else "started (written in the background)"
         else:
             run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
             on_rank0(lambda: finish_save(root, c.keep_last))

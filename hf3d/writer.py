@@ -49,6 +49,8 @@ class OneFileWriter(FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=sync)
         self.direct = direct  # `sync` is FileSystemWriter's sync_files
         self._written: dict[str, Future] = {}  # file name: its {"size", "crc32"} once on disk
+        self.read: Future = Future()
+        """Done once write_data has read every item (they are in the file or its buffers), or failed."""
 
     def write_data(self, plan, planner):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
@@ -72,6 +74,8 @@ class OneFileWriter(FileSystemWriter):
         except BaseException:
             out.abandon()
             raise
+        finally:
+            self.read.set_result(None)
         done = torch.futures.Future()
         done.set_result(results)
         return done

@@ -1,9 +1,10 @@
 """Asynchronous checkpoints (`save_checkpoint(..., async_=True)`, `checkpoint.async: true`).
 
 The oracle is the synchronous save of the same state: the background write must produce the same bytes
-(every file but DCP's .metadata, which records its own path) even though training goes on before the
-copy of the state is taken (the optimizer's update waits for it) and changes the parameters before the
-write begins, and a resume from it must continue bit for bit. Around it: nothing is published
+(every file but DCP's .metadata, which records its own path) even though the next step runs before the
+write begins (on a CPU the write reads the live state, and the optimizer's update waits for it), and a
+resume from it must continue bit for bit. A save without an optimizer writes a copy taken before it
+returns, so a step taken before its write begins does not change what it writes. Around it: nothing is published
 before the marker (no folder, no `latest`), a second save waits for the first, and a background failure
 raises one CheckpointWriteError on every rank with nothing published.
 """
@@ -28,7 +29,6 @@ from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
-from hf3d.async_save import BoxStager  # noqa: E402
 
 BATCH, SEQ, SAVE_AT, STEPS = 4, 16, 2, 5
 MESHES = {"dp2": dict(), "pp2": dict(pp=2, num_microbatches=2)}
@@ -65,18 +65,16 @@ def _async_world(model_dir: str, out: str) -> None:
     start_watchdog(240)
     data, res, rank = batches(STEPS, BATCH, SEQ, 101), {}, dist.get_rank()
     plan, write_marker = checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker
-    copy = BoxStager._copy
     for name, pkw in MESHES.items():
         root = Path(out) / name
         pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
         opt = _opt(pm)
         first = _train(pm, opt, data[:SAVE_AT])
         hf3d.save_checkpoint(root / "sync", pm, opt, step=SAVE_AT, extra={"note": name})
-        # the staging copy starts 1 s after the save returned, while the next step runs (its update must
-        # wait for the copy); the background write begins only after that step changed the parameters
-        # (planning held), and rank 0's marker waits until the checks below have looked at the folders
-        staged, planned, marked = threading.Event(), threading.Event(), threading.Event()
-        BoxStager._copy = _held_until(copy, staged)
+        # the background write begins 1 s after the save returned (planning held), while the next step
+        # runs (its update must wait until the write has read the state), and rank 0's marker waits
+        # until the checks below have looked at the folders
+        planned, marked = threading.Event(), threading.Event()
         checkpoint._SavePlanner.create_local_plan = _held_until(plan, planned)
         checkpoint.write_marker = _held_until(write_marker, marked)
         published = []
@@ -84,10 +82,8 @@ def _async_world(model_dir: str, out: str) -> None:
             root / "async", pm, opt, step=SAVE_AT, extra={"note": name}, async_=True,
             after_publish=lambda seen=published, final=root / "async": seen.append(checkpoint.is_complete(final)),
         )  # fmt: skip
-        threading.Timer(1.0, staged.set).start()
-        rest = _train(pm, opt, data[SAVE_AT : SAVE_AT + 1])
-        planned.set()
-        rest += _train(pm, opt, data[SAVE_AT + 1 :])
+        threading.Timer(1.0, planned.set).start()
+        rest = _train(pm, opt, data[SAVE_AT:])
         while rank == 0 and not checkpoint.staging_dir(root / "async").joinpath(".metadata").is_file():
             time.sleep(0.01)  # every rank's files are written once DCP's metadata is
         before = dict(
@@ -96,7 +92,6 @@ def _async_world(model_dir: str, out: str) -> None:
         marked.set()
         res[name] = dict(before=before, path=str(pending.result()), after_publish=published, uninterrupted=first + rest)
         checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker = plan, write_marker
-        BoxStager._copy = copy
         sync, done = checkpoint.read_marker(root / "sync"), checkpoint.read_marker(root / "async")
         # byte for byte but DCP's .metadata (it records its path) and the RNG files (the dropout stream's
         # state_dict records its lazily drawn seed only from its second call on): those compared by value
@@ -120,6 +115,18 @@ def _async_world(model_dir: str, out: str) -> None:
     # a second save waits for the first: its staging folder is made only once the first is published
     pm, opt = hf3d.parallelize(model_dir, hf3d.ParallelConfig()), None
     opt = _opt(pm)
+    # without an optimizer, the save returns once a copy is taken: a step before its write begins changes
+    # nothing in it
+    hf3d.save_checkpoint(Path(out) / "weights", pm, step=0)
+    planned = threading.Event()
+    checkpoint._SavePlanner.create_local_plan = _held_until(plan, planned)
+    pending = hf3d.save_checkpoint(Path(out) / "weights_async", pm, step=0, async_=True)
+    _train(pm, opt, data[:1])
+    planned.set()
+    pending.result()
+    checkpoint._SavePlanner.create_local_plan = plan
+    files = [checkpoint.read_marker(Path(out) / d)["files"] for d in ("weights", "weights_async")]
+    res["weights_only"] = {k: (v, files[1].get(k)) for k, v in files[0].items() if k.endswith(".distcp")}
     marked, seen = threading.Event(), []
     checkpoint.write_marker = _held_until(write_marker, marked)
     remove = checkpoint.remove
@@ -180,6 +187,11 @@ def test_async_save_writes_the_state_of_its_step_while_training_goes_on(results,
     assert all(r[name]["rng"] == [True, True, True] for r in results)
     for r in results:  # every rank: the resumed run is the uninterrupted one, bit for bit
         assert r[name]["resumed"] == r[name]["uninterrupted"]
+
+
+def test_a_save_without_an_optimizer_writes_the_parameters_of_its_call(results):
+    for r in results:
+        assert r["weights_only"] and all(a == b for a, b in r["weights_only"].values()), r["weights_only"]
 
 
 def test_saves_never_overlap(results):
