@@ -9,7 +9,9 @@
 
 `DirectFile` does the same with O_DIRECT (training checkpoints): the bytes gather in page-aligned buffers
 that a thread checksums and writes, so the kernel neither allocates page cache for the file nor copies
-into it. Where the file system refuses O_DIRECT, `open_checksummed` falls back to RunningFile.
+into it. A large write whose bytes lie at the same offset in their page as the file's position goes to
+the disk from the caller's memory, past the buffers (`phase_padding` says how far to pad for that).
+Where the file system refuses O_DIRECT, `open_checksummed` falls back to RunningFile.
 
 Both are `_CheckedFile`s: write / tell / flush as a file, `add()` after each item, `finish()` once.
 
@@ -161,17 +163,29 @@ class RunningFile(_CheckedFile):
         return {"size": self._handed, "crc32": self._crc}
 
 
-_DIRECT_ALIGN = 4096  # O_DIRECT's alignment of buffers, offsets and lengths (a page; block devices ask <= this)
+PAGE = 4096  # O_DIRECT's alignment of buffers, offsets and lengths (a page; block devices ask <= this)
 DIRECT_BUFFER = 8 << 20  # each of DirectFile's two buffers
+SMALL_WRITE = 1 << 12  # DirectFile copies a write of at most this many bytes with the mmap, not numpy
 
 
 class DirectFile(_CheckedFile):
     """O_DIRECT writes from two page-aligned buffers: the writer fills one while the thread checksums and
-    writes the other. Bytes leave a buffer only when it is full (or at finish), so flush does nothing.
+    writes the other. Bytes leave a buffer when it is full, at finish, or before a write from memory, so
+    flush does nothing.
 
     The bytes are copied into a buffer by numpy, which lets go of the GIL for the copy (a slice assignment
     into the mmap keeps it): an asynchronous save writes from a background thread, and the training step
-    beside it needs the GIL between its ops."""
+    beside it needs the GIL between its ops. Writes of at most SMALL_WRITE bytes (torch.save's headers and
+    pickles: about 5,000 per save of 130 items) are copied by the mmap: numpy's set-up costs more than they do.
+
+    A write of at least `from_memory` bytes that lie at the file position's offset in a page (the caller pads
+    the file for that: `phase_padding`) is not copied: its first bytes fill the buffer up to a page
+    boundary, the buffer is handed over, and the whole pages that follow are checksummed and written from
+    the caller's memory (the call returns once they are on disk: the caller may free them then). Measured
+    at dp=2 (8 layers of SmolLM2-135M, 324 MiB per rank, an async save with nothing beside it): the copy into
+    the buffers took 0.10-0.12 of the 0.26-0.34 CPU s a save cost each rank; without it, 0.22-0.27."""
+
+    from_memory = 1 << 20  # a write of at least this many bytes, in phase with the file, skips the buffers
 
     def __init__(self, path: Path):
         super().__init__(path, "hf3d-direct")
@@ -181,8 +195,36 @@ class DirectFile(_CheckedFile):
         self._cur, self._fill, self._pos = 0, 0, 0
         self._in_flight: Future | None = None
 
+    def phase_padding(self, address: int) -> int:
+        """The zero bytes to write so that the file position lies at `address`'s offset in its page."""
+        return (address - self._pos) % PAGE
+
     def write(self, data) -> int:
-        view = np.frombuffer(memoryview(data).cast("B"), np.uint8)
+        data = memoryview(data).cast("B")
+        n = len(data)
+        if n <= SMALL_WRITE and self._fill + n < DIRECT_BUFFER:  # most of torch.save's writes: headers, pickles
+            self._bufs[self._cur][self._fill : self._fill + n] = data
+            self._fill += n
+            self._pos += n
+            return n
+        view = np.frombuffer(data, np.uint8)
+        if n >= self.from_memory and (view.ctypes.data - self._pos) % PAGE == 0:
+            return self._write_from_memory(view)
+        return self._copy(view)
+
+    def _write_from_memory(self, view: np.ndarray) -> int:
+        head = -self._pos % PAGE
+        pages = (len(view) - head) // PAGE * PAGE
+        self._copy(view[:head])
+        if self._fill:
+            self._hand_rest()  # ends on a page boundary: the buffers always start on one
+        self._in_flight = self._pool.submit(self._write_view, view[head : head + pages])
+        self._in_flight.result()  # the bytes are the caller's: on disk before it may change or free them
+        self._pos += pages
+        self._copy(view[head + pages :])
+        return len(view)
+
+    def _copy(self, view: np.ndarray) -> int:
         done = 0
         while done < len(view):
             take = min(len(view) - done, DIRECT_BUFFER - self._fill)
@@ -210,11 +252,18 @@ class DirectFile(_CheckedFile):
         buf = self._bufs[i]
         with memoryview(buf) as view:
             self._crc = _crc32_update(view[:length], self._crc)
-            padded = -(-length // _DIRECT_ALIGN) * _DIRECT_ALIGN  # the last buffer's tail: cut by finish
+            padded = -(-length // PAGE) * PAGE  # the last buffer's tail: cut by finish
             view[length:padded] = bytes(padded - length)
-            done = 0
-            while done < padded:
-                done += os.write(self.fd, view[done:padded])
+            self._write_all(view[:padded])
+
+    def _write_view(self, view: np.ndarray) -> None:
+        self._crc = _crc32_update(view, self._crc)
+        self._write_all(memoryview(view))
+
+    def _write_all(self, view: memoryview) -> None:
+        done = 0
+        while done < len(view):
+            done += os.write(self.fd, view[done:])
 
     def _close(self) -> None:
         os.close(self.fd)

@@ -285,6 +285,52 @@ def test_a_box_is_written_as_its_own_bytes_without_a_copy():
         assert torch.equal(item.float(), next(iter(obj.boxes.values())).to(obj.dtype).float())
 
 
+def test_large_boxes_are_written_from_their_memory_and_read_back(tmp_path, monkeypatch):
+    """Boxes of at least DirectFile.from_memory bytes (lowered here) are placed in phase with their memory and
+    written from it; DCP's own reader and hf3d's mapped one read every box back, and the marker's CRC-32 is
+    the file's. Boxes start at odd places in the flat buffer; a bf16 box is a copy, a small one is buffered."""
+    import zlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hf3d import checksums, writer
+    from hf3d.stored import stored_box
+
+    monkeypatch.setattr(checksums.DirectFile, "from_memory", 4096)
+    from_memory = []
+    write_view = checksums.DirectFile._write_view
+    monkeypatch.setattr(
+        checksums.DirectFile, "_write_view", lambda self, view: (from_memory.append(len(view)), write_view(self, view))
+    )
+    flat = torch.randn(3 * 3000 + 7)
+    w = checkpoint._Boxes([3000, 3], torch.float32)  # three boxes of 12,000 bytes at odd offsets
+    for i in range(3):
+        w.add([1000 * i, 0], flat[7 + 3000 * i : 7 + 3000 * (i + 1)].view(1000, 3))
+    half = checkpoint._Boxes([2000, 3], torch.bfloat16)  # copied to bf16: a storage of its own
+    half.add([0, 0], flat[1 : 1 + 6000].view(2000, 3))
+    small = checkpoint._Boxes([10], torch.float32)
+    small.add([0], flat[:10])
+    state = {"w": w, "half": half, "small": small}
+    out = writer.OneFileWriter(tmp_path, direct=True)
+    dcp.save(state, storage_writer=out, planner=checkpoint._SavePlanner(), no_dist=True)
+    assert len(from_memory) == 4  # the three float32 boxes and the bf16 copy; not the small box
+    [(name, written)] = out.file_table().items()
+    assert written["crc32"] == zlib.crc32((tmp_path / name).read_bytes())
+    want = {"w": flat[7 : 7 + 9000].view(3000, 3), "half": flat[1:6001].view(2000, 3).bfloat16(), "small": flat[:10]}
+    got = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(got, storage_reader=FileSystemReader(tmp_path), no_dist=True)
+    metadata = FileSystemReader(tmp_path).read_metadata()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+        for index, info in metadata.storage_data.items():
+            if index.fqn == k:
+                shape = tuple(metadata.state_dict_metadata[k].chunks[0].sizes)
+                box = stored_box(tmp_path / info.relative_path, info, v.dtype, shape)
+                rows = index.offset[0]
+                assert torch.equal(box, v[rows : rows + shape[0]]), (k, index.offset)
+
+
 def test_weights_only_checkpoint_leaves_the_optimizer_fresh(saved):
     got = saved["resume"]["weights"]
     assert got == dict(step=0, state=0, params_equal=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import zlib
 
+import numpy as np
 import pytest
 
 from hf3d import checksums
@@ -60,6 +61,31 @@ def test_direct_file_writes_and_sums_the_same_bytes(tmp_path, monkeypatch):
     assert out.tell() == len(data)
     assert out.finish().result() == {"size": len(data), "crc32": zlib.crc32(data)}
     assert (tmp_path / "d.bin").read_bytes() == data  # cut back to its length after the padded last write
+
+
+def test_a_large_write_in_phase_goes_to_disk_from_its_memory(tmp_path, monkeypatch):
+    """A large write whose bytes lie at the file position's offset in a page skips the buffers (its whole
+    pages are written from the caller's memory); one out of phase is copied. The file and its CRC-32 are the
+    same bytes either way."""
+    monkeypatch.setattr(checksums, "DIRECT_BUFFER", 4 * 4096)
+    monkeypatch.setattr(checksums.DirectFile, "from_memory", 2 * 4096)
+    from_memory = []
+    write_view = checksums.DirectFile._write_view
+    monkeypatch.setattr(
+        checksums.DirectFile, "_write_view", lambda self, view: (from_memory.append(len(view)), write_view(self, view))
+    )
+    memory = np.frombuffer(os.urandom(11 * 4096), np.uint8)[123:]  # starts 123 bytes into a page, or past it
+    out = checksums.open_checksummed(tmp_path / "m.bin", direct=True)
+    out.write(bytes(range(200)))
+    out.write(bytes(out.phase_padding(memory.ctypes.data)))  # the buffer is partly filled
+    head = bytes(range(200)) + bytes(out.tell() - 200)
+    out.write(memory)  # in phase: from memory
+    out.write(memory[1:])  # one byte out of phase: copied
+    data = head + memory.tobytes() + memory[1:].tobytes()
+    assert out.finish().result() == {"size": len(data), "crc32": zlib.crc32(data)}
+    assert (tmp_path / "m.bin").read_bytes() == data
+    pages = (len(memory) - (-memory.ctypes.data % 4096)) // 4096 * 4096
+    assert from_memory == [pages]
 
 
 def test_direct_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
