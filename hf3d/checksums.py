@@ -208,7 +208,7 @@ class DirectFile(_CheckedFile):
             self._pos += n
             return n
         view = np.frombuffer(data, np.uint8)
-        if n >= self.from_memory and (view.ctypes.data - self._pos) % PAGE == 0:
+        if n >= self.from_memory and self.phase_padding(view.ctypes.data) == 0:
             return self._write_from_memory(view)
         return self._copy(view)
 
