@@ -17,6 +17,8 @@ metadata records: DCP's reader and hf3d's read it), with:
   rank whose step leaves a core idle (0.1-0.7 on the other), and a synchronous save blocked 2.1-5.5 s;
   with O_DIRECT, 0.03 CPU s of kernel time and 1.0-1.2 s. from-hf keeps the buffered write: its output
   is read again soon (to-hf, the first load), and there it was faster (1.9x vs 2.2x a raw copy);
+- a tensor of a layout (dtype, shape, ...) torch.saved before written as the bytes torch.save wrote then,
+  around its own storage's (`_SavedBytes`): no pickling per item;
 - with `sync=False` (from-hf), no fsync: the file is left to the page cache, as save_pretrained leaves
   its files.
 `file_table()` waits for the fsync (if any) and gives {file name: {"size", "crc32"}}, as the marker
@@ -32,11 +34,13 @@ import logging
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.utils.serialization import config as serialization_config
 
 from .checksums import PAGE, DirectFile, open_checksummed
 
@@ -98,17 +102,94 @@ def _save_tensor(t: torch.Tensor, out) -> int:
     storage = t.untyped_storage()
     if not isinstance(out, DirectFile) or storage.device.type != "cpu" or storage.nbytes() < out.from_memory:
         start = out.tell()
-        torch.save(t, out)
+        _SAVED.save(t, out)
         return start
     out.write(bytes(out.phase_padding(storage.data_ptr())))
     start = out.tell()
-    config = torch.utils.serialization.config.save
+    config = serialization_config.save
     before, config.storage_alignment = config.storage_alignment, PAGE
     try:
-        torch.save(t, out)
+        _SAVED.save(t, out)
     finally:
         config.storage_alignment = before
     return start
+
+
+class _SavedBytes:
+    """torch.save of a plain tensor alone on its storage, replayed: with the record CRC off, every byte torch.save
+    writes but the storage's own depends only on the tensor's layout (dtype, shape, strides, storage size,
+    requires_grad) and torch's save settings. The first torch.save of each layout is recorded as the bytes
+    before and after the storage's; the next tensor of that layout is written as those bytes around its
+    storage: 3 writes instead of about 40, and no pickling. Measured at dp=2 (8 layers of SmolLM2-135M, 129
+    items per rank and save, async): the writer's torch.save calls took 0.083-0.096 CPU s per save and rank,
+    the replays 0.034-0.036 (tests/test_checkpoint.py checks the replayed bytes against torch.save's own)."""
+
+    limit = 4096  # layouts kept (a few dozen per model); past this the table starts again
+
+    def __init__(self):
+        self.table: dict[tuple, tuple[bytes, bytes]] = {}
+
+    def save(self, t: torch.Tensor, out) -> None:
+        key = _layout(t)
+        saved = self.table.get(key) if key is not None else None
+        if saved is None:
+            self._record(t, out, key)
+            return
+        head, tail = saved
+        out.write(head)
+        out.write(_storage_bytes(t.untyped_storage()))
+        out.write(tail)
+
+    def _record(self, t: torch.Tensor, out, key) -> None:
+        recording = _Recording(out, t.untyped_storage())
+        torch.save(t, recording if key is not None else out)
+        if key is None or key in self.table or len(recording.parts) != 2:
+            return
+        if len(self.table) >= self.limit:
+            self.table.clear()
+        self.table[key] = (bytes(recording.parts[0]), bytes(recording.parts[1]))
+
+
+def _layout(t: torch.Tensor) -> tuple | None:
+    """What torch.save writes of `t` besides its storage's bytes; None where that is more than its layout (a
+    subclass, Python attributes, a sparse, quantized or conjugate tensor, another device) or where the record
+    CRC (which covers the storage's bytes) is on."""
+    plain = type(t) is torch.Tensor and not t.__dict__ and t.layout == torch.strided and t.device.type == "cpu"
+    if not plain or t.is_quantized or t.is_conj() or t.is_neg() or torch.serialization.get_crc32_options():
+        return None
+    storage = t.untyped_storage()
+    alignment = serialization_config.save.storage_alignment
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset(), storage.nbytes(), t.requires_grad, alignment)
+
+
+def _storage_bytes(storage: torch.UntypedStorage):
+    """The storage's bytes as a buffer over its memory (no copy)."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+
+
+class _Recording:
+    """A file for torch.save that passes every write on to `out` and keeps the bytes written before and after
+    the one write from `storage`'s memory (`parts` has two items when there was exactly one such write: a
+    storage torch.save copied, or wrote in pieces, is not replayed)."""
+
+    def __init__(self, out, storage: torch.UntypedStorage):
+        self.out, self.storage = out, (storage.data_ptr(), storage.nbytes())
+        self.parts: list[bytearray] = [bytearray()]
+
+    def write(self, data) -> int:
+        n = self.out.write(data)
+        view = memoryview(data).cast("B")
+        if len(view) == self.storage[1] > 0 and np.frombuffer(view, np.uint8).ctypes.data == self.storage[0]:
+            self.parts.append(bytearray())
+        else:
+            self.parts[-1] += view
+        return n
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+_SAVED = _SavedBytes()
 
 
 @contextlib.contextmanager

@@ -331,6 +331,52 @@ def test_large_boxes_are_written_from_their_memory_and_read_back(tmp_path, monke
                 assert torch.equal(box, v[rows : rows + shape[0]]), (k, index.offset)
 
 
+def test_a_tensor_of_a_layout_saved_before_is_written_as_torch_save_writes_it(tmp_path, monkeypatch):
+    """From the second tensor of a layout on, the writer replays the bytes torch.save wrote around the first
+    one's storage: every item is still torch.save's own bytes for its tensor (its records aligned as the
+    writer asks: a page for a write from memory), and torch.save ran once per layout and alignment. Layouts
+    of the same byte count (shape, dtype) differ; the same tensors go into a DirectFile, then a RunningFile."""
+    import io
+
+    from torch.utils.serialization import config
+
+    from hf3d import checksums, writer
+
+    monkeypatch.setattr(checksums.DirectFile, "from_memory", 4096)  # 4 KiB and up: written from memory
+    monkeypatch.setattr(writer, "_SAVED", writer._SavedBytes())
+    saves = []
+    save = torch.save
+    monkeypatch.setattr(torch, "save", lambda obj, f: (saves.append(obj.shape), save(obj, f))[1])
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        *(torch.randn(40, 30, generator=g) for _ in range(2)),  # 4,800 bytes: from memory in a DirectFile
+        torch.randn(30, 40, generator=g),
+        torch.randint(0, 9, (40, 30), dtype=torch.int32, generator=g),
+        *(torch.randn(4, 6, generator=g).bfloat16() for _ in range(2)),  # 48 bytes: buffered
+        torch.randn(6, 4, generator=g).bfloat16(),
+        torch.randn(12, generator=g),
+    ]
+    for direct in (True, False):
+        out = checksums.open_checksummed(tmp_path / f"items-{direct}", direct=direct)
+        spans = []
+        with writer._without_record_crc():
+            for t in tensors:
+                start = writer._save_tensor(t, out)
+                spans.append((start, out.tell()))
+                out.write(bytes(-out.tell() % writer.ALIGN))
+        out.finish().result()
+        data = (tmp_path / f"items-{direct}").read_bytes()
+        for t, (start, stop) in zip(tensors, spans):
+            large = direct and t.untyped_storage().nbytes() >= 4096
+            want = io.BytesIO()
+            alignment = checksums.PAGE if large else config.save.storage_alignment
+            with writer._without_record_crc(), config.patch({"save.storage_alignment": alignment}):
+                save(t, want)
+            assert data[start:stop] == want.getvalue(), (direct, tuple(t.shape), t.dtype)
+            assert torch.equal(torch.load(io.BytesIO(data[start:stop])), t)
+    assert len(saves) == 6 + 3  # 6 layouts; the 3 large ones again at the RunningFile's alignment
+
+
 def test_weights_only_checkpoint_leaves_the_optimizer_fresh(saved):
     got = saved["resume"]["weights"]
     assert got == dict(step=0, state=0, params_equal=True)
