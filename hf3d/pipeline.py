@@ -23,23 +23,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 
 from .expert_parallel import aux_stats, close_forward
 
-SCHEDULES = {
-    "afab": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+SCHEDULES = {  # torch.distributed.pipelining's classes, imported when the first pipeline is built (pp > 1): a run
+    # at pp = 1 never loads that package (1.0 MiB less in a tp=3 rank's load peak here, benchmarks/README.md)
+    "afab": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 SINGLE_STAGE = ("afab", "1f1b")
 FUSED_HEAD_SCHEDULES = ("1f1b",)  # one micro-batch alive at a time on the last stage
@@ -74,6 +67,8 @@ class _Pipeline:
     """PipelineStages and a schedule for one micro-batch shape (rebuilt if the shape changes)."""
 
     def __init__(self, pmodel, mb_shape: tuple[int, int], fused_head: bool):
+        from torch.distributed import pipelining
+
         pcfg = pmodel.pcfg
         self.mb_shape, self.fused_head = mb_shape, fused_head
         b, s = mb_shape
@@ -98,7 +93,7 @@ class _Pipeline:
             if self.stats is not None:
                 module = _Carrying(module, self.stats)
             self.stages.append(
-                PipelineStage(
+                pipelining.PipelineStage(
                     module,
                     st.stage_index,
                     pcfg.num_stages,
@@ -110,7 +105,7 @@ class _Pipeline:
             )
         last = next((st for st in pmodel.stages if st.last), None)
         self.lm_head = last.lm_head if last is not None else None
-        cls = SCHEDULES[pcfg.pp_schedule]
+        cls = getattr(pipelining, SCHEDULES[pcfg.pp_schedule])
         stage_arg = self.stages[0] if pcfg.pp_schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(stage_arg, n_microbatches=pcfg.num_microbatches, loss_fn=self._loss, scale_grads=False)
         self.has_first = any(st.first for st in pmodel.stages)
