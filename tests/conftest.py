@@ -20,3 +20,17 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
     """{family: HF directory} for the five tiny families of tests/models.py (seed 0)."""
     root = tmp_path_factory.mktemp("families")
     return {f: make_model_dir(root / f, f) for f in FAMILIES}
+
+
+@pytest.fixture
+def direct_writes_from_memory(monkeypatch) -> list[int]:
+    """The lengths of the writes hf3d.checksums.DirectFile makes from its caller's memory (past its buffers),
+    in order, while the test runs."""
+    from hf3d import checksums
+
+    lengths: list[int] = []
+    write_view = checksums.DirectFile._write_view
+    monkeypatch.setattr(
+        checksums.DirectFile, "_write_view", lambda self, view: (lengths.append(len(view)), write_view(self, view))
+    )
+    return lengths

@@ -285,7 +285,7 @@ def test_a_box_is_written_as_its_own_bytes_without_a_copy():
         assert torch.equal(item.float(), next(iter(obj.boxes.values())).to(obj.dtype).float())
 
 
-def test_large_boxes_are_written_from_their_memory_and_read_back(tmp_path, monkeypatch):
+def test_large_boxes_are_written_from_their_memory_and_read_back(tmp_path, monkeypatch, direct_writes_from_memory):
     """Boxes of at least DirectFile.from_memory bytes (lowered here) are placed in phase with their memory and
     written from it; DCP's own reader and hf3d's mapped one read every box back, and the marker's CRC-32 is
     the file's. Boxes start at odd places in the flat buffer; a bf16 box is a copy, a small one is buffered."""
@@ -298,11 +298,7 @@ def test_large_boxes_are_written_from_their_memory_and_read_back(tmp_path, monke
     from hf3d.stored import stored_box
 
     monkeypatch.setattr(checksums.DirectFile, "from_memory", 4096)
-    from_memory = []
-    write_view = checksums.DirectFile._write_view
-    monkeypatch.setattr(
-        checksums.DirectFile, "_write_view", lambda self, view: (from_memory.append(len(view)), write_view(self, view))
-    )
+    from_memory = direct_writes_from_memory
     flat = torch.randn(3 * 3000 + 7)
     w = checkpoint._Boxes([3000, 3], torch.float32)  # three boxes of 12,000 bytes at odd offsets
     for i in range(3):

@@ -63,17 +63,13 @@ def test_direct_file_writes_and_sums_the_same_bytes(tmp_path, monkeypatch):
     assert (tmp_path / "d.bin").read_bytes() == data  # cut back to its length after the padded last write
 
 
-def test_a_large_write_in_phase_goes_to_disk_from_its_memory(tmp_path, monkeypatch):
+def test_a_large_write_in_phase_goes_to_disk_from_its_memory(tmp_path, monkeypatch, direct_writes_from_memory):
     """A large write whose bytes lie at the file position's offset in a page skips the buffers (its whole
     pages are written from the caller's memory); one out of phase is copied. The file and its CRC-32 are the
     same bytes either way."""
     monkeypatch.setattr(checksums, "DIRECT_BUFFER", 4 * 4096)
     monkeypatch.setattr(checksums.DirectFile, "from_memory", 2 * 4096)
-    from_memory = []
-    write_view = checksums.DirectFile._write_view
-    monkeypatch.setattr(
-        checksums.DirectFile, "_write_view", lambda self, view: (from_memory.append(len(view)), write_view(self, view))
-    )
+    from_memory = direct_writes_from_memory
     memory = np.frombuffer(os.urandom(11 * 4096), np.uint8)[123:]  # starts 123 bytes into a page, or past it
     out = checksums.open_checksummed(tmp_path / "m.bin", direct=True)
     out.write(bytes(range(200)))
