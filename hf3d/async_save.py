@@ -32,6 +32,7 @@ files are on disk, since DCP's save returns there only when all ranks have repor
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -113,6 +114,9 @@ class _Unstaged(AsyncStager):
         return same
 
 
+_SAVERS = itertools.count()  # never reused in a process, unlike id(): DCP's cached plans outlive a model
+
+
 class BackgroundSaver:
     """One per model: the checkpoints' gloo group, the stager of the saves that copy (its host buffers are
     reused from one save to the next, and kept for as long as the model lives: the memory such saves cost)
@@ -120,6 +124,7 @@ class BackgroundSaver:
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo")
+        self.plans_key = f"hf3d-{next(_SAVERS)}"  # DCP keeps this model's save plans under it
         self.stager: BoxStager | None = None  # made by the first save that copies
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf3d-checkpoint")
         self.pending: Future | None = None

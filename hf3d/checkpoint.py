@@ -384,16 +384,25 @@ class _Boxes:
 
 
 class _SavePlanner(DefaultSavePlanner):
-    def __init__(self, *, background: bool = False):
-        super().__init__(flatten_state_dict=False)
+    """DCP's planner over hf3d's entries. `plans_key`: the key of one model's saves, under which DCP keeps
+    their plans from one save to the next (its plan caching). A rank whose plan did not change then sends
+    an empty one, and the coordinator reuses the global plan and metadata instead of gathering, merging
+    and checking every rank's items again. DCP compares plans by names, offsets and sizes, not dtypes,
+    and keys its cache by class name unless told otherwise, so the key is one model's: its saves keep
+    their dtypes."""
+
+    def __init__(self, *, background: bool = False, plans_key: str | None = None):
+        super().__init__(flatten_state_dict=False, enable_plan_caching=plans_key is not None)
+        if plans_key is not None:
+            self._cached_plans_key = plans_key
         self.background = background  # planning starts DCP's write thread of an async save
 
-    def set_up_planner(self, *args, **kwargs) -> None:
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         if self.background:
             from .async_save import lower_thread_priority
 
             lower_thread_priority()
-        super().set_up_planner(*args, **kwargs)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def lookup_object(self, index: MetadataIndex):
         obj = self.state_dict[index.fqn]
@@ -681,7 +690,8 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
 
     # on a CPU the write reads the live state, and the update waits for it; on a GPU it reads a host copy
     copy = opt is None or pmodel.device.type != "cpu"
-    released, future = saver.save(entries, writer, _SavePlanner(background=True), then=complete, copy=copy)
+    planner = _SavePlanner(background=True, plans_key=saver.plans_key)
+    released, future = saver.save(entries, writer, planner, then=complete, copy=copy)
     if opt is not None:
         opt.wait_before_update(released)  # the write (or the copy) runs beside the next forward and backward
     else:

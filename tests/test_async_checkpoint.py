@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -162,6 +163,24 @@ def _async_world(model_dir: str, out: str) -> None:
     except ValueError as e:
         res["after_failure"] = f"{type(e).__name__}: {e}"
     res["four_complete"] = checkpoint.is_complete(Path(out) / "four")
+
+    # two models of one shape, bf16 then fp16 (the same entries), each saved twice in this process: a model's
+    # later saves reuse its save plans (DCP compares plans without dtypes), and each checkpoint loads back as it was
+    res["dtypes"] = []
+    for dtype in (torch.bfloat16, torch.float16):
+        m = hf3d.parallelize(model_dir, hf3d.ParallelConfig(), dtype=dtype)
+        o = _opt(m)
+        _train(m, o, data[:1])
+        for i in range(2):
+            hf3d.save_checkpoint(Path(out) / f"{dtype}-{i}", m, o, step=i, async_=True).result()
+            back = hf3d.parallelize(model_dir, hf3d.ParallelConfig(), dtype=dtype)
+            try:
+                hf3d.load_checkpoint(Path(out) / f"{dtype}-{i}", back, _opt(back))
+            except (Exception, CheckpointException) as e:  # metadata of another dtype: the bytes are refused
+                res["dtypes"].append(str(e)[:300])
+                continue
+            pairs = zip(m.unique_parameters(), back.unique_parameters())
+            res["dtypes"].append(all(torch.equal(a, b) and b.dtype == dtype for (_, a), (_, b) in pairs))
     report(res, Path(out) / "res.pt")
 
 
@@ -204,6 +223,10 @@ def test_a_background_failure_is_raised_on_every_rank_and_publishes_nothing(resu
     assert messages[0].startswith("CheckpointWriteError: could not write the checkpoint ") and "/three (" in messages[0]
     assert "No space left on device" in messages[0] and "make room on that disk" in messages[0]
     assert results[0]["failure_left"] == []
+
+
+def test_each_model_keeps_its_own_save_plans(results):
+    assert results[0]["dtypes"] == [True] * 4 and results[1]["dtypes"] == [True] * 4
 
 
 def test_checkpoint_async_is_a_yaml_key_and_survives_the_resolved_config(tmp_path):
