@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, wait
@@ -594,6 +595,8 @@ class PendingCheckpoint:
     future: Future
     """This rank's part: its files written and checksummed, then (rank 0) the marker, the rename and
     after_publish."""
+    published: threading.Event = dataclasses.field(default_factory=threading.Event)
+    """Set on rank 0 once the folder is published (before after_publish)."""
     waited: bool = False
     """Whether result() or join() has been called (the next save then need not wait again)."""
 
@@ -605,11 +608,14 @@ class PendingCheckpoint:
         """Collective: wait until the checkpoint is published and return its folder; a failure on any
         rank raises one CheckpointWriteError on every rank (the staging folder removed)."""
         error = self.future.exception()
+        mine = None if error is None else f"rank {dist.get_rank()}: {_one_line(error)}"
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, None if error is None else f"rank {dist.get_rank()}: {_one_line(error)}")
+        dist.all_gather_object(everyone, (mine, self.published.is_set()))
         self.waited = True
-        failed = [m for m in everyone if m is not None]
-        if failed and is_complete(self.path) and not staging_dir(self.path).exists():
+        failed = [m for m, _ in everyone if m is not None]
+        # rank 0's word, not the folder's: a checkpoint published before at the same path is no sign of
+        # this one, and rank 0 removes the staging folder while the others look
+        if failed and everyone[0][1]:
             raise CheckpointWriteError(f"{self.path} was published, but what follows it failed: {failed[0]}")
         if failed:
             _refuse_write(OSError(failed[0]), self.path, staging_dir(self.path))
@@ -652,9 +658,12 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         "optim": optim_meta,
     }
 
+    published = threading.Event()
+
     def publish_now(files: dict | None = None) -> None:
         write_marker(tmp, {**meta, "files": files} if files else meta)
         publish(tmp, final)
+        published.set()
         if after_publish is not None:
             after_publish()
 
@@ -696,7 +705,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         opt.wait_before_update(released)  # the write (or the copy) runs beside the next forward and backward
     else:
         wait([released])  # nothing here to hold back whatever changes the parameters next
-    saver.checkpoint = PendingCheckpoint(final, future)
+    saver.checkpoint = PendingCheckpoint(final, future, published)
     return saver.checkpoint
 
 

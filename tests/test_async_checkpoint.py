@@ -138,19 +138,26 @@ def _async_world(model_dir: str, out: str) -> None:
     checkpoint.remove = remove
     res["overlap"] = [s for s in seen if s[0] == "two.tmp"]
 
-    # a background failure on rank 0 (after every rank wrote its files): raised on every rank, nothing published
+    # a background failure on rank 0 (after every rank wrote its files), over a checkpoint published before at
+    # the same path: raised on every rank alike, nothing published, the earlier checkpoint kept. Rank 1 looks
+    # slowly at the folder, if at all: rank 0 removes the staging folder meanwhile
     def full_disk(tmp, meta):
         raise OSError(28, "No space left on device")
 
+    hf3d.save_checkpoint(Path(out) / "three", pm, opt, step=3)
+    is_complete = checkpoint.is_complete
+    if rank == 1:
+        checkpoint.is_complete = lambda path: (time.sleep(0.5), is_complete(path))[1]
     checkpoint.write_marker = full_disk if rank == 0 else write_marker
-    pending = hf3d.save_checkpoint(Path(out) / "three", pm, opt, step=3, async_=True)
+    pending = hf3d.save_checkpoint(Path(out) / "three", pm, opt, step=33, async_=True)
     try:
         pending.result()
         res["failure"] = None
     except ValueError as e:
         res["failure"] = f"{type(e).__name__}: {e}"
-    checkpoint.write_marker = write_marker
+    checkpoint.write_marker, checkpoint.is_complete = write_marker, is_complete
     res["failure_left"] = sorted(p.name for p in Path(out).iterdir() if p.name.startswith("three"))
+    res["failure_kept_step"] = checkpoint.read_marker(Path(out) / "three")["step"]
 
     # what follows the publication fails (rank 0's `latest`): raised on every rank, the checkpoint kept
     def no_latest():
@@ -217,12 +224,12 @@ def test_saves_never_overlap(results):
     assert results[0]["overlap"] == [("two.tmp", True)]
 
 
-def test_a_background_failure_is_raised_on_every_rank_and_publishes_nothing(results):
+def test_a_background_failure_is_raised_on_every_rank_alike_and_publishes_nothing(results):
     messages = [r["failure"] for r in results]
     assert messages[0] is not None and messages[0] == messages[1], messages
     assert messages[0].startswith("CheckpointWriteError: could not write the checkpoint ") and "/three (" in messages[0]
     assert "No space left on device" in messages[0] and "make room on that disk" in messages[0]
-    assert results[0]["failure_left"] == []
+    assert results[0]["failure_left"] == ["three"] and results[0]["failure_kept_step"] == 3
 
 
 def test_each_model_keeps_its_own_save_plans(results):
