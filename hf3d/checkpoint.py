@@ -577,10 +577,19 @@ def _refuse_write(e: BaseException, final: Path, tmp: Path) -> NoReturn:
     ) from None
 
 
+def _must_see(tmp: Path) -> None:
+    """Every rank writes into the staging folder rank 0 made: a rank that does not see it saves under
+    another path, or on a disk of its own machine that rank 0's is not."""
+    if not tmp.is_dir():
+        raise FileNotFoundError(f"{tmp} is not there on this rank, though rank 0 made it")
+
+
 def _remedy(e: BaseException) -> str:
     """What to do about a failed write: a path that is not a writable folder, or (anything else: a full
     disk shows up as ENOSPC, EFBIG or a short write inside torch.save) room on the disk."""
     text = f"{e} {_one_line(e)}"
+    if "though rank 0 made it" in text:
+        return "give every rank the same checkpoint path, on a file system that every machine of the job shares"
     if any(s in text for s in ("Not a directory", "Permission denied", "Read-only file system", "Is a directory")):
         return "check that the output folder is a folder this user can write, or write to another folder"
     return "make room on that disk, or write to another folder"
@@ -647,6 +656,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         tmp.mkdir(parents=True)
 
     on_rank0(stage)
+    _on_every_rank(lambda: _must_see(tmp))
     entries, optim_meta = _state_entries(pmodel, opt)
     meta = {
         "kind": "training" if opt is not None else "weights",

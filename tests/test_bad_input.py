@@ -87,7 +87,7 @@ class Case:
     dist: fn(ctx) in the spawned process, like local."""
     words: tuple[str, ...]
     """What the message must contain, after tmp paths became <tmp> (see placeholders)."""
-    how: str = "local"  # local | main | subprocess | dist
+    how: str = "local"  # local | main | subprocess | dist | dist2 (two ranks)
     error: bool = True
     """False: not an error by design; the returned line shows what happened instead."""
     behaviour: str = ""
@@ -415,6 +415,12 @@ def _lr_scheduler_lr_mismatch(fx):
     return build_lr_scheduler(opt, ScheduleConfig(lr=3e-3), 10)
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
 def _data_state(fx, **change):
     pipe = _pipe(fx, path=fx["good"])
     state = pipe.state_dict()
@@ -539,6 +545,17 @@ def _dist_world(fx: dict, out: str) -> None:
             res[case.id] = _attempt(case, lambda c=case: c.trigger(ctx))
     dist.barrier()
     report(res, out)
+
+
+def _two_rank_world(fx: dict, out: str) -> None:
+    """The cases that need a second rank ("dist2"), on 2 processes; rank 0's outcomes are reported."""
+    import hf3d
+
+    start_watchdog(WATCHDOG_S)
+    os.chdir(ROOT)
+    pm = hf3d.parallelize(fx["llama"], hf3d.ParallelConfig())
+    ctx = {"fx": fx, "pm": pm, "opt": hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)}
+    report({c.id: _attempt(c, lambda c=c: c.trigger(ctx)) for c in CASES if c.how == "dist2"}, out)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1402,6 +1419,16 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "ckpt-save-unshared",
+        CKPT,
+        "`hf3d.save_checkpoint` under another path on each rank (as a disk of each machine is, unshared)",
+        lambda ctx: __import__("hf3d").save_checkpoint(
+            Path(ctx["fx"]["tmp"]) / "ckpt" / "unshared" / f"rank{_rank()}" / "step_1", ctx["pm"], ctx["opt"], step=1
+        ),
+        ["could not write the checkpoint", "rank 1:", "is not there on this rank", "the same checkpoint path"],
+        how="dist2",
+    ),
+    _c(
         "ckpt-data-seq-len",
         CKPT,
         "resume data state saved with another `data.seq_len`",
@@ -1677,6 +1704,8 @@ def run_all(tmp: Path) -> dict[str, Result]:
 
     spawn(_dist_world, 1, fx, str(tmp / "dist.pt"))
     (dist_res,) = torch.load(tmp / "dist.pt", weights_only=False)
+    spawn(_two_rank_world, 2, fx, str(tmp / "dist2.pt"))
+    dist_res.update(torch.load(tmp / "dist2.pt", weights_only=False)[0])
     for case in CASES:
         if case.how == "subprocess" and case.id in late:
             start(case)
@@ -1689,7 +1718,7 @@ def run_all(tmp: Path) -> dict[str, Result]:
             elif case.how == "main":
                 outcome, msg, problems = _run_main(case.trigger(fx))
                 results[case.id] = Result(outcome, msg, problems)
-            elif case.how == "dist":
+            elif case.how in ("dist", "dist2"):
                 outcome, msg = dist_res[case.id]
                 results[case.id] = Result(outcome, msg, [])
 
@@ -1784,7 +1813,7 @@ def test_registry_is_well_formed():
     assert len(ids) == len(set(ids)), "duplicate case ids"
     assert len(CASES) >= 40
     assert {c.category for c in CASES} == set(CATEGORIES)
-    assert all(c.words and c.how in ("local", "main", "subprocess", "dist") for c in CASES)
+    assert all(c.words and c.how in ("local", "main", "subprocess", "dist", "dist2") for c in CASES)
 
 
 @pytest.fixture(scope="module")
