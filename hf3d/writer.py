@@ -106,12 +106,8 @@ def _save_tensor(t: torch.Tensor, out) -> int:
         return start
     out.write(bytes(out.phase_padding(storage.data_ptr())))
     start = out.tell()
-    config = serialization_config.save
-    before, config.storage_alignment = config.storage_alignment, PAGE
-    try:
+    with serialization_config.patch({"save.storage_alignment": PAGE}):
         _SAVED.save(t, out)
-    finally:
-        config.storage_alignment = before
     return start
 
 
@@ -131,7 +127,10 @@ class _SavedBytes:
 
     def save(self, t: torch.Tensor, out) -> None:
         key = _layout(t)
-        saved = self.table.get(key) if key is not None else None
+        if key is None:
+            torch.save(t, out)
+            return
+        saved = self.table.get(key)
         if saved is None:
             self._record(t, out, key)
             return
@@ -140,10 +139,10 @@ class _SavedBytes:
         out.write(_storage_bytes(t.untyped_storage()))
         out.write(tail)
 
-    def _record(self, t: torch.Tensor, out, key) -> None:
+    def _record(self, t: torch.Tensor, out, key: tuple) -> None:
         recording = _Recording(out, t.untyped_storage())
-        torch.save(t, recording if key is not None else out)
-        if key is None or key in self.table or len(recording.parts) != 2:
+        torch.save(t, recording)
+        if len(recording.parts) != 2:
             return
         if len(self.table) >= self.limit:
             self.table.clear()
