@@ -536,26 +536,26 @@ def _dist_world(fx: dict, out: str) -> None:
     wide_ckpt = Path(fx["tmp"]) / "ckpt" / "wide" / "step_1"
     hf3d.save_checkpoint(wide_ckpt, wide, step=1)
 
-    pm = hf3d.parallelize(fx["llama"], hf3d.ParallelConfig())
-    ctx = {"fx": fx, "pm": pm, "opt": hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3), "wide_ckpt": wide_ckpt}
-    ctx.update(smol=smol, smol_opt=opt)
-    res = {}
-    for case in CASES:
-        if case.how == "dist":
-            res[case.id] = _attempt(case, lambda c=case: c.trigger(ctx))
+    res = _attempt_dist_cases(fx, "dist", wide_ckpt=wide_ckpt, smol=smol, smol_opt=opt)
     dist.barrier()
     report(res, out)
 
 
 def _two_rank_world(fx: dict, out: str) -> None:
     """The cases that need a second rank ("dist2"), on 2 processes; rank 0's outcomes are reported."""
-    import hf3d
-
     start_watchdog(WATCHDOG_S)
     os.chdir(ROOT)
+    report(_attempt_dist_cases(fx, "dist2"), out)
+
+
+def _attempt_dist_cases(fx: dict, how: str, **more) -> dict[str, tuple[str, str]]:
+    """{case id: outcome} of the cases run `how`, each given a tiny Llama on the default mesh with its
+    optimizer (ctx "pm", "opt"), `fx` and `more`."""
+    import hf3d
+
     pm = hf3d.parallelize(fx["llama"], hf3d.ParallelConfig())
-    ctx = {"fx": fx, "pm": pm, "opt": hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)}
-    report({c.id: _attempt(c, lambda c=c: c.trigger(ctx)) for c in CASES if c.how == "dist2"}, out)
+    ctx = {"fx": fx, "pm": pm, "opt": hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3), **more}
+    return {c.id: _attempt(c, lambda c=c: c.trigger(ctx)) for c in CASES if c.how == how}
 
 
 # ------------------------------------------------------------------------------------------------
