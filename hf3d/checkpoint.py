@@ -577,18 +577,21 @@ def _refuse_write(e: BaseException, final: Path, tmp: Path) -> NoReturn:
     ) from None
 
 
+_UNSHARED = "though rank 0 made it"  # _must_see's words, which _remedy answers
+
+
 def _must_see(tmp: Path) -> None:
     """Every rank writes into the staging folder rank 0 made: a rank that does not see it saves under
     another path, or on a disk of its own machine that rank 0's is not."""
     if not tmp.is_dir():
-        raise FileNotFoundError(f"{tmp} is not there on this rank, though rank 0 made it")
+        raise FileNotFoundError(f"{tmp} is not there on this rank, {_UNSHARED}")
 
 
 def _remedy(e: BaseException) -> str:
     """What to do about a failed write: a path that is not a writable folder, or (anything else: a full
     disk shows up as ENOSPC, EFBIG or a short write inside torch.save) room on the disk."""
     text = f"{e} {_one_line(e)}"
-    if "though rank 0 made it" in text:
+    if _UNSHARED in text:
         return "give every rank the same checkpoint path, on a file system that every machine of the job shares"
     if any(s in text for s in ("Not a directory", "Permission denied", "Read-only file system", "Is a directory")):
         return "check that the output folder is a folder this user can write, or write to another folder"
@@ -604,7 +607,7 @@ class PendingCheckpoint:
     future: Future
     """This rank's part: its files written and checksummed, then (rank 0) the marker, the rename and
     after_publish."""
-    published: threading.Event = dataclasses.field(default_factory=threading.Event)
+    published: threading.Event
     """Set on rank 0 once the folder is published (before after_publish)."""
     waited: bool = False
     """Whether result() or join() has been called (the next save then need not wait again)."""
@@ -822,7 +825,13 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     with torch.no_grad(), dcp_debug_records_off():
         for part in (entries, masters):
             if part:
-                dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())
+                try:
+                    dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())
+                except CheckpointException as e:  # DCP raises it on every rank; a BaseException
+                    raise ValueError(
+                        f"could not load the checkpoint {path} ({_one_line(e)}): its .metadata does not match its "
+                        "config (a file edited, or written by another tool); use another checkpoint (an older step_<N>)"
+                    ) from None
     if training:
         optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])
     _restore_rng(path, meta, pmodel)

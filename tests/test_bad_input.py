@@ -244,6 +244,13 @@ def make_inputs(tmp: Path) -> dict[str, str]:
 
     rewrite_metadata(ck / "outside", outside)
     fx["outside"] = str(ck / "outside")
+    shutil.copytree(honest, ck / "inconsistent")  # its .metadata lists one weight fewer than its config has
+
+    def drop_a_weight(metadata) -> None:
+        del metadata.state_dict_metadata[next(k for k in metadata.state_dict_metadata if "layers.1." in k)]
+
+    rewrite_metadata(ck / "inconsistent", drop_a_weight)
+    fx["inconsistent"] = str(ck / "inconsistent")
     (tmp / "foreign-run" / "final").mkdir(parents=True)  # an earlier export, and the user's notes in it
     shutil.copy(Path(fx["llama"]) / "config.json", tmp / "foreign-run" / "final")
     (tmp / "foreign-run" / "final" / "my_notes.txt").write_text("keep me\n")
@@ -1378,6 +1385,15 @@ CASES: list[Case] = [
         "`hf3d.load_checkpoint` of a checkpoint whose .metadata would run a command",
         _load_crafted,
         ["<tmp>/ckpt/crafted/.metadata refers to torch.distributed.checkpoint.metadata.os.system", "refusing"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-load-inconsistent",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose .metadata lists one weight fewer than its config has "
+        "(marker resealed)",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["inconsistent"], ctx["pm"], ctx["opt"]),
+        ["could not load the checkpoint <tmp>/ckpt/inconsistent", "Missing key", "use another checkpoint"],
         how="dist",
     ),
     _c(
