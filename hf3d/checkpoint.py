@@ -794,7 +794,8 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
 
     A weights-only checkpoint (`hf3d convert from-hf`) restores the weights, leaves the optimizer
     fresh and returns 0. A damaged checkpoint (a file missing, or not of the size or checksum its
-    marker records) is refused with one ValueError on every rank. `extra`, when given, receives what
+    marker records), or one whose .metadata does not match its config, is refused with one ValueError
+    on every rank. `extra`, when given, receives what
     save_checkpoint's `extra` held: objects with `load_state_dict` (an LR scheduler) are restored in
     place, other values are set in the dict.
     RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
