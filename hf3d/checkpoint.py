@@ -794,8 +794,8 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
 
     A weights-only checkpoint (`hf3d convert from-hf`) restores the weights, leaves the optimizer
     fresh and returns 0. A damaged checkpoint (a file missing, or not of the size or checksum its
-    marker records), or one whose .metadata does not match its config, is refused with one ValueError
-    on every rank. `extra`, when given, receives what
+    marker records), or one whose files DCP cannot read into this model (a .metadata that lacks one of
+    its weights), is refused with one ValueError on every rank. `extra`, when given, receives what
     save_checkpoint's `extra` held: objects with `load_state_dict` (an LR scheduler) are restored in
     place, other values are set in the dict.
     RNG states are restored when the checkpoint was written at this mesh (see `_restore_rng`)."""
@@ -829,9 +829,10 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
                 try:
                     dcp.load(part, storage_reader=SafeReader(path), planner=_LoadPlanner())
                 except CheckpointException as e:  # DCP raises it on every rank; a BaseException
+                    # the first rank's error names the cause (a key the .metadata lacks, a read that failed)
                     raise ValueError(
-                        f"could not load the checkpoint {path} ({_one_line(e)}): its .metadata does not match its "
-                        "config (a file edited, or written by another tool); use another checkpoint (an older step_<N>)"
+                        f"could not load the checkpoint {path} ({_one_line(e)}): use another checkpoint (an older "
+                        "step_<N>)"
                     ) from None
     if training:
         optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])
