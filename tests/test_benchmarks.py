@@ -1,10 +1,11 @@
 """The benchmark scripts: each runs at its smallest size, and the tools they share compute what they say.
 
 Every `benchmarks/bench_*.py` (found by glob, so new scripts are covered) runs with its smoke flag
-(`--quick`, or `--small` where a script names it so) in a fresh process, with HF3D_BENCH_RESULTS
-pointing at a temporary folder so no recorded result is touched; it must exit 0 and write a results
-JSON that records its commit. `gpu_smollm.py` must stop cleanly without CUDA. These smoke runs are
-slow (torchrun jobs): deselected by default (pyproject addopts); `python -m pytest -q -m slow` runs them.
+(`--quick`, or `--small` where a script names it so; without CUDA, also what CPU_SMOKE_ARGS names) in a
+fresh process, with HF3D_BENCH_RESULTS pointing at a temporary folder so no recorded result is touched;
+it must exit 0 and write a results JSON that records its commit. `gpu_smollm.py` must stop cleanly
+without CUDA. These smoke runs are slow (torchrun jobs): deselected by default (pyproject addopts);
+`python -m pytest -q -m slow` runs them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
 SMOKE_TIMEOUT_S = 300
+# Extra smoke arguments where a CPU needs them. bench_fp8's FP8 runs go through torch._scaled_mm's CPU
+# kernel unless emulated: its 10 quick steps per recipe took 12 min here (2 cores), past the timeout;
+# --emulate is also how its results file is measured on a CPU.
+CPU_SMOKE_ARGS = {"bench_fp8.py": ["--emulate"]}
 sys.path.insert(0, str(BENCH))
 
 
@@ -40,7 +45,10 @@ def run_script(args: list[str], results: Path, timeout: float = SMOKE_TIMEOUT_S)
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_runs_at_smallest_size(script, tmp_path):
-    proc = run_script([str(BENCH / script), smoke_flag(script)], tmp_path)
+    import torch
+
+    extra = [] if torch.cuda.is_available() else CPU_SMOKE_ARGS.get(script, [])
+    proc = run_script([str(BENCH / script), smoke_flag(script), *extra], tmp_path)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     written = sorted((tmp_path / "quick").glob("*.json"))
     assert written, f"{script} wrote no results JSON (expected under $HF3D_BENCH_RESULTS/quick/)"
