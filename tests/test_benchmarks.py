@@ -23,7 +23,7 @@ BENCH = REPO / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.glob("bench_*.py"))
 SMOKE_TIMEOUT_S = 300
 # Extra smoke arguments where a CPU needs them. bench_fp8's FP8 runs go through torch._scaled_mm's CPU
-# kernel unless emulated: its 10 quick steps per recipe took 12 min here (2 cores), past the timeout;
+# kernel unless emulated: its quick run (10 steps per recipe) took 12 min here (2 cores), past the timeout;
 # --emulate is also how its results file is measured on a CPU.
 CPU_SMOKE_ARGS = {"bench_fp8.py": ["--emulate"]}
 sys.path.insert(0, str(BENCH))
