@@ -207,11 +207,8 @@ def _raw_background_write(path: Path, payload) -> Future:
     (where the file system takes it) in RAW_PIECE pieces, each checksummed (CRC-32) before it is written,
     then an fsync. The returned future holds the CRC-32 once the bytes are on disk."""
     from hf3d.async_save import lower_thread_priority
+    from hf3d.checksums import _crc32_update as crc32  # the CRC-32 hf3d's writer uses (ISA-L where installed)
 
-    try:
-        from isal.isal_zlib import crc32
-    except ImportError:
-        from zlib import crc32
     done: Future = Future()
 
     def run() -> None:
