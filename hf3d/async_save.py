@@ -32,6 +32,7 @@ files are on disk, since DCP's save returns there only when all ranks have repor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -114,6 +115,17 @@ class _Unstaged(AsyncStager):
         return same
 
 
+@dataclasses.dataclass
+class Replay:
+    """A save the next one may write again: what its entries were (`signature`: names, dtypes, sizes and
+    every box's place in memory), this rank's writes (OneFileWriter.program) and, on the coordinator, DCP's
+    metadata and every rank's results (OneFileWriter.finished)."""
+
+    signature: tuple
+    program: tuple
+    finished: tuple | None
+
+
 _SAVERS = itertools.count()  # never reused in a process, unlike id(): DCP's cached plans outlive a model
 
 
@@ -128,6 +140,8 @@ class BackgroundSaver:
         self.stager: BoxStager | None = None  # made by the first save that copies
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf3d-checkpoint")
         self.pending: Future | None = None
+        self.replay: Replay | None = None  # the last save, where the next one may write as it did
+        self.replays = 0  # saves written by replay_save (tests read it)
         self.checkpoint = None  # the caller's handle on the save in flight (a checkpoint.PendingCheckpoint)
 
     def save(
@@ -162,3 +176,19 @@ class BackgroundSaver:
 
         self.pending = self.executor.submit(complete)
         return (response.staging_completion if copy else writer.read), self.pending
+
+    def replay_save(self, writer, replay: Replay, then: Callable[[], None]) -> tuple[Future, Future]:
+        """Write as the save `replay` recorded (`writer.replay`), in the background, then run `then`; returns
+        the futures `save` returns. Every rank must replay, or none (the caller agrees on it)."""
+
+        def job() -> None:
+            lower_thread_priority()
+            try:
+                writer.replay(replay.program, replay.finished)
+            except Exception as e:  # raised on every rank by `then` (file_table), as a write's error is
+                writer.failure = e
+            then()
+
+        self.replays += 1
+        self.pending = self.executor.submit(job)
+        return writer.read, self.pending

@@ -680,7 +680,8 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         if after_publish is not None:
             after_publish()
 
-    writer = OneFileWriter(tmp, direct=True)  # O_DIRECT, each rank's file checksummed as it is written
+    # O_DIRECT, each rank's file checksummed as it is written; an async save on a CPU records its writes
+    writer = OneFileWriter(tmp, direct=True, record=async_ and opt is not None and pmodel.device.type == "cpu")
     if not async_:
         with dcp_debug_records_off():  # a failure on any rank raises on all
             dcp.save(entries, storage_writer=writer, planner=_SavePlanner())
@@ -693,33 +694,69 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         tables = _gather_file_tables(own_files, group=None, everywhere=True)
         on_rank0(lambda: (_write_small_files(tmp, pmodel, extra), publish_now(tables)))
         return None
+    return _save_async(final, tmp, pmodel, opt, entries, writer, extra, publish_now, published)
+
+
+def _save_async(final: Path, tmp: Path, pmodel, opt, entries, writer, extra, publish_now, published):
+    """_save's background half: the small files now, then the model and optimizer state (`entries`) by
+    `writer` in the model's BackgroundSaver, replaying its last save where nothing moved; rank 0 publishes
+    (`publish_now`) once every rank's files are written. Returns the PendingCheckpoint."""
+    rank = dist.get_rank()
     # the small files first, in the foreground (the RNG states, the data position and the config change
     # as soon as training goes on); the background then writes the model and optimizer state
     _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
     on_rank0(lambda: _write_small_files(tmp, pmodel, extra))
+    from .async_save import BackgroundSaver, Replay
+
     saver = getattr(pmodel, "_background_saver", None)
     if saver is None:
-        from .async_save import BackgroundSaver
-
         saver = pmodel._background_saver = BackgroundSaver()
 
     rng = f"rng_{rank}.pt"  # written above
 
+    # on a CPU the write reads the live state, and the update waits for it; on a GPU it reads a host copy
+    copy = opt is None or pmodel.device.type != "cpu"
+    signature = None if copy else _signature(entries)
+    last, saver.replay = saver.replay, None  # kept again only once this save is written
+    replay = not copy and _everywhere(last is not None and last.signature == signature, saver.group)
+
     def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
         tables = _gather_file_tables(lambda: {**writer.file_table(), **_file_table(tmp, only=rng)}, saver.group)
+        if replay:
+            saver.replay = last
+        elif writer.program is not None:
+            saver.replay = Replay(signature, writer.program, writer.finished)
         if rank == 0:
             publish_now(tables)
 
-    # on a CPU the write reads the live state, and the update waits for it; on a GPU it reads a host copy
-    copy = opt is None or pmodel.device.type != "cpu"
-    planner = _SavePlanner(background=True, plans_key=saver.plans_key)
-    released, future = saver.save(entries, writer, planner, then=complete, copy=copy)
+    if replay:
+        released, future = saver.replay_save(writer, last, then=complete)
+    else:
+        planner = _SavePlanner(background=True, plans_key=saver.plans_key)
+        released, future = saver.save(entries, writer, planner, then=complete, copy=copy)
     if opt is not None:
         opt.wait_before_update(released)  # the write (or the copy) runs beside the next forward and backward
     else:
         wait([released])  # nothing here to hold back whatever changes the parameters next
     saver.checkpoint = PendingCheckpoint(final, future, published)
     return saver.checkpoint
+
+
+def _signature(entries: dict[str, _Boxes]) -> tuple:
+    """What a replayed save assumes unchanged since the save it replays: every entry's name, dtype and size,
+    and each box's offsets, place in memory, shape and strides (the write reads the same memory, and every
+    byte around it, its padding included, is the same)."""
+    return tuple(
+        (key, e.dtype, e.size(), tuple((off, t.data_ptr(), t.shape, t.stride()) for off, t in e.boxes.items()))
+        for key, e in entries.items()
+    )
+
+
+def _everywhere(flag: bool, group) -> bool:
+    """True on every rank if `flag` is true on every rank of `group` (collective)."""
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
 
 
 def _gather_file_tables(own_files: Callable[[], dict], group, *, everywhere: bool = False) -> dict | None:

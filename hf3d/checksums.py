@@ -77,6 +77,22 @@ def crc32_file(path: Path) -> int:
     return crc32_range(path, 0, os.stat(path).st_size)
 
 
+class _Inline:
+    """An executor that runs each task at once, in the caller's thread (a file written by a thread that has
+    nothing else to do: each hand-over to a second thread would wait for that thread to get a core)."""
+
+    def submit(self, fn, *args) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class _CheckedFile:
     """A file being written whose CRC-32 and disk write follow the writer, in one background thread.
 
@@ -84,9 +100,9 @@ class _CheckedFile:
     `finish()` once, after its last write; `abandon()` instead after a failed write. Subclasses hand the
     written bytes over (`_hand_rest`) and end the file in the thread (`_sync_and_close`)."""
 
-    def __init__(self, path: Path, thread_name: str):
+    def __init__(self, path: Path, thread_name: str, *, inline: bool = False):
         self.path = Path(path)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+        self._pool = _Inline() if inline else ThreadPoolExecutor(1, thread_name_prefix=thread_name)
         self._crc = 0
 
     def add(self) -> None:
@@ -187,8 +203,8 @@ class DirectFile(_CheckedFile):
 
     from_memory = 1 << 20  # a write of at least this many bytes, in phase with the file, skips the buffers
 
-    def __init__(self, path: Path):
-        super().__init__(path, "hf3d-direct")
+    def __init__(self, path: Path, *, inline: bool = False):
+        super().__init__(path, "hf3d-direct", inline=inline)
         self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
         self._bufs = [mmap.mmap(-1, DIRECT_BUFFER) for _ in range(2)]  # anonymous maps: page-aligned
         self._arrays = [np.frombuffer(buf, np.uint8) for buf in self._bufs]  # released before the maps close
@@ -281,12 +297,13 @@ class DirectFile(_CheckedFile):
         return {"size": self._pos, "crc32": self._crc}
 
 
-def open_checksummed(path: Path, *, direct: bool, sync: bool = True) -> _CheckedFile:
+def open_checksummed(path: Path, *, direct: bool, sync: bool = True, inline: bool = False) -> _CheckedFile:
     """A DirectFile where asked for and the file system takes O_DIRECT (Linux), else a RunningFile (left
-    unsynced with `sync=False`; a DirectFile always syncs)."""
+    unsynced with `sync=False`; a DirectFile always syncs). `inline`: a DirectFile checksums and writes in
+    the caller's thread."""
     if direct and hasattr(os, "O_DIRECT"):
         try:
-            return DirectFile(path)
+            return DirectFile(path, inline=inline)
         except OSError:  # e.g. tmpfs: EINVAL
             pass
     return RunningFile(path, sync=sync)

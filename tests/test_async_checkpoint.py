@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -263,3 +263,96 @@ def test_a_failure_after_the_publication_says_the_checkpoint_is_there(results):
     )
     assert "rank 0: OSError: [Errno 28] No space left on device" in messages[0]
     assert all(r["four_complete"] for r in results)
+
+
+def _boxes(pm, opt) -> dict:
+    """Copies of every box this rank's checkpoint holds (the parameters and the optimizer's state)."""
+    entries, _ = checkpoint._state_entries(pm, opt)
+    return {(k, tuple(off)): t.clone() for k, e in entries.items() for off, t in e.boxes.items()}
+
+
+def _loads_as(model_dir: str, path: Path, saved: dict) -> bool:
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt = _opt(pm)
+    hf3d.load_checkpoint(path, pm, opt)
+    got = _boxes(pm, opt)
+    return got.keys() == saved.keys() and all(torch.equal(got[k], saved[k]) for k in saved)
+
+
+def _replay_world(model_dir: str, out: str) -> None:
+    """A model's later async saves write its last save's recorded writes again while its entries and boxes
+    stay where they were; anything new or moved goes back through DCP."""
+    start_watchdog(240)
+    data, res, root = batches(4, BATCH, SEQ, 7), {"replays": []}, Path(out)
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt = _opt(pm)
+
+    def save(name: str, step: int, beside=None) -> None:
+        pending = hf3d.save_checkpoint(root / name, pm, opt, step=step, async_=True)
+        if beside is not None:
+            _train(pm, opt, beside)  # its update waits until the write has read the state
+        pending.result()
+        res["replays"].append(pm._background_saver.replays)
+
+    save("a", 0)  # records torch.save's layouts
+    save("b", 0)  # records the writes (no optimizer state yet)
+    _train(pm, opt, data[:1])  # the optimizer's state now exists: new entries, so DCP again
+    saved = _boxes(pm, opt)
+    save("c", 1)
+    save("d", 1)  # nothing moved: c's writes again, the same bytes
+    tables = [checkpoint.read_marker(root / n)["files"] for n in "cd"]
+    res["files"] = {k: (v, tables[1].get(k)) for k, v in tables[0].items() if k.endswith(".distcp")}
+    meta = [FileSystemReader(root / n).read_metadata() for n in "cd"]
+    res["metadata"] = [
+        meta[0].state_dict_metadata == meta[1].state_dict_metadata,
+        meta[0].storage_data == meta[1].storage_data,
+        meta[0].storage_meta.save_id != meta[1].storage_meta.save_id,
+    ]
+    res["c"] = _loads_as(model_dir, root / "c", saved)
+    saved = _boxes(pm, opt)
+    save("e", 2, beside=data[1:2])
+    res["e"] = _loads_as(model_dir, root / "e", saved)
+    # a replay that fails on rank 1: raised on every rank, nothing published
+    from hf3d.writer import OneFileWriter
+
+    replay = OneFileWriter.replay
+
+    def full_disk(self, *args):
+        raise OSError(28, "No space left on device")
+
+    if dist.get_rank() == 1:
+        OneFileWriter.replay = full_disk
+    try:
+        save("f", 3)
+        res["failure"] = None
+    except ValueError as e:
+        res["failure"] = f"{type(e).__name__}: {e}"
+        res["replays"].append(pm._background_saver.replays)
+    OneFileWriter.replay = replay
+    res["f"] = sorted(p.name for p in root.iterdir() if p.name.startswith("f"))
+    report(res, Path(out) / "res.pt")
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replay")
+    model_dir = make_model_dir(root / "model", "llama")
+    spawn(_replay_world, 2, str(model_dir), str(root))
+    return torch.load(root / "res.pt")
+
+
+def test_a_save_of_unmoved_state_replays_the_last_one_and_writes_the_same_bytes(replayed):
+    for r in replayed:
+        # a: layouts recorded; b: writes recorded; c: new entries (the optimizer's state), DCP again; d, e:
+        # replayed (e beside a training step); f: replayed, and failed
+        assert r["replays"] == [0, 0, 0, 1, 2, 3], r["replays"]
+        assert r["files"] and all(a == b for a, b in r["files"].values()), r["files"]
+        assert r["metadata"] == [True, True, True]  # DCP's metadata but its own save id
+        assert r["c"] and r["e"]  # every box of the parameters and the optimizer's state, exactly
+
+
+def test_a_replay_that_fails_is_raised_on_every_rank_and_publishes_nothing(replayed):
+    messages = [r["failure"] for r in replayed]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert "rank 1: OSError: [Errno 28] No space left on device" in messages[0]
+    assert replayed[0]["f"] == []

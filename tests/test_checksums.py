@@ -85,7 +85,7 @@ def test_a_large_write_in_phase_goes_to_disk_from_its_memory(tmp_path, monkeypat
 
 
 def test_direct_file_falls_back_where_o_direct_is_refused(tmp_path, monkeypatch):
-    def refuse(self, path):
+    def refuse(self, path, **kwargs):
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(checksums.DirectFile, "__init__", refuse)
