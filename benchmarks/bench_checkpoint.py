@@ -298,7 +298,15 @@ def main() -> None:
         f"{m['async']['stall_earlier_baseline_steps']:.2f} step"
         for mesh, m in data["meshes"].items()
     )
-    body += ".\n"
+    body += ".\n\nThe stall of each round, in steps (slowest rank): " + "; ".join(
+        f"{mesh} {mode} " + ", ".join(f"{x:.2f}" for x in m[mode]["rounds_steps"])
+        for mesh, m in data["meshes"].items()
+        for mode in MODES[1:]
+    )
+    body += (
+        ". A model's first async save records torch.save's layouts and its second its writes; on a CPU, from the "
+        "third on, a save of unmoved state replays the second's writes.\n"
+    )
     print(body)
     write_results("checkpoint", "Checkpoint save/load vs raw I/O", body, data, quick=args.quick)
 
@@ -315,6 +323,10 @@ def _summary(ranks: list[dict], rounds: int) -> dict:
         stall_s=stall,
         stall_steps=stall / step,
         stall_earlier_baseline_steps=earlier / step,
+        rounds_steps=[  # the stall of each round in steps, slowest rank
+            (max(r["times"]["save"][i] for r in ranks) + max(0.0, max(r["times"]["overlap"][i] for r in ranks))) / step
+            for i in range(rounds)
+        ],
         bytes=sum(r["bytes"] for r in ranks),
         restored=all(r["same"] for r in ranks),
     )
