@@ -191,12 +191,17 @@ def _async_world(model_dir: str, out: str) -> None:
     report(res, Path(out) / "res.pt")
 
 
+def _two_ranks(tmp_path_factory, name: str, world) -> list:
+    """What `world` reported from 2 processes that share a tiny Llama."""
+    root = tmp_path_factory.mktemp(name)
+    model_dir = make_model_dir(root / "model", "llama")
+    spawn(world, 2, str(model_dir), str(root))
+    return torch.load(root / "res.pt")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    root = tmp_path_factory.mktemp("async")
-    model_dir = make_model_dir(root / "model", "llama")
-    spawn(_async_world, 2, str(model_dir), str(root))
-    return torch.load(root / "res.pt")
+    return _two_ranks(tmp_path_factory, "async", _async_world)
 
 
 @pytest.mark.parametrize("name", list(MESHES))
@@ -335,10 +340,7 @@ def _replay_world(model_dir: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
-    root = tmp_path_factory.mktemp("replay")
-    model_dir = make_model_dir(root / "model", "llama")
-    spawn(_replay_world, 2, str(model_dir), str(root))
-    return torch.load(root / "res.pt")
+    return _two_ranks(tmp_path_factory, "replay", _replay_world)
 
 
 def test_a_save_of_unmoved_state_replays_the_last_one_and_writes_the_same_bytes(replayed):
