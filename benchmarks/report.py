@@ -404,6 +404,33 @@ def _gpu(d: dict) -> str:
     )
 
 
+def _gpu_switches(d: dict) -> str:
+    parts, out = d["parts"], []
+    for name, part in parts.items():
+        if "result" not in part:
+            out.append(f"{name}: {part.get('skipped') or part.get('error', '?')[:120]}")
+            continue
+        r = part["result"]
+        if name == "fp8 parity":
+            out += [
+                f"FP8 {recipe} vs torchao on stock, 3 steps: losses within {v['loss_rel']:.1e}, "
+                f"weights {v['weight_max_abs']:.1e}{', head in fp8' if v['head_fp8'] else ''}"
+                if "error" not in v
+                else f"FP8 {recipe}: {v['error'][:120]}"
+                for recipe, v in r.items()
+            ]
+        elif name == "compile parity":
+            out.append(f"compiled vs eager losses within {r['loss_rel']:.1e}")
+        elif name == "async checkpoint":
+            out.append(
+                f"stall per save sync {r['sync_median_steps']:.2f}, async {r['async_median_steps']:.2f} steps, "
+                f"restored exactly: {r['restored_exactly']}"
+            )
+        elif name == "fp8 speed":
+            out += [f"{n} {v['vs_bf16_eager']:.2f}x" for n, v in r["rows"].items() if "vs_bf16_eager" in v]
+    return f"{d['env'].get('gpu')}, torch {d['env'].get('torch')}: " + "; ".join(out)
+
+
 Row = tuple[str, str, str, Callable[[dict], str]]
 ROWS: list[Row] = [
     (
@@ -523,7 +550,14 @@ ROWS: list[Row] = [
         "python benchmarks/gpu_smollm.py",
         _gpu,
     ),
+    (
+        "gpu_switches",
+        "FP8, compiled layers and async checkpoints on one GPU (step time of each row / bf16 eager)",
+        "python benchmarks/gpu_switches.py",
+        _gpu_switches,
+    ),
 ]
+GPU_ONLY = ("gpu_smollm", "gpu_switches")  # measured only where a GPU is lent
 
 
 def _cell(state: str, note: str, date: str) -> str:
@@ -538,8 +572,8 @@ def perf_table(results: Path = RESULTS) -> tuple[str, list[str]]:
     for name, what, cmd, fn in ROWS:
         d = load(name, results)
         if d is None:
-            if name == "gpu_smollm":
-                continue  # measured only where a GPU is lent
+            if name in GPU_ONLY:
+                continue
             lines.append(f"| {what} | no `results/{name}.json` yet | `{cmd}` | — |")
             continue
         state, note = status(d.get("env", {}))

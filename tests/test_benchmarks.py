@@ -86,6 +86,8 @@ def test_gpu_script_stops_cleanly_without_cuda(tmp_path):
     assert "CUDA is not available" in skipped.stdout
     refused = run_script([script, "--quick"], tmp_path, timeout=120)
     assert refused.returncode == 2 and "does not fall back to CPU" in refused.stdout
+    switches = run_script([str(BENCH / "gpu_switches.py"), "--quick"], tmp_path, timeout=120)
+    assert switches.returncode == 2 and "CUDA is not available" in switches.stdout
     assert not list(tmp_path.rglob("*.json")), "no results may be written without a GPU"
 
 
