@@ -114,7 +114,7 @@ def env_info() -> dict:
     try:
         info["git_commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
+        ).stdout.strip() or os.environ.get("HF3D_BENCH_COMMIT", "")  # a copy of the tree without its .git
         info["hf3d_uncommitted_at_start"] = hf3d_uncommitted()
     except OSError:
         pass
