@@ -122,8 +122,9 @@ class SafetensorsSource:
     ) -> None:
         """Fill `out` (a parameter's piece) with `get(name, dim, start, stop)`, converted to out's dtype,
         without holding that slice in memory of its own: rows of the file go straight into `out` when
-        they are its bytes (same dtype, rows along dim 0, out contiguous); otherwise they pass through a
-        block of at most `block_bytes` (default _INTO_BLOCK_BYTES)."""
+        they are its bytes (same dtype, rows along dim 0, out contiguous, in host memory); otherwise they pass
+        through a host block of at most `block_bytes` (default _INTO_BLOCK_BYTES), copied into `out` (on a GPU
+        too)."""
         if name not in self.entries:
             raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
         fpath, offset, dtype_name, shape = self.entries[name]
@@ -131,7 +132,7 @@ class SafetensorsSource:
         row_bytes = math.prod(shape[1:]) * dtype.itemsize
         rows = (start, stop) if dim == 0 else (0, shape[0])  # the file rows the slice lies in
         with open(fpath, "rb", buffering=0) as f:
-            if dim == 0 and out.dtype == dtype and out.is_contiguous():
+            if dim == 0 and out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu":
                 _read_into(f, offset + start * row_bytes, out)
                 return
             per_block = max(1, (block_bytes or _INTO_BLOCK_BYTES) // max(row_bytes, 1))
