@@ -114,8 +114,10 @@ def env_info() -> dict:
     try:
         info["git_commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip() or os.environ.get("HF3D_BENCH_COMMIT", "")  # a copy of the tree without its .git
+        ).stdout.strip()
         info["hf3d_uncommitted_at_start"] = hf3d_uncommitted()
+        if os.environ.get("HF3D_BENCH_COMMIT"):  # a clean copy of that commit's tree, sent without its own .git
+            info["git_commit"], info["hf3d_uncommitted_at_start"] = os.environ["HF3D_BENCH_COMMIT"], ""
     except OSError:
         pass
     return info

@@ -342,12 +342,13 @@ def _rope_dict(value, name: str) -> dict:
 
 
 def _materialize(module: nn.Module, device: torch.device) -> None:
-    """Give the stock parameters still on meta real (uninitialised) storage, keeping their hf3d
-    layout attributes and any sharing (`Module.to_empty` would create new Parameter objects)."""
+    """Give every parameter not yet on `device` (the stock ones still on meta, hf3d's swapped-in ones built in
+    host memory) real, uninitialised storage there, keeping their hf3d layout attributes and any sharing
+    (`Module.to_empty` would create new Parameter objects)."""
     done: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
-            if p is None or not p.is_meta:
+            if p is None or p.device == device:
                 continue
             if id(p) not in done:
                 new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
