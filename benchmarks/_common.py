@@ -146,7 +146,7 @@ def write_results(name: str, title: str, body_md: str, data: dict, *, quick: boo
     out_dir.mkdir(parents=True, exist_ok=True)
     data = dict(data)
     data.setdefault("env", {})["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    data["env"]["hf3d_uncommitted_at_end"] = hf3d_uncommitted()
+    data["env"]["hf3d_uncommitted_at_end"] = "" if os.environ.get("HF3D_BENCH_COMMIT") else hf3d_uncommitted()
     env = data["env"]
     env_line = ", ".join(f"{k}={v}" for k, v in env.items())
     cmd = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
