@@ -279,6 +279,9 @@ def _checkpoint(d: dict) -> str:
                 parts.append(f"{mesh} raw async write of the same bytes (reference): stall {stall:.2f} steps")
                 continue
             target = f" (target ≤ 0.1: {'met' if stall <= 0.1 else 'missed'})" if mode == "async" else ""
+            if mode == "async" and m.get("steady_steps") is not None:
+                steady = m["steady_steps"]
+                target += f", from the 3rd save {steady:.2f} ({'met' if steady <= 0.1 else 'missed'})"
             parts.append(
                 f"{mesh} {mode}: the step waits {t['save']:.2f} s, stall {stall:.2f} steps{target}; "
                 f"load {t['load'] / t['raw_read']:.2f}x raw read; restored exactly: {m['restored']}"
