@@ -16,7 +16,7 @@ torch before 2.12 names two collectives that hf3d calls by their 2.13 names (`al
 `reduce_scatter_single`) `all_gather_into_tensor` / `reduce_scatter_tensor`, with the same arguments: where
 the newer names are missing, they are set to the older functions, and the results say so.
 
-    python benchmarks/gpu_switches.py            # about 6 min on one H100/H200
+    python benchmarks/gpu_switches.py            # about 5 min on one H100/H200
     python benchmarks/gpu_switches.py --quick    # tiny shapes, results/quick/
 """
 
