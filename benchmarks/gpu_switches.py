@@ -33,7 +33,9 @@ from pathlib import Path
 
 import _common as C
 
-LR, WD, BETAS, CLIP = 2e-3, 0.1, (0.9, 0.95), 0.5
+sys.path.insert(0, str(C.REPO / "tests"))  # the oracle of the parity parts is the suite's own (tests/reference.py)
+from reference import BETAS, LR, WD, accumulated_steps, hf3d_run  # noqa: E402
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
 TINY_VOCAB = 256
 PARITY_STEPS, PARITY_BATCH, PARITY_SEQ = 3, 8, 32
@@ -72,15 +74,9 @@ def parity_batches(torch):
     return out
 
 
-def hf3d_steps(torch, pmodel, data) -> tuple[list[float], list[float]]:
-    import hf3d
-
-    opt = hf3d.build_optimizer(pmodel, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
-    losses, norms = [], []
-    for ids, labels in data:
-        losses.append(pmodel.train_step(ids, labels).item())
-        norms.append(opt.step().item())
-        opt.zero_grad()
+def hf3d_steps(pmodel, data) -> tuple[list[float], list[float]]:
+    """hf3d's losses and grad norms under the oracle's AdamW (tests/reference.py), every row on this rank."""
+    losses, norms, _ = hf3d_run(pmodel, data, slice(None))
     return losses, norms
 
 
@@ -92,20 +88,7 @@ def stock_fp8_steps(torch, model_dir, data, cfg, chunks: int):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     convert_to_float8_training(model, config=cfg.torchao_config(), module_filter_fn=cfg.module_filter_fn)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
-    losses, norms = [], []
-    for ids, labels in data:
-        targets = labels[:, 1:]
-        n = (targets != -100).sum()
-        total = 0.0
-        for c_ids, c_targets in zip(ids.chunk(chunks), targets.chunk(chunks)):
-            logits = model(c_ids).logits[:, :-1].flatten(0, 1).float()
-            ce = torch.nn.functional.cross_entropy(logits, c_targets.flatten(), reduction="sum") / n
-            ce.backward()
-            total += ce.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses, norms = accumulated_steps(model, opt, data, chunks)
     return losses, norms, {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
 
 
@@ -136,7 +119,7 @@ def fp8_parity_of(torch, cfg, model_dir: Path, data, root: Path) -> dict:
     pmodel = hf3d.parallelize(model_dir, hf3d.ParallelConfig(num_microbatches=2), fp8=cfg)
     heads = [m for n, m in pmodel.named_modules() if n.endswith("lm_head")]
     converted = sum(getattr(m, "fp8", None) is not None for m in pmodel.modules())
-    losses, norms = hf3d_steps(torch, pmodel, data)
+    losses, norms = hf3d_steps(pmodel, data)
     pmodel.save_pretrained(root / f"fp8-{cfg.recipe}")
     got = load_file(root / f"fp8-{cfg.recipe}" / "model.safetensors")
     ref_losses, ref_norms, ref = stock_fp8_steps(torch, model_dir, data, cfg, chunks=2)
@@ -165,7 +148,7 @@ def part_compile_parity(torch, root: Path, args) -> dict:
         torch._dynamo.reset()
         pmodel = hf3d.parallelize(model_dir, hf3d.ParallelConfig(num_microbatches=2), compile=compiled)
         t0 = time.perf_counter()
-        runs[compiled] = hf3d_steps(torch, pmodel, data) + (time.perf_counter() - t0,)
+        runs[compiled] = hf3d_steps(pmodel, data) + (time.perf_counter() - t0,)
         del pmodel
     (el, en, _), (cl, cn, cs) = runs[False], runs[True]
     return dict(eager_losses=el, compiled_losses=cl, loss_rel=rel(cl, el), norm_rel=rel(cn, en), compiled_run_s=cs)

@@ -22,6 +22,27 @@ def batches(num_steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
     return out
 
 
+def accumulated_steps(model, opt, data, chunks: int) -> tuple[list[float], list[float]]:
+    """Losses and pre-clip grad norms of `model` trained by `opt` on `data`, each step's gradient accumulated
+    over `chunks` contiguous chunks of its rows (hf3d's micro-batches and dp ranks), every chunk's
+    cross-entropy summed over its tokens and divided by the step's token count; clipped at CLIP."""
+    losses, norms = [], []
+    for ids, labels in data:
+        targets = labels[:, 1:]
+        n = (targets != -100).sum()
+        total = 0.0
+        for c_ids, c_targets in zip(ids.chunk(chunks), targets.chunk(chunks)):
+            logits = model(c_ids).logits[:, :-1].flatten(0, 1).float()
+            ce = torch.nn.functional.cross_entropy(logits, c_targets.flatten(), reduction="sum") / n
+            ce.backward()
+            total += ce.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms
+
+
 def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None):
     """Losses, grad norms and final state dict of the stock model trained on `data`.
 

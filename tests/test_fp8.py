@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
-from reference import BETAS, CLIP, LR, WD, batches, hf3d_run  # noqa: E402
+from reference import BETAS, LR, WD, accumulated_steps, batches, hf3d_run  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -87,20 +87,7 @@ def fp8_reference(model_dir, recipe: str, chunks: int, *, head_fp8: bool = False
         opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
-    losses, norms = [], []
-    for ids, labels in batches(STEPS, BATCH, SEQ, VOCAB):
-        targets = labels[:, 1:]
-        n = (targets != -100).sum()
-        total = 0.0
-        for c_ids, c_targets in zip(ids.chunk(chunks), targets.chunk(chunks)):
-            logits = model(c_ids).logits[:, :-1].flatten(0, 1).float()
-            ce = torch.nn.functional.cross_entropy(logits, c_targets.flatten(), reduction="sum") / n
-            ce.backward()
-            total += ce.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses, norms = accumulated_steps(model, opt, batches(STEPS, BATCH, SEQ, VOCAB), chunks)
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
