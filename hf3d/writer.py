@@ -36,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -268,10 +270,37 @@ class _Recording:
 _SAVED = _SavedBytes()
 
 
+class _ProcessWide:
+    """A process-wide setting changed for the length of a `with`, from any thread (an async save's writer runs
+    beside the training thread's saves and loads): the first to enter applies the change, the last to leave
+    undoes it, so the setting never ends up as a thread that left early found it."""
+
+    def __init__(self, apply: Callable[[], Callable[[], None] | None]):
+        self._apply = apply  # changes the setting; returns what undoes it, or None when it changed nothing
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._undo: Callable[[], None] | None = None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if self._depth == 0:
+                self._undo = self._apply()
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._undo is not None:
+                    self._undo()
+                    self._undo = None
+
+
 @contextlib.contextmanager
 def _without_record_crc():
-    """torch.save computes a CRC-32 of every record it writes; torch.load does not check it. (A process-wide
-    switch: a torch.save elsewhere in the process meanwhile also skips it, which its torch.load never sees.)"""
+    """torch.save computes a CRC-32 of every record it writes; torch.load does not check it. (torch's
+    serialization config is per thread: another thread's torch.save keeps its record CRCs.)"""
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -280,12 +309,7 @@ def _without_record_crc():
         torch.serialization.set_crc32_options(before)
 
 
-@contextlib.contextmanager
-def dcp_debug_records_off():
-    """DCP (torch 2.13) wraps its steps, and the state_dict() of every top-level entry of a saved dict, in a
-    logger that makes two DEBUG records per call for a NullHandler: 2 x 272 records, 15 ms of a 250 ms
-    from-hf here. While nothing but NullHandlers would receive them, the logger's level is raised to INFO for
-    the call (warnings and errors still pass); a logger someone gave a handler is left alone."""
+def _dcp_debug_off() -> Callable[[], None] | None:
     from torch.distributed.checkpoint import logger as dcp_logger_module
 
     logger = getattr(dcp_logger_module, "_dcp_logger", None)
@@ -295,11 +319,14 @@ def dcp_debug_records_off():
         and all(isinstance(h, logging.NullHandler) for h in logger.handlers)
     )
     if not unheard:
-        yield
-        return
+        return None
     before = logger.level
     logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.setLevel(before)
+    return lambda: logger.setLevel(before)
+
+
+dcp_debug_records_off = _ProcessWide(_dcp_debug_off)
+"""DCP (torch 2.13) wraps its steps, and the state_dict() of every top-level entry of a saved dict, in a
+logger that makes two DEBUG records per call for a NullHandler: 2 x 272 records, 15 ms of a 250 ms
+from-hf here. While nothing but NullHandlers would receive them, the logger's level is raised to INFO for
+the call (warnings and errors still pass); a logger someone gave a handler is left alone."""

@@ -113,17 +113,32 @@ def test_an_earlier_direct_write_error_reaches_finish_and_abandon_closes_the_fil
         os.fstat(out.fd)
 
 
-def test_dcp_debug_records_are_off_only_while_nothing_would_hear_them():
-    """hf3d's DCP calls raise DCP's logger to INFO while its only handlers are NullHandlers, and put it back;
-    a logger someone gave a handler keeps its level and gets its records."""
+@pytest.fixture()
+def dcp_logger():
+    """DCP's logger as torch sets it up (level DEBUG, NullHandlers only), whatever ran before; put back after."""
     import logging
 
     from torch.distributed.checkpoint import logger as dcp_logger_module
 
+    logger = dcp_logger_module._dcp_logger
+    level, handlers = logger.level, list(logger.handlers)
+    logger.setLevel(logging.DEBUG)
+    logger.handlers = [logging.NullHandler()]
+    try:
+        yield logger
+    finally:
+        logger.setLevel(level)
+        logger.handlers = handlers
+
+
+def test_dcp_debug_records_are_off_only_while_nothing_would_hear_them(dcp_logger):
+    """hf3d's DCP calls raise DCP's logger to INFO while its only handlers are NullHandlers, and put it back;
+    a logger someone gave a handler keeps its level and gets its records."""
+    import logging
+
     from hf3d.writer import dcp_debug_records_off
 
-    logger = dcp_logger_module._dcp_logger
-    assert logger.level == logging.DEBUG and all(isinstance(h, logging.NullHandler) for h in logger.handlers)
+    logger = dcp_logger
     with dcp_debug_records_off():
         assert not logger.isEnabledFor(logging.DEBUG)
         assert logger.isEnabledFor(logging.WARNING)
@@ -138,3 +153,32 @@ def test_dcp_debug_records_are_off_only_while_nothing_would_hear_them():
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in heard] == ["kept"]
+
+
+def test_the_dcp_logger_switch_ends_as_it_began_when_threads_overlap(dcp_logger):
+    """An async save's writer thread and the training thread wear the same switch of DCP's (process-wide)
+    logger: whichever leaves first, the level stays raised until the last one leaves, then is what it was."""
+    import logging
+    import threading
+
+    from hf3d.writer import dcp_debug_records_off
+
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        with dcp_debug_records_off():
+            entered.set()
+            release.wait()
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    try:
+        entered.wait()
+        with dcp_debug_records_off():  # enters second, leaves first
+            assert dcp_logger.level == logging.INFO
+            release.set()
+            thread.join()
+            assert dcp_logger.level == logging.INFO  # the other thread left; this one is still inside
+        assert dcp_logger.level == logging.DEBUG
+    finally:
+        release.set()
