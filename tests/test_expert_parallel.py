@@ -1,13 +1,17 @@
 """Mixture-of-experts models over (tp, pp, dp, cp, ep) against stock transformers + torch AdamW, fp32.
 
 One spawn of 4 gloo processes runs every case: Qwen3-MoE at dp=4 x ep=2 (two copies of each expert), at
-tp=2 x ep=2 with and without sequence parallelism and at cp=2 x ep=2, and Qwen2-MoE (shared expert, a
-dense layer) at pp=2 x ep=2 under 1f1b and under zbv. Each case checks the logits after load, 3 training steps with
-stock's load-balancing loss on (cross-entropy, load-balancing loss, grad norm) and the exported weights.
+tp=2 x ep=2 with and without sequence parallelism (and with full activation recompute) and at cp=2 x ep=2,
+and Qwen2-MoE (shared expert, a dense layer) at pp=2 x ep=2 under 1f1b and under zbv. Each case checks the
+logits after load, 3 training steps with stock's load-balancing loss on (cross-entropy, load-balancing loss,
+grad norm), the exported weights, and the expert load of every step (`expert_load`: step 1's equals stock's
+top-k picks, each token counted once at every mesh). The recompute case also equals its twin without
+recompute: a MoE layer's forward run again inside backward routes its tokens again but must not count them.
 The same spawn resumes an ep=2 checkpoint at ep=1 and a tp=2 one at tp=1, initialises both families from
-config.json alone, runs aux-loss-free balancing one step, and runs three mutations (a token routed to the
-wrong expert, the router weights skipped, expert gradients reduced over the whole dp group) that the
-checks must catch.
+config.json alone, runs aux-loss-free balancing two steps at tp=1 and at tp=2 (with and without sequence
+parallelism) against stock's router plus the bias, and runs three mutations (a token routed to the wrong
+expert, the router weights skipped, expert gradients reduced over the whole dp group) that the checks must
+catch.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ CASES = {  # name: (family, ParallelConfig keywords)
     "qwen3-moe/dp4-ep2": ("qwen3-moe", dict(dp=4, ep=2)),
     "qwen3-moe/tp2-ep2": ("qwen3-moe", dict(tp=2, dp=2, ep=2)),
     "qwen3-moe/tp2-sp-ep2": ("qwen3-moe", dict(tp=2, dp=2, ep=2, sequence_parallel=True)),
+    # every layer run again inside backward (its all-to-alls too); compared with its twin without "+rc" as well
+    "qwen3-moe/tp2-ep2+rc": ("qwen3-moe", dict(tp=2, dp=2, ep=2, recompute="full")),
     "qwen2-moe/pp2-ep2": ("qwen2-moe", dict(pp=2, dp=2, ep=2, num_microbatches=2)),
     "qwen3-moe/cp2-ep2": ("qwen3-moe", dict(dp=2, cp=2, ep=2)),
     # two stages per rank, backward split into input and weight passes: the statistics' chain still closes
@@ -53,6 +59,15 @@ INIT_SEED = 3
 # 2.5e-4 (loss) and 0.3 (weights) at least
 LOSS_RTOL, AUX_RTOL, NORM_RTOL, LOGITS_ATOL, UPDATE_TOL = 1.5e-6, 2e-6, 1e-5, 2e-6, 1.5e-4
 RESUME_RTOL = 1e-6  # measured 0 (ep=2 -> 1) and 1.0e-7 (tp=2 -> 1)
+RECOMPUTE_TOL = 1e-6  # recompute vs none, same mesh: losses, grad norms (relative), weights (absolute); measured 0
+# aux-loss-free balancing: two steps at lr 0 (the router stays stock's, so the picks of step 2 are stock's
+# router plus the bias of step 1); tp=2 ranks route the same tokens, tp=2 with sequence parallelism their own
+BIAS_MESHES = {
+    "dp4-ep2": dict(dp=4, ep=2),
+    "tp2-ep2": dict(tp=2, dp=2, ep=2),
+    "tp2-sp-ep2": dict(tp=2, dp=2, ep=2, sequence_parallel=True),
+}
+BIAS_RATE = 0.01
 
 
 def _data():
@@ -71,10 +86,11 @@ def _train(pm, data, *, ckpt: Path | None = None) -> dict:
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
     per = BATCH // pm.dp_size
     rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-    out = {"loss": [], "aux": [], "norm": []}
+    out = {"loss": [], "aux": [], "norm": [], "load": []}
     for step, (ids, labels) in enumerate(data, 1):
         out["loss"].append(pm.train_step(ids[rows], labels[rows]).item())
         out["aux"].append(pm.last_aux_loss.item())
+        out["load"].append(pm.expert_load().clone())
         out["norm"].append(opt.step().item())
         opt.zero_grad()
         if ckpt is not None and step == 2:
@@ -144,14 +160,21 @@ def _world4(dirs: dict, ids, data, out: str) -> None:
         ckpt = out / f"ckpt-{case.replace('/', '-')}"
         res[f"resume/{name}"] = _resumed_loss(dirs[CASES[case][0]], ckpt, kw, data)
     _mutations(dirs[CASES[MUTATION_CASE][0]], ids, data, out, res)
-    pm = hf3d.parallelize(
-        dirs["qwen3-moe"], hf3d.ParallelConfig(dp=4, ep=2), moe_load_balance="bias", moe_bias_rate=0.01
-    )
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR)
-    ids0, labels0 = data[0]
-    pm.train_step(ids0[pm.dp_rank * 2 : pm.dp_rank * 2 + 2], labels0[pm.dp_rank * 2 : pm.dp_rank * 2 + 2])
-    opt.step()
-    res["bias"] = {"load": pm.expert_load().clone(), "bias": pm.router_stats.bias.clone(), "aux": pm.last_aux_loss}
+    for mesh, kw in BIAS_MESHES.items():
+        pm = hf3d.parallelize(
+            dirs["qwen3-moe"], hf3d.ParallelConfig(**kw), moe_load_balance="bias", moe_bias_rate=BIAS_RATE
+        )
+        opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=0.0)
+        per = BATCH // pm.dp_size
+        rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+        run = res[f"bias/{mesh}"] = {"load": [], "bias": [], "aux": []}
+        for ids, labels in data[:2]:
+            pm.train_step(ids[rows], labels[rows])
+            opt.step()
+            opt.zero_grad()
+            run["load"].append(pm.expert_load().clone())
+            run["bias"].append(pm.router_stats.bias.clone())
+            run["aux"].append(pm.last_aux_loss)
     for family, case in INIT_CASES.items():  # sharded init from config.json alone
         pm = hf3d.parallelize(dirs[f"{family}-config"], hf3d.ParallelConfig(**CASES[case][1]), seed=INIT_SEED)
         pm.save_pretrained(out / f"init-{family}")
@@ -201,6 +224,19 @@ def _stock_logits(path: str) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         return model(_ids()).logits
+
+
+def _stock_picks(path: str, ids: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[MoE layers, E]: stock's top-k experts of every token of `ids` counted per expert, picked by the router's
+    probabilities (plus `bias` [MoE layers, E], as aux-loss-free balancing picks)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        probs = [logits.softmax(-1) for logits in model(ids, output_router_logits=True).router_logits]
+    if bias is not None:
+        probs = [p + b for p, b in zip(probs, bias)]
+    cfg = model.config
+    picks = [p.topk(cfg.num_experts_per_tok, dim=-1).indices.flatten() for p in probs]
+    return torch.stack([torch.bincount(i, minlength=cfg.num_experts) for i in picks]).float()
 
 
 def _exported(folder: Path) -> dict[str, torch.Tensor]:
@@ -275,18 +311,55 @@ def test_sharded_init_is_stock_from_config(world4, moe_dirs, family):
     assert not different, f"{len(different)} tensors differ from stock's init, e.g. {different[:3]}"
 
 
-def test_bias_balancing_moves_towards_the_mean_load(world4):
-    """moe_load_balance="bias": no loss term, and after a step each expert's bias moved by the rate towards the
-    mean load of the whole step (every rank's tokens), the same on every rank."""
+@pytest.mark.parametrize("mesh", list(BIAS_MESHES))
+def test_bias_balancing_moves_towards_the_mean_load(world4, moe_dirs, mesh):
+    """moe_load_balance="bias": no loss term, and after each step each expert's bias moved by the rate towards
+    the mean load of the whole step (every rank's tokens, each counted once), the same on every rank. The
+    load of each step is stock's: its router's picks on the step's rows, plus the bias in step 2."""
     results, _ = world4
-    first = results[0]["bias"]
-    load = first["load"]
-    assert load.sum() == 2 * BATCH * SEQ * 2  # top-2 picks of every token of the step, in each of 2 layers
-    want = 0.01 * torch.sign(load.mean(dim=1, keepdim=True) - load)
-    assert torch.equal(first["bias"], want) and (want != 0).any()
-    assert first["aux"] is None
-    for r in results[1:]:
-        assert torch.equal(r["bias"]["bias"], first["bias"])
+    cfg = tiny_config("qwen3-moe")
+    data, bias = _data(), torch.zeros(cfg.num_hidden_layers, cfg.num_experts)  # every layer is a MoE layer
+    for step in range(2):
+        load = _stock_picks(moe_dirs["qwen3-moe"], data[step][0], bias)
+        assert load.sum() == BATCH * SEQ * cfg.num_experts_per_tok * cfg.num_hidden_layers
+        bias = bias + BIAS_RATE * torch.sign(load.mean(dim=1, keepdim=True) - load)
+        assert (bias != 0).any()
+        for rank, r in enumerate(results):
+            run = r[f"bias/{mesh}"]
+            assert torch.equal(run["load"][step], load), f"{mesh} step {step + 1} rank {rank}: {run['load'][step]}"
+            assert torch.equal(run["bias"][step], bias), f"{mesh} step {step + 1} rank {rank}: {run['bias'][step]}"
+            assert run["aux"][step] is None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_load_counts_each_pick_once(world4, moe_dirs, case):
+    """`expert_load()` after every step: each token's top-k picks in each MoE layer once, whatever the mesh
+    (tp ranks route the same tokens, sequence-parallel and cp ranks their own, a layer run again by recompute
+    counts nothing); step 1's are stock's picks of the step's rows (the weights are still stock's)."""
+    results, _ = world4
+    family = CASES[case][0]
+    want = _stock_picks(moe_dirs[family], _data()[0][0])
+    for rank, r in enumerate(results):
+        loads = r[f"{case}/train"]["load"]
+        assert torch.equal(loads[0], want), f"{case} rank {rank}: step 1 load {loads[0]}, stock's {want}"
+        for step, load in enumerate(loads[1:], 2):
+            assert torch.equal(load.sum(1), want.sum(1)), f"{case} rank {rank}: step {step} load {load}"
+
+
+def test_moe_recompute_equals_no_recompute(world4):
+    """Full activation recompute of MoE layers (router, token exchange and experts run again inside backward):
+    the same losses, load-balancing losses, grad norms and expert loads as without, and the same weights."""
+    results, out = world4
+    name = "qwen3-moe/tp2-ep2+rc"
+    twin = name.removesuffix("+rc")
+    for rank, r in enumerate(results):
+        got, want = r[f"{name}/train"], r[f"{twin}/train"]
+        for what in ("loss", "aux", "norm"):
+            assert_close(got[what], want[what], rtol=RECOMPUTE_TOL, what=f"{name} {what}, rank {rank}")
+        assert all(torch.equal(a, b) for a, b in zip(got["load"], want["load"], strict=True)), (rank, got["load"])
+    with_rc, without = _exported(out / name.replace("/", "-")), _exported(out / twin.replace("/", "-"))
+    assert sorted(with_rc) == sorted(without)
+    assert_close(with_rc, without, atol=RECOMPUTE_TOL, what=f"{name} exported weights")
 
 
 @pytest.mark.parametrize("mutation", ["wrong-expert", "unweighted", "one-group"])

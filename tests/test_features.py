@@ -9,7 +9,9 @@
   rank, at the same meshes; forward(shift_labels=...) in eval mode against stock's mean.
 - z-loss: 3 AdamW steps with z_loss=Z against stock whose loss adds Z * mean(logsumexp(logits)^2)
   over non-ignored tokens: the returned loss (cross-entropy only), `last_z_loss`, grad norms and the
-  exported weights; the z term moves the weights measurably, so the check can fail.
+  exported weights; the z term moves the weights measurably, so the check can fail. Every export holds
+  exactly the tensors stock's save_pretrained writes, with their shapes (the tied lm_head left out, as
+  stock leaves it out), before any value is compared.
 - recompute: "full" / "every_2" against the same job without recompute (tp2+SP, interleaved pp2,
   dp2 with ZeRO-1, tp2 x pp2), losses and exported weights; and both against stock.
 - config overrides: rope_theta, rope_scaling (linear, factor 2) and max_position_embeddings give stock's
@@ -244,6 +246,18 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _exported(path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the export at `path`, which must be the names and shapes stock's save_pretrained wrote to
+    `model_dir` (tests/models.make_model_dir: this llama ties lm_head to the embedding, so stock writes no
+    lm_head.weight)."""
+    got, want = _weights(path), _weights(model_dir)
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    assert not missing and not extra, f"{path.name}: export lacks {missing}, has extra {extra}"
+    shapes = {k: (tuple(got[k].shape), tuple(v.shape)) for k, v in want.items() if got[k].shape != v.shape}
+    assert not shapes, f"{path.name}: shapes (export, stock) {shapes}"
+    return got
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
@@ -253,7 +267,7 @@ def _world_of(name: str) -> str:
 
 
 @pytest.mark.parametrize("name", _cases(JOBS))
-def test_training_matches_stock(request, stock, name):
+def test_training_matches_stock(request, stock, model_dir, name):
     results, out = request.getfixturevalue(_world_of(name))
     z = JOBS[name][1]
     ref = stock[z]
@@ -266,7 +280,7 @@ def test_training_matches_stock(request, stock, name):
                 assert _rel(got["z"][step], ref["z"][step]) <= Z_RTOL, (rank, step, got["z"], ref["z"])
             else:
                 assert got["z"][step] == 0.0
-    saved = _weights(out / name)
+    saved = _exported(out / name, model_dir)
     for k, v in saved.items():
         err = (v - ref["state"][k]).abs().max().item()
         assert err <= WEIGHT_ATOL, f"{name} {k}: max|Δw| {err:.2e} after {STEPS} steps"
@@ -290,13 +304,13 @@ def test_eval_loss_matches_stock(request, stock, name):
 
 
 @pytest.mark.parametrize("name", _cases(n for n in JOBS if n.endswith("+rc")))
-def test_recompute_equals_no_recompute(request, name):
+def test_recompute_equals_no_recompute(request, model_dir, name):
     results, out = request.getfixturevalue(_world_of(name))
     twin = name.removesuffix("+rc")
     for r in results:
         for a, b in zip(r[name]["losses"] + r[name]["z"], r[twin]["losses"] + r[twin]["z"]):
             assert abs(a - b) <= RECOMPUTE_ATOL * abs(b), (name, a, b)
-    with_rc, without = _weights(out / name), _weights(out / twin)
+    with_rc, without = _exported(out / name, model_dir), _exported(out / twin, model_dir)
     for k in without:
         err = (with_rc[k] - without[k]).abs().max().item()
         assert err <= RECOMPUTE_ATOL, f"{name} {k}: max|Δw| {err:.2e} against {twin}"

@@ -12,8 +12,15 @@ accumulation over the same contiguous chunks of rows that hf3d's micro-batches (
 - tp=2 (and tensorwise with sequence parallelism, and at cp=2, where token amaxes reduce over cp) and
   pp=2 x dp=2: the same, against the reference of the same chunks; tp=2 is also compared with hf3d's own
   tp=1 FP8 run.
-- Mutations the checks must catch: the tp amax reduction dropped (tp=2), and the output head cast to FP8
-  (the reference converting lm_head too, which hf3d's numbers must not match).
+- Layer 0's gate|up projection alone (tensorwise, at tp=2 and at cp=2), on an input and an output gradient
+  the test gives, against torchao's Float8Linear of stock's gate_proj and up_proj on the full tensors: the
+  output, the input's gradient and the weight's gradient, close to the float noise of a sum split over ranks.
+  No fp8 cast follows the probe's float noise, so no rounding flip can hide a wrong scale there, as flips
+  do in the tensorwise training cases (see TENSORWISE_LOSS_RTOL): the output gradient's amax, reduced in
+  the backward only, is checked there.
+- Mutations the checks must catch: the tp amax reduction dropped (tp=2), the output gradient's amax
+  reduction dropped (the probe, tp=2 and cp=2), and the output head cast to FP8 (the reference converting
+  lm_head too, which hf3d's numbers must not match).
 """
 
 from __future__ import annotations
@@ -72,6 +79,11 @@ SGD_LR = 1.0  # moves weights by up to 0.043 in 3 steps (AdamW at LR: 6e-3)
 SGD_WEIGHT_ATOL = 3e-7  # max |Δw| after 3 SGD steps; measured 1.5e-8 (tensorwise, rowwise, rowwise-scaled-mm)
 SGD_MIN_UPDATE = 1e-2  # the SGD weights move at least this much, so SGD_WEIGHT_ATOL is a test that can fail
 MUTATION_MIN = 3e-5  # a wrong scale moves step 1's loss by more than this, relative; measured >= 1.3e-4
+PROBES = {"tp2": dict(tp=2), "cp2": dict(cp=2)}  # the meshes of the layer probe (world 2)
+# the probe's max |got - want| over max |want|, per tensor; measured 3.2e-7 (cp2 weight grad: two partial
+# sums over tokens), 3.0e-7 (tp2 input grad: two partial sums over out); the output and tp2's weight grad: 0.
+# Without the output gradient's amax reduction: >= 4.9e-2 (tp2 input grad), 5.4e-2 (weight grads).
+PROBE_TOL = 5e-6
 
 
 def fp8_reference(model_dir, recipe: str, chunks: int, *, head_fp8: bool = False, sgd: bool = False):
@@ -109,6 +121,57 @@ def _recipes(case: str) -> list[str]:
 def _chunks(case: str) -> int:
     world, kw = CASES[case]
     return kw.get("dp", 1) * kw["num_microbatches"]
+
+
+def _probe(model_dir, kw: dict, *, mutated: bool) -> dict:
+    """Layer 0's gate|up ColumnParallelLinear, tensorwise, alone: a given input X [4, 16, 64] and output
+    gradient, and torchao's Float8Linear of stock's gate_proj and up_proj on the full tensors.
+    {what: (got, want)} for the output, the input's gradient and the weight's gradient, each restricted to
+    what this rank holds (the weight's gradient summed over cp). mutated: the output gradient's amax is not
+    reduced (each rank scales its slice of it by the amax of that slice)."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torchao.float8 import convert_to_float8_training
+
+    from hf3d.layout import get_pieces
+    from hf3d.tensor_parallel import ColumnParallelLinear
+
+    cfg = hf3d.FP8Config(recipe="tensorwise")
+    g = torch.Generator().manual_seed(7)
+    x_full = torch.randn(4, 16, SHAPE["hidden_size"], generator=g)
+    stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    convert_to_float8_training(stock, config=cfg.torchao_config(), module_filter_fn=cfg.module_filter_fn)
+    mlp = stock.model.layers[0].mlp
+    x_ref = x_full.clone().requires_grad_()
+    outs = {name: getattr(mlp, name)(x_ref) for name in ("gate_proj", "up_proj")}
+    grads = {name: torch.randn(y.shape, generator=g) for name, y in outs.items()}
+    torch.autograd.backward(list(outs.values()), list(grads.values()))
+
+    pmodel = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**kw), fp8=cfg)
+    linear = next(m for n, m in pmodel.named_modules() if isinstance(m, ColumnParallelLinear) and ".0.mlp." in n)
+    if mutated:
+        linear.fp8.split = dataclasses.replace(linear.fp8.split, grad_output=())
+    pieces = sorted(get_pieces(linear.weight), key=lambda p: p.local_start)  # gate, up: this rank's rows of each
+
+    def stock_name(p):
+        return p.hf_name.split(".")[-2]
+
+    def local(full: dict) -> torch.Tensor:  # [b, s, out] of each stock projection -> this rank's [b, s_cp, out_tp]
+        return pmodel.cp.split(torch.cat([full[stock_name(p)][..., p.hf_start : p.hf_stop] for p in pieces], -1), 1)
+
+    x = pmodel.cp.split(x_full, 1).requires_grad_()
+    out = linear(x)
+    out.backward(local(grads))
+    weight_grad = linear.weight.grad.clone()
+    if pmodel.cp_size > 1:  # each cp rank's gradient is over its own tokens
+        dist.all_reduce(weight_grad, group=pmodel.cp.group)
+    stock_weight_grad = [getattr(mlp, stock_name(p)).weight.grad[p.hf_start : p.hf_stop] for p in pieces]
+    return {
+        "output": (out.detach(), local({k: v.detach() for k, v in outs.items()})),
+        "input grad": (x.grad, pmodel.cp.split(x_ref.grad, 1)),
+        "weight grad": (weight_grad, torch.cat(stock_weight_grad)),
+    }
 
 
 def _worker(model_dir, out_dir, world):
@@ -150,7 +213,12 @@ def _worker(model_dir, out_dir, world):
                     plain.save_pretrained(Path(out_dir) / "resumed_plain")
                     res["resumed_plain"] = str(Path(out_dir) / "resumed_plain")
                 dist.barrier()
-    if world == 2:  # one KV head over two tp ranks: each holds it with half of its gradient
+    if world == 2:
+        for mesh, kw in PROBES.items():
+            for mutated in (False, True):
+                key = f"probe/{mesh}" + ("/mutated" if mutated else "") + f"/rank{dist.get_rank()}"
+                res[key] = _probe(model_dir, kw, mutated=mutated)
+        # one KV head over two tp ranks: each holds it with half of its gradient
         try:
             hf3d.parallelize(str(Path(out_dir) / "kv1"), hf3d.ParallelConfig(tp=2), fp8="tensorwise")
             res["kv1"] = "no error"
@@ -167,7 +235,8 @@ def runs(tmp_path_factory):
     res = {}
     for world in sorted({w for w, _ in CASES.values()}):
         spawn(_worker, world, str(model_dir), str(tmp), world)
-        res |= torch.load(tmp / f"world{world}.pt", weights_only=False)[0]
+        ranks = torch.load(tmp / f"world{world}.pt", weights_only=False)
+        res |= ranks[0] | {k: v for r in ranks[1:] for k, v in r.items() if k.startswith("probe/")}
     refs = {}
     for case in CASES:
         for recipe in _recipes(case):
@@ -243,6 +312,28 @@ def test_mutation_without_tp_amax_reduction_is_caught(runs):
     first = refs["tensorwise", 2][0][0]
     got = res["tp2/tensorwise/mutated"]["losses"][0]
     assert abs(got - first) / abs(first) > MUTATION_MIN, "dropping the tp amax reduction went unnoticed"
+
+
+def _check_probe(probe: dict, what: str) -> None:
+    for name, (got, want) in probe.items():
+        assert_close(got, want, atol=PROBE_TOL * float(want.abs().max()), what=f"{what} {name}")
+
+
+@pytest.mark.parametrize("mesh", list(PROBES))
+def test_layer_gradients_match_torchao(runs, mesh):
+    for rank in range(2):
+        _check_probe(runs[0][f"probe/{mesh}/rank{rank}"], f"probe {mesh} rank {rank}")
+
+
+@pytest.mark.parametrize("mesh", list(PROBES))
+def test_mutation_without_output_gradient_amax_reduction_is_caught(runs, mesh):
+    """Each rank scaling its slice of gate|up's output gradient by the amax of that slice, for the grad input
+    and the grad weight matmuls. The forward is untouched, so step 1's loss is too; in the tensorwise training
+    cases this mutation moved the losses by 4.2e-4 and the grad norms by 3.1e-3 at most (tp=2, cp=2, 3 steps),
+    within the flips' tolerances, which is why the probe checks it."""
+    with pytest.raises(AssertionError, match="grad"):
+        for rank in range(2):
+            _check_probe(runs[0][f"probe/{mesh}/mutated/rank{rank}"], f"probe {mesh} rank {rank}")
 
 
 def test_mutation_head_in_fp8_is_caught(runs):
