@@ -15,8 +15,12 @@ DCP keys are `model/<hf name>` (parameters, in the training dtype), `optim/maste
 unpadded HF shape, so a checkpoint loads on any (tp, pp, dp) and converts to HF without a mesh.
 A weights-only checkpoint (`hf3d convert from-hf`) has `model/*` keys only.
 
-Saving is atomic: files go into `<path>.tmp`, the marker is written last, then the folder is
-renamed to `<path>`. A folder without the marker is never loaded. A marked folder whose files no
+Saving is atomic and durable: files go into `<path>.tmp` (a folder of hf3d's own, hf3d/files.py), the
+marker is written last, every file and folder is fsynced, then the folder takes the name `<path>` in one
+rename (swapped with the checkpoint it replaces, which only then is removed). A folder without the marker is
+never loaded. hf3d replaces or deletes only folders it made; a `<path>` or `<path>.tmp` of anyone else's is
+refused before anything is written. The marker also records the save's `sequence` under its folder: resume
+and rotation go by the order of the saves, not of the step numbers. A marked folder whose files no
 longer match the sizes and checksums in its marker (a truncated or rewritten file) is damaged: loading
 it is refused with one line, and `checkpoint.resume: auto` passes over it to the previous checkpoint.
 Markers written before hf3d recorded the files (no "files" entry) load without this check.
@@ -30,7 +34,6 @@ import os
 import pickle
 import random
 import re
-import shutil
 import sys
 import threading
 from collections import OrderedDict
@@ -64,6 +67,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from . import files as files_
 from . import optim_state
 from .checksums import crc32_file
 from .faults import is_communication_error, one_line
@@ -138,6 +142,13 @@ class SafeReader(FileSystemReader):
                 raise ValueError(f"{self.path}/.metadata is not readable DCP metadata ({one_line(e)})") from None
         if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
             raise ValueError(f"{self.path}/.metadata holds a {type(metadata).__name__}, not DCP metadata")
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):  # DCP unpickles byte entries (torch.load, weights_only=False)
+                raise ValueError(
+                    f"{self.path}/.metadata declares the entry {key!r} as {type(md).__name__}, not a tensor; hf3d "
+                    "stores only tensors and never unpickles an entry: refusing this checkpoint (it may have been "
+                    "crafted to run code)"
+                )
         for info in metadata.storage_data.values():
             check_relative(Path(self.path), getattr(info, "relative_path", None))
         if getattr(metadata, "storage_meta", None) is None:
@@ -158,8 +169,8 @@ class SafeReader(FileSystemReader):
         """DCP's read, with each stored box mapped (hf3d/stored.py) instead of torch.loaded into new memory:
         the one copy is into the target, from the page cache; each file is read front to back."""
 
-        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):  # hf3d stores none; DCP's way
-            return super().read_data(plan, planner)
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):  # read_metadata refused them already
+            raise ValueError(f"{self.path}: a byte entry reached the reader; hf3d never unpickles one")
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -195,7 +206,7 @@ def is_checkpoint_file(name: str) -> bool:
     """Whether `name` is a file of an hf3d checkpoint folder (what `convert from-hf` may replace)."""
     from .hf import is_export_file
 
-    return name == MARKER or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_export_file(name)
+    return name in (MARKER, files_.OWNER_FILE) or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_export_file(name)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -236,9 +247,7 @@ def write_marker(tmp: Path, meta: dict) -> None:
     given = meta.get("files") or {}
     files = {**_file_table(tmp, skip=set(given)), **given}
     meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": dict(sorted(files.items()))}
-    part = tmp / (MARKER + ".part")
-    part.write_text(json.dumps(meta, indent=1))
-    os.replace(part, tmp / MARKER)
+    files_.write_file(tmp / MARKER, json.dumps(meta, indent=1), replace=True)
 
 
 def _file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
@@ -285,28 +294,6 @@ def refuse_damaged(path: Path, meta: dict, *, checksums: bool = True, problem: s
         raise ValueError(
             f"checkpoint {path} is damaged: {problem}; use another checkpoint (an older step_<N>) or delete this folder"
         )
-
-
-def publish(tmp: Path, final: Path) -> None:
-    """Replace `final` by the staged folder `tmp` (which already holds its marker)."""
-    if final.exists() or final.is_symlink():
-        old = final.with_name(final.name + ".old")
-        remove(old)
-        final.rename(old)  # rename moves a symlink itself, never what it points to
-        tmp.rename(final)
-        remove(old)
-    else:
-        tmp.rename(final)
-
-
-def remove(path: Path) -> None:
-    """Delete `path` without following symlinks: a link or a file is unlinked (what it points to is
-    untouched), a real directory is removed with everything inside (shutil.rmtree unlinks the links
-    it meets, never descending into them)."""
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
 
 
 class CheckpointWriteError(ValueError):
@@ -440,6 +427,10 @@ class _LoadPlanner(DefaultLoadPlanner):
             return obj.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
 
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        """DCP's default torch.loads the bytes with weights_only=False: hf3d's loads have no byte entries."""
+        raise ValueError(f"the checkpoint entry {read_item.dest_index.fqn!r} is bytes; hf3d never unpickles one")
+
 
 def _entry(entries: dict[str, _Boxes], key: str, hf_shapes, hf_name: str, dtype: torch.dtype) -> _Boxes:
     if key not in entries:
@@ -556,6 +547,8 @@ def save_checkpoint(
     final = Path(path)
     tmp = staging_dir(final)
     wait_for_checkpoint(pmodel)
+    # a folder hf3d did not make, at the path or its staging path, is refused before anything is written
+    on_rank0(lambda: (files_.check_replaceable(final), files_.check_replaceable(tmp)))
     try:
         pending = _save(final, tmp, pmodel, opt, step=step, extra=extra, async_=async_, after_publish=after_publish)
     except (Exception, CheckpointException) as e:
@@ -568,8 +561,8 @@ def _refuse_write(e: BaseException, final: Path, tmp: Path) -> NoReturn:
         raise e
     if dist.get_rank() == 0:
         try:
-            remove(tmp)
-        except OSError:
+            files_.remove_dir(tmp)
+        except (OSError, ValueError):
             pass  # left unmarked: never loaded, and the next save of this step replaces it
     raise CheckpointWriteError(
         f"could not write the checkpoint {final} ({_one_line(e)}); nothing was published and the "
@@ -654,11 +647,7 @@ def wait_for_checkpoint(pmodel) -> Path | None:
 def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None, async_: bool, after_publish):
     rank = dist.get_rank()
 
-    def stage() -> None:
-        remove(tmp)  # a save of this step that died before it was marked
-        tmp.mkdir(parents=True)
-
-    on_rank0(stage)
+    on_rank0(lambda: files_.make_dir(tmp, "checkpoint"))  # a leftover of hf3d's own is replaced
     _on_every_rank(lambda: _must_see(tmp))
     entries, optim_meta = _state_entries(pmodel, opt)
     meta = {
@@ -674,8 +663,9 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
     published = threading.Event()
 
     def publish_now(files: dict | None = None) -> None:
-        write_marker(tmp, {**meta, "files": files} if files else meta)
-        publish(tmp, final)
+        order = {"sequence": next_sequence(final.parent)}
+        write_marker(tmp, {**meta, **order, "files": files} if files else {**meta, **order})
+        files_.publish_dir(tmp, final)
         published.set()
         if after_publish is not None:
             after_publish()
@@ -688,7 +678,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
 
         def own_files() -> dict:  # the data file on disk first (its write's error, if any, is the one told)
             table = writer.file_table()
-            torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt")
+            _save_new(_rng_state(pmodel), tmp / f"rng_{rank}.pt")
             return {**table, **_file_table(tmp, only=f"rng_{rank}.pt")}
 
         tables = _gather_file_tables(own_files, group=None, everywhere=True)
@@ -704,7 +694,7 @@ def _save_async(final: Path, tmp: Path, pmodel, opt, entries, writer, extra, pub
     rank = dist.get_rank()
     # the small files first, in the foreground (the RNG states, the data position and the config change
     # as soon as training goes on); the background then writes the model and optimizer state
-    _on_every_rank(lambda: torch.save(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
+    _on_every_rank(lambda: _save_new(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
     on_rank0(lambda: _write_small_files(tmp, pmodel, extra))
     from .async_save import BackgroundSaver, Replay
 
@@ -806,10 +796,15 @@ def _write_small_files(tmp: Path, pmodel, extra: dict | None) -> None:
 
     if extra is not None:
         saved = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in extra.items()}
-        torch.save(saved, tmp / "extra.pt")
+        _save_new(saved, tmp / "extra.pt")
     pmodel.config.save_pretrained(tmp)
     if pmodel.tokenizer_dir is not None:
         copy_model_files(pmodel.tokenizer_dir, tmp)
+
+
+def _save_new(obj, path: Path) -> None:
+    with files_.new_file(path) as f:
+        torch.save(obj, f)
 
 
 def check_compatible(path: Path, config) -> None:
@@ -886,31 +881,50 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
 
 # -- a run's checkpoints folder -------------------------------------------------------------------
 STEP_DIR = re.compile(r"^step_(\d+)$")
+_REPLACED = re.compile(r"^step_(\d+)\.old$")  # files.publish_dir's without renameat2: what a publish replaces
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Complete `step_<N>` checkpoints under root, oldest first. Only real folders count: a symlink
-    named step_<N> is not a checkpoint hf3d wrote, so it is neither resumed from nor pruned."""
+    """Complete `step_<N>` checkpoints under root, (step, folder), in the order they were saved, oldest first:
+    by the `sequence` their markers record (checkpoints of hf3d before it recorded one count as older than any
+    that has one), then by step. A resumed run that rolled back (`checkpoint.resume: PATH`, `load_step: false`)
+    or saved off its cadence writes checkpoints of lower steps after higher ones: the newest save is the one
+    the run is at. Only real folders count: a symlink named step_<N> is not a checkpoint hf3d wrote, so it is
+    neither resumed from nor pruned. A `step_<N>.old` counts as step_<N> where that is missing: a publish that
+    had to move the checkpoint it replaces aside (no atomic swap on that file system) was killed before the
+    new one took its name."""
     found = []
     for d in root.iterdir() if root.is_dir() else []:
-        m = STEP_DIR.match(d.name)
-        if m and not d.is_symlink() and d.is_dir() and _marked_by_hf3d(d):
-            found.append((int(m.group(1)), d))
-    return sorted(found)
+        m = STEP_DIR.match(d.name) or _REPLACED.match(d.name)
+        if m and d.name.endswith(".old") and os.path.lexists(d.with_name(d.stem)):
+            continue
+        meta = _hf3d_marker(d) if m and not d.is_symlink() and d.is_dir() else None
+        if meta is not None:
+            sequence = meta.get("sequence")
+            found.append((sequence if isinstance(sequence, int) else 0, int(m.group(1)), d))
+    return [(step, d) for _, step, d in sorted(found)]
 
 
-def _marked_by_hf3d(d: Path) -> bool:
+def _hf3d_marker(d: Path) -> dict | None:
+    """The marker of the folder `d` when it is hf3d's (a regular file, not a link), else None."""
     marker = d / MARKER
     if marker.is_symlink() or not marker.is_file():
-        return False
+        return None
     try:
-        return json.loads(marker.read_text()).get("format") == "hf3d"
-    except (OSError, ValueError, AttributeError):
-        return False
+        meta = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("format") == "hf3d" else None
+
+
+def next_sequence(root: Path) -> int:
+    """The `sequence` of a checkpoint published now under root: one past the newest save's."""
+    return 1 + max((_hf3d_marker(d).get("sequence") or 0 for _, d in step_dirs(root)), default=0)
 
 
 def find_resume(root: Path) -> Path | None:
-    """The newest complete, undamaged checkpoint under a run's checkpoints folder; None when the folder
+    """The most recently saved complete, undamaged checkpoint under a run's checkpoints folder (`step_dirs`'
+    order); None when the folder
     holds none at all. A damaged one is passed over with one warning line naming its file. Folders that
     exist but are all incomplete or damaged are an error, never a silent restart. Collective under a
     process group (see `find_damage`)."""
@@ -951,23 +965,38 @@ def resolve_resume(spec: str, root: Path) -> Path | None:
     raise ValueError(f"checkpoint.resume={spec!r} is neither a complete checkpoint nor a folder of them")
 
 
-def finish_save(root: Path, keep_last: int) -> None:
-    """After a checkpoint under root is published: point `latest` at it and drop the oldest complete
-    ones beyond keep_last (0 keeps all). Rank 0 only.
+def finish_save(root: Path, keep_last: int, published: Path) -> None:
+    """After the checkpoint `published` under root is published (fsynced): point `latest` at it, then drop the
+    oldest saves beyond keep_last (0 keeps all). Rank 0 only.
 
-    Only what hf3d made is deleted: real `step_<N>` folders directly under root holding hf3d's
-    marker. Symlinks are never followed: a `latest` that is a link is replaced, not written through."""
-    complete = step_dirs(root)
-    part = root / "latest.part"
+    Kept: `published` (the newest save, and the one `checkpoint.resume: auto` chooses) and the newest
+    keep_last - 1 other saves whose files still have the sizes their markers record; the rest go, the
+    damaged ones among them. So a save never leaves fewer undamaged checkpoints than keep_last allows, and
+    never removes the only good one. Only what hf3d made is deleted: real `step_<N>` folders directly under
+    root, holding hf3d's owner file (`files.OWNER_FILE`); one without it (written before hf3d marked its
+    folders) is kept, with one warning line. Links are never followed: a `latest` that is a link is
+    refused, not written through."""
     try:
-        remove(part)
-        part.write_text(complete[-1][1].name + "\n")
-        os.replace(part, root / "latest")
-    except OSError as e:
+        files_.write_file(root / "latest", published.name + "\n", replace=True, sync=True)
+    except (OSError, ValueError) as e:
         raise CheckpointWriteError(
-            f"could not update {root / 'latest'} ({_one_line(e)}); the checkpoint {complete[-1][1]} itself is "
-            "complete and checkpoint.resume=auto finds it: make room on that disk, then resume"
+            f"could not update {root / 'latest'} ({_one_line(e)}); the checkpoint {published} itself is "
+            "complete and checkpoint.resume=auto finds it: fix that, then resume"
         ) from None
-    if keep_last > 0:
-        for _, d in complete[:-keep_last]:
-            shutil.rmtree(d)
+    if keep_last <= 0:
+        return
+    kept = 1
+    for _, d in reversed(step_dirs(root)):
+        if d == published:
+            continue
+        if kept < keep_last and find_damage(d, read_marker(d), checksums=False) is None:
+            kept += 1
+            continue
+        if not files_.owned(d):
+            print(
+                f"hf3d: warning: keeping {d} past checkpoint.keep_last: it has no {files_.OWNER_FILE} (written "
+                "before hf3d marked its folders); delete it yourself once it is not needed",
+                file=sys.stderr,
+            )
+            continue
+        files_.remove_dir(d)

@@ -22,6 +22,7 @@ The CRC-32 is ISA-L's (the isal package) where it imports: zlib's values at 3.2x
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
 import zlib
@@ -29,6 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+from . import files
 
 try:
     from isal.isal_zlib import crc32 as _crc32_update
@@ -139,7 +142,7 @@ class RunningFile(_CheckedFile):
 
     def __init__(self, path: Path, *, sync: bool = True):
         super().__init__(path, "hf3d-crc")
-        self.f = open(self.path, "wb")  # noqa: SIM115 (closed by finish's task in the thread)
+        self.f = open(self.path, "xb")  # noqa: SIM115 (closed by finish's task in the thread); new, no link followed
         self.sync = sync
         self._handed = 0  # bytes handed to the thread so far
 
@@ -205,7 +208,8 @@ class DirectFile(_CheckedFile):
 
     def __init__(self, path: Path, *, inline: bool = False):
         super().__init__(path, "hf3d-direct", inline=inline)
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT  # a new file
+        self.fd = os.open(self.path, flags, 0o644)
         self._bufs = [mmap.mmap(-1, DIRECT_BUFFER) for _ in range(2)]  # anonymous maps: page-aligned
         self._arrays = [np.frombuffer(buf, np.uint8) for buf in self._bufs]  # released before the maps close
         self._cur, self._fill, self._pos = 0, 0, 0
@@ -304,6 +308,9 @@ def open_checksummed(path: Path, *, direct: bool, sync: bool = True, inline: boo
     if direct and hasattr(os, "O_DIRECT"):
         try:
             return DirectFile(path, inline=inline)
-        except OSError:  # e.g. tmpfs: EINVAL
-            pass
+        except OSError as e:  # a file system without O_DIRECT (EINVAL), which may have created the file
+            if e.errno == errno.EEXIST:
+                raise
+            if os.path.lexists(path):
+                files.remove_file(path)
     return RunningFile(path, sync=sync)

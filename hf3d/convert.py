@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import shutil
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from . import checkpoint
+from . import checkpoint, files
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     SAFE_INDEX,
@@ -211,11 +210,11 @@ def checkpoint_to_hf(
                 src_dir=ckpt,
                 max_shard_bytes=max_shard_bytes,
                 check=lambda: checkpoint.refuse_damaged(ckpt, meta, problem=damage()),
+                extra_files=_training_summary(ckpt),
             )
         except ValueError:  # a damaged file can fail the read first: say that it is damaged
             checkpoint.refuse_damaged(ckpt, meta, problem=damage())
             raise
-    _write_training_summary(ckpt, out_dir)
     return out_dir
 
 
@@ -232,16 +231,15 @@ def _checksums_beside(ckpt: Path, meta: dict):
         pool.shutdown(wait=True)
 
 
-def _write_training_summary(ckpt: Path, out_dir: Path) -> None:
-    """The run's record that `hf3d train` keeps in each checkpoint's extra.pt, as hf3d_training.json
-    beside the weights: `hf3d push` makes the model card from it."""
+def _training_summary(ckpt: Path) -> dict[str, bytes]:
+    """The run's record that `hf3d train` keeps in each checkpoint's extra.pt, as the file hf3d_training.json
+    to write beside the weights ({} when there is none): `hf3d push` makes the model card from it."""
     from .hub import SUMMARY_FILE
 
     if not (ckpt / "extra.pt").is_file():
-        return
+        return {}
     summary = torch.load(ckpt / "extra.pt", weights_only=True).get("training")
-    if isinstance(summary, dict):
-        (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1))
+    return {SUMMARY_FILE: json.dumps(summary, indent=1).encode()} if isinstance(summary, dict) else {}
 
 
 # -- HF -> checkpoint -----------------------------------------------------------------------------
@@ -311,16 +309,12 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
     specs.sort(key=lambda s: source.entries[s.name][:2])  # file order: each file is read once, front to back
     state = {checkpoint.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
-    tmp = checkpoint.staging_dir(final)
-    check_output_dir(tmp, checkpoint.is_checkpoint_file)  # an interrupted conversion to this path
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp = files.make_dir(checkpoint.staging_dir(final), "checkpoint")  # replaces an interrupted conversion's
     writer = OneFileWriter(tmp, sync=fsync)
     with _single_process(), dcp_debug_records_off():
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
     checked = writer.file_table()
-    shutil.copyfile(model_dir / "config.json", tmp / "config.json")
+    files.copy_file(model_dir / "config.json", tmp / "config.json")
     copy_model_files(model_dir, tmp)
     meta = {
         "kind": "weights",
@@ -330,5 +324,5 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
         "parallel": None,
     }
     checkpoint.write_marker(tmp, {**meta, "files": checked})
-    checkpoint.publish(tmp, final)
+    files.publish_dir(tmp, final, sync=fsync)
     return final

@@ -28,6 +28,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from . import files
 from .hf import (
     DEFAULT_MAX_SHARD_BYTES,
     TensorSpec,
@@ -44,11 +45,17 @@ from .layout import get_pieces
 
 
 @torch.no_grad()
-def save_hf(pmodel, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+def save_hf(
+    pmodel,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra_files: dict[str, bytes] | None = None,
+) -> None:
     """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
-    files if known) that stock `AutoModelForCausalLM.from_pretrained` loads (see the module docstring
-    for which ranks write). An existing out_dir
-    is replaced only when it holds nothing but an HF export's files; any other is refused on every rank."""
+    files if known, + `extra_files` from rank 0) that stock `AutoModelForCausalLM.from_pretrained` loads (see
+    the module docstring for which ranks write). An existing out_dir is replaced only when hf3d made it and it
+    holds nothing but an HF export's files; any other is refused on every rank."""
     mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
     for _, param in pmodel.unique_parameters():
         if pmodel.exports(param):  # the first copy over dp x cp
@@ -64,7 +71,7 @@ def save_hf(pmodel, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAUL
         if not (tied and n == "lm_head.weight")
     ]
     sources = export_sources(table, specs)
-    exporter = _Exporter(pmodel, specs, sources, mine)
+    exporter = _Exporter(pmodel, specs, sources, mine, extra_files)
     plans = stage_plans(pmodel.mesh.mesh, specs, sources, max_shard_bytes)
     if plans is not None and _staging_is_shared(out_dir, list(plans)):
         _raise_everywhere(exporter.write_by_stage(staging_dir(out_dir), plans), out_dir)
@@ -105,7 +112,7 @@ def _staging_is_shared(out_dir, writers: list[int]) -> bool:
         try:
             start_staging(out_dir)
             probe[0] = f".hf3d-probe-{uuid.uuid4().hex}"
-            (tmp / probe[0]).touch()
+            files.write_file(tmp / probe[0], b"")
         except (OSError, ValueError):  # the single-writer path meets the same error and reports it
             probe[0] = None
     dist.broadcast_object_list(probe, src=0)
@@ -113,7 +120,7 @@ def _staging_is_shared(out_dir, writers: list[int]) -> bool:
     seen = probe[0] is not None and (dist.get_rank() not in writers or (tmp / probe[0]).exists())
     dist.all_gather_object(sees, seen)
     if dist.get_rank() == 0 and probe[0] is not None:
-        (tmp / probe[0]).unlink()
+        files.remove_file(tmp / probe[0])
     return all(sees)
 
 
@@ -141,8 +148,9 @@ def _raise_everywhere(error: BaseException | None, out_dir) -> None:
 class _Exporter:
     """The pieces this rank owns and how to assemble whole tensors from the pieces of several ranks."""
 
-    def __init__(self, pmodel, specs: list[TensorSpec], sources: dict, mine: dict):
+    def __init__(self, pmodel, specs: list[TensorSpec], sources: dict, mine: dict, extra_files: dict | None):
         self.pmodel, self.specs, self.sources, self.mine = pmodel, specs, sources, mine
+        self.extra_files = extra_files
         self.shapes = {s.name: s.shape for s in specs}
         self.dtype, self.device, self.rank = pmodel.param_dtype, pmodel.device, dist.get_rank()
         self.received: set[str] = set()
@@ -188,6 +196,7 @@ class _Exporter:
                 config,
                 src_dir=self.pmodel.tokenizer_dir,
                 max_shard_bytes=max_shard_bytes,
+                extra_files=self.extra_files,
             )
         )
         if error is not None:  # the disk, not the peers: take what they still send, then tell them
@@ -214,7 +223,8 @@ class _Exporter:
     def finish(self, out_dir, plan: list) -> None:
         config = copy.deepcopy(self.pmodel.config)
         config.dtype = self.dtype
-        finish_hf_dir(staging_dir(out_dir), out_dir, self.specs, plan, config, src_dir=self.pmodel.tokenizer_dir)
+        tmp, tokenizer_dir = staging_dir(out_dir), self.pmodel.tokenizer_dir
+        finish_hf_dir(tmp, out_dir, self.specs, plan, config, src_dir=tokenizer_dir, extra_files=self.extra_files)
 
 
 def export_sources(table: list[dict], specs: list[TensorSpec]) -> dict[str, list[tuple[int, int, int, int]]]:

@@ -9,12 +9,13 @@ import math
 import mmap
 import os
 import re
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from . import files
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -294,6 +295,11 @@ _EXPORT_FILES = {
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
+def is_weights_file(name: str) -> bool:
+    """Whether `name` is a safetensors weights file (or its index) as transformers names them."""
+    return name in (SAFE_SINGLE, SAFE_INDEX) or bool(_SHARD_FILE.fullmatch(name))
+
+
 def is_export_file(name: str) -> bool:
     """Whether `name` is a file an HF export holds (weights, configs, tokenizer files, hf3d's run record)."""
     return name in _EXPORT_FILES or bool(_SHARD_FILE.fullmatch(name)) or name.startswith(_MODEL_FILE_PREFIXES)
@@ -301,15 +307,17 @@ def is_export_file(name: str) -> bool:
 
 def check_output_dir(out: Path, owns: Callable[[str], bool], *, src: str | os.PathLike | None = None) -> None:
     """The one rule of every hf3d writer (save_pretrained, `convert`, `hf3d train`'s final export,
-    Trainer.save_model): `out` is written when it does not exist, is an empty folder, or is a real folder
-    holding only files of the kind this writer puts there (`owns(name)`: an earlier output, which is
-    replaced). Anything else (a file of the user's, a subfolder, a link) is refused in one line, before
-    anything is written or deleted."""
+    Trainer.save_model): `out` is written when it does not exist, is an empty folder, or is a folder hf3d
+    made (`files.owned`) holding only files of the kind this writer puts there (`owns(name)`: an earlier
+    output, which is replaced). Anything else (a folder of the user's, even one of model files; a file of the
+    user's in hf3d's folder, a subfolder, a link) is refused in one line, before anything is written or
+    deleted."""
     if src is not None and out.resolve() == Path(src).resolve():
         raise ValueError(f"the output {out} is the input; choose another output path")
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ValueError(f"{out} exists and is not a folder (a file or a link); choose a new output path")
+    files.check_replaceable(out)
     for entry in sorted(out.iterdir()) if out.exists() else ():
+        if entry.name == files.OWNER_FILE:
+            continue
         if entry.is_symlink() or not entry.is_file() or not owns(entry.name):
             raise ValueError(
                 f"{out} holds {entry.name!r}, which hf3d does not write there; hf3d replaces only a folder of its "
@@ -354,7 +362,7 @@ def copy_model_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> 
     """Copy `model_files(src_dir)` into dst_dir; returns the names copied."""
     copied = []
     for f in model_files(src_dir):
-        shutil.copyfile(f, Path(dst_dir) / f.name)
+        files.copy_file(f, Path(dst_dir) / f.name)
         copied.append(f.name)
     return copied
 
@@ -395,6 +403,7 @@ def write_hf_dir(
     src_dir: str | os.PathLike | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     check: Callable[[], None] | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Write an HF directory, holding at most one tensor at a time.
 
@@ -408,7 +417,8 @@ def write_hf_dir(
     end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
     replaced only when it holds nothing but an HF export's files (`check_output_dir`).
     check(): called when every shard is written, before anything is published; what it raises is raised
-    after the staging folder is removed.
+    after the staging folder is removed. extra_files: {name: bytes} written beside the weights before the
+    folder is published (a run's record and loss curve).
     """
     tmp = start_staging(out_dir)
     plan = plan_shards(list(specs), max_shard_bytes)
@@ -420,9 +430,9 @@ def write_hf_dir(
         try:
             check()
         except BaseException:
-            shutil.rmtree(tmp)
+            files.remove_dir(tmp)
             raise
-    _finish_staging(tmp, out_dir, config, src_dir=src_dir)
+    _finish_staging(tmp, out_dir, config, src_dir=src_dir, extra_files=extra_files)
 
 
 def staging_dir(out_dir: str | os.PathLike) -> Path:
@@ -432,33 +442,30 @@ def staging_dir(out_dir: str | os.PathLike) -> Path:
 
 
 def start_staging(out_dir: str | os.PathLike) -> Path:
-    """A fresh, empty staging folder for out_dir, after checking that out_dir and a staging folder left by
-    an interrupted export hold nothing but an HF export's files (`check_output_dir`): the one rule of
-    every writer."""
+    """A fresh, empty staging folder of hf3d's own for out_dir, after checking that out_dir may be replaced
+    (`check_output_dir`): the one rule of every writer. A staging folder left by an interrupted export is
+    replaced; a folder of that name that hf3d did not make is refused."""
     out_dir = Path(out_dir)
-    tmp = staging_dir(out_dir)
     check_output_dir(out_dir, is_export_file)
-    check_output_dir(tmp, is_export_file)  # an interrupted export of this folder
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+    return files.make_dir(staging_dir(out_dir), "export")
 
 
-def _finish_staging(tmp: Path, out_dir: str | os.PathLike, config, *, src_dir) -> None:
-    """The config and the model files from src_dir into the staging folder, which then replaces out_dir."""
+def _finish_staging(
+    tmp: Path, out_dir: str | os.PathLike, config, *, src_dir, extra_files: Mapping[str, bytes] | None = None
+) -> None:
+    """The config, the model files from src_dir and `extra_files` into the staging folder, which then
+    replaces out_dir."""
     copied = copy_model_files(src_dir, tmp) if src_dir is not None else []
     _save_config(config, tmp, have_generation_config=GENERATION_CONFIG in copied)
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    for name, data in (extra_files or {}).items():
+        files.write_file(tmp / name, data)
+    files.publish_dir(tmp, out_dir, sync=False)
 
 
 def write_shard(path: Path, group: list[TensorSpec], produce: Callable[[str], torch.Tensor]) -> None:
     """One safetensors file holding `group` in this order: the header from the specs, then each
     tensor's bytes as `produce(name)` returns it, one tensor alive at a time."""
-    with open(path, "wb") as f:
+    with files.new_file(path) as f:
         f.write(_safetensors_header(group))
         for s in group:
             t = produce(s.name)
@@ -476,7 +483,7 @@ def write_index(out: Path, specs: list[TensorSpec], plan: list[tuple[str, list[T
         },
         "weight_map": {s.name: fname for fname, group in plan for s in group},
     }
-    (out / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    files.write_file(out / SAFE_INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def plan_writer_shards(
@@ -495,9 +502,16 @@ def plan_writer_shards(
 
 
 def finish_hf_dir(
-    tmp: Path, out_dir: str | os.PathLike, specs, plan, config, *, src_dir: str | os.PathLike | None = None
+    tmp: Path,
+    out_dir: str | os.PathLike,
+    specs,
+    plan,
+    config,
+    *,
+    src_dir: str | os.PathLike | None = None,
+    extra_files: Mapping[str, bytes] | None = None,
 ) -> None:
     """Complete a staging folder whose shard files are written (by any processes): the index, the
-    config and the model files from src_dir; then it replaces out_dir, as `write_hf_dir` ends."""
+    config, the model files from src_dir and `extra_files`; then it replaces out_dir, as `write_hf_dir` ends."""
     write_index(tmp, specs, plan)
-    _finish_staging(tmp, out_dir, config, src_dir=src_dir)
+    _finish_staging(tmp, out_dir, config, src_dir=src_dir, extra_files=extra_files)

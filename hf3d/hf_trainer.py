@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import math
-import os
 from itertools import islice
 from pathlib import Path
 
@@ -36,8 +36,10 @@ from transformers import TrainingArguments
 from transformers.trainer import SCHEDULER_NAME, TRAINING_ARGS_NAME
 from transformers.trainer_utils import EvalLoopOutput
 
+from . import files
 from .accel import CHECKPOINT_SUBDIR, check_accelerator
 from .checkpoint import is_complete, load_checkpoint, save_checkpoint
+from .hf import is_weights_file
 from .model import IGNORE_INDEX, ParallelModel
 from .optim import ParallelOptimizer, build_optimizer
 
@@ -294,21 +296,23 @@ class Trainer(HFTrainer):
         staging = out / EXPORT_STAGING
         self.model.save_pretrained(staging)
         if self.args.should_save:
-            for stale in out.glob("model*.safetensors*"):  # shards of an earlier export
-                stale.unlink()
+            for stale in out.iterdir():  # the weights of an earlier save here, which stock's save_pretrained drops
+                if is_weights_file(stale.name):
+                    files.remove_file(stale)
             for f in staging.iterdir():
-                os.replace(f, out / f.name)
-            staging.rmdir()
+                if f.name != files.OWNER_FILE:  # the Trainer's folder stays the user's
+                    files.move_file(f, out / f.name)
+            files.remove_dir(staging)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(out)
-            torch.save(without_secrets(self.args), out / TRAINING_ARGS_NAME)
+            files.write_file(out / TRAINING_ARGS_NAME, _saved(without_secrets(self.args)), replace=True)
         dist.barrier()  # the folder is complete when save_model returns on any rank
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         # every rank writes its shard of weights and optimizer state, readable at any mesh (stock: rank 0's only)
         save_checkpoint(Path(output_dir) / CHECKPOINT_SUBDIR, self.model, self.optimizer, step=self.state.global_step)
         if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), Path(output_dir) / SCHEDULER_NAME)
+            files.write_file(Path(output_dir) / SCHEDULER_NAME, _saved(self.lr_scheduler.state_dict()), replace=True)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         # the weights come back with the optimizer state, in _load_optimizer_and_scheduler (one sharded read)
@@ -324,6 +328,13 @@ class Trainer(HFTrainer):
             return
         load_checkpoint(Path(checkpoint) / CHECKPOINT_SUBDIR, self.model, self.optimizer)
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
+
+
+def _saved(obj) -> bytes:
+    """What torch.save writes of `obj`."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
 def _is_hf_dataset(dataset) -> bool:

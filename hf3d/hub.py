@@ -40,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from . import files as hf3d_files
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -75,7 +77,7 @@ def write_model_card(model_dir: str | Path, summary: dict, *, repo_id: str | Non
         license=s.get("license", "apache-2.0"),
         tags=["hf3d", "text-generation"],
     )
-    title = repo_id.split("/")[-1] if repo_id else model_dir.resolve().name
+    title = _one_line(repo_id.split("/")[-1] if repo_id else model_dir.resolve().name)
     lines = [f"---\n{meta.to_yaml()}\n---", "", f"# {title}", ""]
     arch = _architecture(model_dir)
     lines += [f"A {arch}causal language model trained with hf3d (tensor, pipeline and data parallel"]
@@ -94,7 +96,7 @@ def write_model_card(model_dir: str | Path, summary: dict, *, repo_id: str | Non
         else:
             lines += ["### Loss curve", "", *image]
     path = model_dir / CARD_FILE
-    path.write_text("\n".join(lines), encoding="utf-8")
+    hf3d_files.write_file(path, "\n".join(lines))  # a new file: never over a card, nor through a link
     return path
 
 
@@ -127,6 +129,7 @@ def _check_summary(summary: Any) -> dict:
     for key, types in expected.items():
         if key in summary and not isinstance(summary[key], types):
             raise HubError(f"training summary: {key!r} has type {type(summary[key]).__name__}; see hf3d.hub")
+    summary = _one_line_values(summary)
     for point in summary.get("loss_curve", []):
         if not (
             isinstance(point, (list, tuple)) and len(point) == 2 and all(isinstance(v, (int, float)) for v in point)
@@ -135,11 +138,30 @@ def _check_summary(summary: Any) -> dict:
     return summary
 
 
+_LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]+")  # newlines and the other control characters
+
+
+def _one_line(text: str) -> str:
+    """A value of the card on one line: line breaks and other control characters become one space."""
+    return _LINE_BREAKS.sub(" ", text)
+
+
+def _one_line_values(value: Any) -> Any:
+    """`value` with every string in it (keys included, at any depth) on one line."""
+    if isinstance(value, str):
+        return _one_line(value)
+    if isinstance(value, dict):
+        return {_one_line_values(k): _one_line_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_one_line_values(v) for v in value)
+    return value
+
+
 def _architecture(model_dir: Path) -> str:
     try:
         config = json.loads((model_dir / "config.json").read_text())
         layers, hidden = config["num_hidden_layers"], config["hidden_size"]
-        return f"{config['architectures'][0]} ({layers} layers, hidden size {hidden}) "
+        return _one_line(f"{config['architectures'][0]} ({layers} layers, hidden size {hidden}) ")
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return ""
 
@@ -253,7 +275,7 @@ def push_to_hub(
     if not token:
         raise HubError(_NO_TOKEN)
     _refuse_token_in(files, model_dir, token)  # before the card, which is made from these files
-    if not (model_dir / CARD_FILE).exists():
+    if not os.path.lexists(model_dir / CARD_FILE):
         card = write_model_card(model_dir, _read_summary(model_dir), repo_id=repo_id)
         logger.info("wrote the model card %s", card)
         files = _model_files(model_dir)
@@ -314,15 +336,21 @@ def _model_files(model_dir: Path) -> list[str]:
                 )
         for name in names:
             path = Path(folder) / name
-            if name.startswith(".") or not path.is_file():
+            if name.startswith("."):
                 continue
+            if path.is_symlink() and not path.exists():  # the card writer must not create what it points to
+                raise HubError(
+                    f"{path} is a link to {os.readlink(path)}, which does not exist; hf3d writes through no link: "
+                    "remove the link, or replace it by the file"
+                )
             target = link_outside(path, model_dir)
             if target is not None:
                 raise HubError(
                     f"{path} is a link to {target}, outside {model_dir}; hf3d uploads no file from outside the "
                     "folder: replace the link by a copy of the file, or remove it"
                 )
-            files.append((rel_folder / name).as_posix())
+            if path.is_file():
+                files.append((rel_folder / name).as_posix())
     files.sort()
     missing = [] if "config.json" in files else ["config.json"]
     if not any(f.endswith(".safetensors") for f in files):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from . import files
+
 # dense bf16 peak FLOP/s per device, from the vendors' data sheets
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12}
 
@@ -134,11 +136,9 @@ class MetricsWriter:
                         kept.append(line + "\n")
                 except (json.JSONDecodeError, KeyError, TypeError):
                     break  # a line cut short by the interruption ends what is kept
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept))
-        tmp.replace(self.path)
+        files.write_file(self.path, "".join(kept), replace=True)
 
     def write(self, record: dict) -> None:
         if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
+            with files.append_to(self.path) as f:
+                f.write((json.dumps(record) + "\n").encode())

@@ -300,11 +300,18 @@ class ParallelModel(nn.Module):
         return train_step(self, input_ids, labels, position_ids, shift_labels=shift_labels, z_loss=z_loss)
 
     # -- export -----------------------------------------------------------------------------------
-    def save_pretrained(self, out_dir: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    def save_pretrained(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        extra_files: dict[str, bytes] | None = None,
+    ) -> None:
         """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
-        files if known) that stock `AutoModelForCausalLM.from_pretrained` loads (hf3d/export.py). An existing
-        out_dir is replaced only when it holds nothing but an HF export's files; any other is refused on every
-        rank."""
+        files if known, + `extra_files` {name: bytes} from rank 0) that stock
+        `AutoModelForCausalLM.from_pretrained` loads (hf3d/export.py). The folder appears complete or not at all.
+        An existing out_dir is replaced only when hf3d made it and it holds nothing but an HF export's files; any
+        other is refused on every rank."""
         from .export import save_hf
 
-        save_hf(self, out_dir, max_shard_bytes=max_shard_bytes)
+        save_hf(self, out_dir, max_shard_bytes=max_shard_bytes, extra_files=extra_files)

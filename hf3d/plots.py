@@ -7,9 +7,12 @@ switch is involved.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from pathlib import Path
+
+from . import files
 
 
 def _records(metrics_jsonl: Path) -> list[dict]:
@@ -113,9 +116,9 @@ def plot_loss_curve(
     if title:
         ax.set_title(title)
     out_png.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_png.with_name(out_png.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    tmp.replace(out_png)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
+    files.write_file(out_png, png.getvalue(), replace=True)
     return out_png
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from . import files
 from .config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
 from .configfile import build_section, key_of
 from .data import DataConfig
@@ -311,6 +312,10 @@ class TrainConfig:
         }
 
 
+RUN_FILES = ("metrics.jsonl", "config.yaml", "loss_curve.png", "sample.txt", "memory.json", "checkpoints/latest")
+"""The files `hf3d train` writes (and replaces) in its output folder."""
+
+
 def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
     """Checks across sections, before anything is loaded or written; returns the derived values to
     print at start (tokens per step and in all, the lr decay window, data stages against it)."""
@@ -321,6 +326,8 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
         from .hf import check_output_dir, is_export_file
 
         check_output_dir(Path(r.output_dir) / "final", is_export_file)
+    for name in RUN_FILES:  # what the run writes beside its checkpoints: never through a link
+        files.refuse_link(Path(r.output_dir) / name)
     dp = _check_world(cfg, world_size)
     m = p.num_microbatches
     if r.global_batch % (dp * m):

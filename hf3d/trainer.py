@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from . import files
 from .attention import flash_attn_installed, resolve_attn_implementation
 from .checkpoint import (
     PendingCheckpoint,
@@ -106,7 +106,7 @@ def _report_memory(opt, out: Path, rank0: bool, write) -> None:
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, opt.memory_report())
     if rank0:
-        (out / "memory.json").write_text(json.dumps(reports, indent=1))
+        files.write_file(out / "memory.json", json.dumps(reports, indent=1), replace=True)
         for r, rep in enumerate(reports):
             write(f"hf3d: rank {r} training state (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rep.items()))
 
@@ -300,7 +300,7 @@ def _announce(run: _Run, derived: list[str], missing: list[str]) -> None:
     if run.rank0:
         run.out.mkdir(parents=True, exist_ok=True)
         resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-        (run.out / "config.yaml").write_text(resolved)
+        files.write_file(run.out / "config.yaml", resolved, replace=True)
         say("hf3d: resolved config (also in " + str(run.out / "config.yaml") + "):\n" + resolved.rstrip())
         p = cfg.parallel
         mesh = f"pp={p.pp} dp={run.pmodel.dp_size}" + (f" ep={p.ep}" if p.ep > 1 else "") + f" cp={p.cp} tp={p.tp}"
@@ -415,13 +415,13 @@ def _checkpoint_and_stop(run: _Run, step: int, record: dict, health: StepHealth,
             last = signum or step + 1 == run.cfg.run.steps
             run.pending = save_checkpoint(
                 path, run.pmodel, run.opt, step=step + 1, extra=extra, async_=True,
-                after_publish=lambda: finish_save(root, c.keep_last),
+                after_publish=lambda: finish_save(root, c.keep_last, path),
             )  # fmt: skip
             run.saved_to = run.pending.result() if last else path  # a stop or the end waits for the write
             how = "saved" if last else "started (written in the background)"
         else:
             run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
-            on_rank0(lambda: finish_save(root, c.keep_last))
+            on_rank0(lambda: finish_save(root, c.keep_last, path))
             how = "saved"
         if run.rank0:
             tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")
@@ -477,15 +477,17 @@ def _finish(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: dict,
     if not cfg.run.save_final:
         return
     final = out / "final"
-    pmodel.save_pretrained(final)
+    record = {}  # the curve and the run's record go in with the weights: the folder appears complete
     if rank0:
+        record[SUMMARY_FILE] = json.dumps(training_summary(cfg, metrics_path, last), indent=1).encode()
         if curve:
-            shutil.copy2(curve, final / curve.name)
-        (final / SUMMARY_FILE).write_text(json.dumps(training_summary(cfg, metrics_path, last), indent=1))
+            record[curve.name] = curve.read_bytes()
+    pmodel.save_pretrained(final, extra_files=record)
+    if rank0:
         tqdm.write(f"hf3d: wrote {final} (load it with AutoModelForCausalLM.from_pretrained)")
         if cfg.run.sample_prompt:
             text = _sample(final, cfg.run.sample_prompt)
-            (out / "sample.txt").write_text(text + "\n")
+            files.write_file(out / "sample.txt", text + "\n", replace=True)
             tqdm.write(f"hf3d: sample from {final}:\n{text}")
     if cfg.export.push_to_hub:
         _push_final(cfg, final)

@@ -86,3 +86,13 @@ def craft_stored_box(ckpt: Path, payload: bytes) -> None:
         info.relative_path, info.offset, info.length = path.name, 0, path.stat().st_size
 
     rewrite_metadata(ckpt, edit)
+
+
+def fake_checkpoint(path: Path, step: int, **meta) -> Path:
+    """A complete checkpoint folder as hf3d makes one (its owner file, then the marker), holding no weights:
+    what resume and rotation look at."""
+    from hf3d import checkpoint, files
+
+    files.make_dir(path, "checkpoint")
+    checkpoint.write_marker(path, {"kind": "training", "step": step, **meta})
+    return path

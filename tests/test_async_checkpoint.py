@@ -130,12 +130,13 @@ def _async_world(model_dir: str, out: str) -> None:
     res["weights_only"] = {k: (v, files[1].get(k)) for k, v in files[0].items() if k.endswith(".distcp")}
     marked, seen = threading.Event(), []
     checkpoint.write_marker = _held_until(write_marker, marked)
-    remove = checkpoint.remove
-    checkpoint.remove = lambda p: (seen.append((p.name, checkpoint.is_complete(Path(out) / "one"))), remove(p))[1]
+    make_dir = checkpoint.files_.make_dir  # the second save stages only once the first one is published
+    checkpoint.files_.make_dir = lambda p, kind: (seen.append((p.name, checkpoint.is_complete(Path(out) / "one"))),
+                                                  make_dir(p, kind))[1]  # fmt: skip
     hf3d.save_checkpoint(Path(out) / "one", pm, opt, step=1, async_=True)
     threading.Timer(0.5, marked.set).start()
     hf3d.save_checkpoint(Path(out) / "two", pm, opt, step=2)
-    checkpoint.remove = remove
+    checkpoint.files_.make_dir = make_dir
     res["overlap"] = [s for s in seen if s[0] == "two.tmp"]
 
     # a background failure on rank 0 (after every rank wrote its files), over a checkpoint published before at

@@ -131,6 +131,8 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     """Every file the cases read, under tmp; returns their paths (plain strings: the spawn pickles them)."""
     from transformers import AutoTokenizer
 
+    from hf3d.files import make_dir
+
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     d = tmp / "data"
     docs = _texts(30, seed=0)
@@ -236,6 +238,19 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     payload = global_pickle("torch.distributed.checkpoint.metadata", "os.system", f"touch {tmp}/code-ran")
     write_crafted(ck / "crafted", ".metadata", payload)
     fx["crafted"], fx["code_ran"] = str(ck / "crafted"), str(tmp / "code-ran")
+    shutil.copytree(honest, ck / "bytes-entry")  # a weight declared as DCP bytes: a pickle DCP would torch.load
+    fx["bytes_entry"] = str(_bytes_entry(ck / "bytes-entry", tmp / "code-ran"))
+    for name in ("thesis", "staged.tmp"):  # folders of the user's, at a checkpoint's path and at its staging path
+        (tmp / name / "src").mkdir(parents=True)
+        (tmp / name / "src" / "thesis.tex").write_text("years of work\n")
+    fx["thesis"], fx["staged"] = str(tmp / "thesis"), str(tmp / "staged")
+    fx["stock_export"] = str(make_model_dir(tmp / "stock-export", "llama", seed=1))  # stock's, not hf3d's
+    shutil.copytree(fx["llama"], tmp / "dangling-card")
+    (tmp / "dangling-card" / "README.md").symlink_to(tmp / "written-through-the-card")
+    fx["dangling_card"] = str(tmp / "dangling-card")
+    (tmp / "linked-run").mkdir()
+    (tmp / "linked-run" / "metrics.jsonl").symlink_to(tmp / "written-through-metrics")
+    fx["linked_run"] = str(tmp / "linked-run")
     shutil.copytree(honest, ck / "outside")
 
     def outside(metadata) -> None:
@@ -251,7 +266,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
 
     rewrite_metadata(ck / "inconsistent", drop_a_weight)
     fx["inconsistent"] = str(ck / "inconsistent")
-    (tmp / "foreign-run" / "final").mkdir(parents=True)  # an earlier export, and the user's notes in it
+    make_dir(tmp / "foreign-run" / "final", "export")  # an earlier export of hf3d's, the user's notes in it
     shutil.copy(Path(fx["llama"]) / "config.json", tmp / "foreign-run" / "final")
     (tmp / "foreign-run" / "final" / "my_notes.txt").write_text("keep me\n")
     fx["foreign_run"] = str(tmp / "foreign-run")
@@ -505,6 +520,36 @@ def _train_shards(ctx):
     return ctx["pm"].train_step(batch["input_ids"], shift_labels=batch["shift_labels"])
 
 
+def _bytes_entry(ckpt: Path, sentinel: Path) -> Path:
+    """The checkpoint with one weight declared as DCP bytes whose bytes are a pickle that would `touch sentinel`."""
+    from crafted import global_pickle, reseal
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from hf3d.checkpoint import SafeReader
+
+    metadata = SafeReader(ckpt).read_metadata()
+    key = "model/model.layers.0.mlp.down_proj.weight"
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    for index in [i for i in metadata.storage_data if i.fqn == key]:
+        del metadata.storage_data[index]
+    payload = global_pickle("os", "system", f"touch {sentinel}")
+    (ckpt / "__crafted.distcp").write_bytes(payload)
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__crafted.distcp", 0, len(payload))
+    (ckpt / ".metadata").write_bytes(__import__("pickle").dumps(metadata))
+    reseal(ckpt)
+    return ckpt
+
+
+def _load_bytes_entry(ctx):
+    import hf3d
+
+    try:
+        return hf3d.load_checkpoint(ctx["fx"]["bytes_entry"], ctx["pm"], ctx["opt"])
+    finally:
+        assert not Path(ctx["fx"]["code_ran"]).exists(), "the crafted bytes entry ran its command"
+
+
 def _load_crafted(ctx):
     import hf3d
 
@@ -532,7 +577,7 @@ def _dist_world(fx: dict, out: str) -> None:
     smol = hf3d.parallelize(str(TINY_SMOLLM), hf3d.ParallelConfig())
     opt = hf3d.build_optimizer(smol, torch.optim.AdamW, lr=3e-3)
     hf3d.save_checkpoint(Path(fx["run"]) / "checkpoints" / "step_2", smol, opt, step=2)
-    finish_save(Path(fx["run"]) / "checkpoints", keep_last=2)
+    finish_save(Path(fx["run"]) / "checkpoints", keep_last=2, published=Path(fx["run"]) / "checkpoints" / "step_2")
     # two checkpoints of a run, the newest one's largest file cut in half (its marker intact)
     for step in (1, 2):
         hf3d.save_checkpoint(Path(fx["damaged_root"]) / f"step_{step}", smol, opt, step=step)
@@ -936,7 +981,7 @@ CASES: list[Case] = [
         SET,
         "`hf3d convert to-hf` into a folder holding other files",
         lambda fx: ["convert", "to-hf", _ckpt(fx), fx["not_hf"]],
-        ["hf3d convert: error: <tmp>/ckpt/not-hf holds 'notes.txt', which hf3d does not write there", "move it away"],
+        ["hf3d convert: error: <tmp>/ckpt/not-hf is a folder hf3d did not make", "never deletes or replaces it"],
         how="main",
     ),
     _c(
@@ -948,6 +993,37 @@ CASES: list[Case] = [
             "hf3d convert: error: <tmp>/ckpt/crafted/.metadata refers to torch.distributed.checkpoint.metadata."
             "os.system",
             "refusing to load it",
+        ],
+        how="main",
+    ),
+    _c(
+        "cli-convert-bytes-entry",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose .metadata declares a weight as DCP bytes (a pickle DCP would load)",
+        lambda fx: ["convert", "to-hf", fx["bytes_entry"], f"{fx['tmp']}/hf-bytes-entry"],
+        [
+            "hf3d convert: error: <tmp>/ckpt/bytes-entry/.metadata declares the entry "
+            "'model/model.layers.0.mlp.down_proj.weight' as BytesStorageMetadata, not a tensor",
+            "never unpickles an entry",
+        ],
+        how="main",
+    ),
+    _c(
+        "cli-convert-from-hf-user-folder",
+        SET,
+        "`hf3d convert from-hf` into a folder of the user's (src/thesis.tex)",
+        lambda fx: ["convert", "from-hf", fx["llama"], fx["thesis"]],
+        ["hf3d convert: error: <tmp>/thesis is a folder hf3d did not make", "move it away"],
+        how="main",
+    ),
+    _c(
+        "cli-push-dangling-card",
+        SET,
+        "`hf3d push` of a folder whose README.md is a link to a file that does not exist",
+        lambda fx: ["push", fx["dangling_card"], "me/tiny"],
+        [
+            "hf3d push: error: <tmp>/dangling-card/README.md is a link to <tmp>/written-through-the-card",
+            "which does not exist; hf3d writes through no link",
         ],
         how="main",
     ),
@@ -1008,6 +1084,13 @@ CASES: list[Case] = [
         "`run.output_dir` whose final/ holds a file of the user's beside an earlier export",
         lambda fx: _check_run(f"run.output_dir={fx['foreign_run']}"),
         ["<tmp>/foreign-run/final holds 'my_notes.txt', which hf3d does not write there", "choose a new output path"],
+    ),
+    _c(
+        "launch-metrics-link",
+        LAUNCH,
+        "`run.output_dir` whose metrics.jsonl is a link to a file elsewhere",
+        lambda fx: _check_run(f"run.output_dir={fx['linked_run']}"),
+        ["<tmp>/linked-run/metrics.jsonl is a link; hf3d never writes through a link nor replaces one"],
     ),
     _c(
         "launch-world-size",
@@ -1343,6 +1426,18 @@ CASES: list[Case] = [
         ["<tmp>/ckpt/partial/checkpoints holds checkpoint folders but none is complete (step_3)"],
     ),
     _c(
+        "ckpt-bytes-entry",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose .metadata declares a weight as DCP bytes (a pickle)",
+        _load_bytes_entry,
+        [
+            "<tmp>/ckpt/bytes-entry/.metadata declares the entry 'model/model.layers.0.mlp.down_proj.weight' as "
+            "BytesStorageMetadata, not a tensor",
+            "may have been crafted to run code",
+        ],
+        how="dist",
+    ),
+    _c(
         "ckpt-old-version",
         CKPT,
         "a checkpoint marker of another format version",
@@ -1510,11 +1605,35 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "api-save-checkpoint-user-folder",
+        API,
+        "`hf3d.save_checkpoint` at a folder of the user's (src/thesis.tex)",
+        lambda ctx: __import__("hf3d").save_checkpoint(ctx["fx"]["thesis"], ctx["pm"], ctx["opt"], step=1),
+        ["<tmp>/thesis is a folder hf3d did not make (it has no .hf3d-made)", "never deletes or replaces it"],
+        how="dist",
+    ),
+    _c(
+        "api-save-checkpoint-foreign-staging",
+        API,
+        "`hf3d.save_checkpoint(PATH)` where PATH.tmp is a folder of the user's",
+        lambda ctx: __import__("hf3d").save_checkpoint(ctx["fx"]["staged"], ctx["pm"], ctx["opt"], step=1),
+        ["<tmp>/staged.tmp is a folder hf3d did not make", "move it away or choose a new output path"],
+        how="dist",
+    ),
+    _c(
+        "api-save-pretrained-stock-export",
+        API,
+        "`save_pretrained` into a model folder that stock transformers wrote (only model files in it)",
+        lambda ctx: ctx["pm"].save_pretrained(ctx["fx"]["stock_export"]),
+        ["<tmp>/stock-export is a folder hf3d did not make", "never deletes or replaces it"],
+        how="dist",
+    ),
+    _c(
         "api-save-pretrained-foreign",
         API,
         "`save_pretrained` into a folder holding a file of the user's",
         lambda ctx: ctx["pm"].save_pretrained(ctx["fx"]["not_hf"]),
-        ["<tmp>/ckpt/not-hf holds 'notes.txt', which hf3d does not write there", "never deletes other files"],
+        ["<tmp>/ckpt/not-hf is a folder hf3d did not make", "never deletes or replaces it", "move it away"],
         how="dist",
     ),
     _c(

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
-from crafted import payloads, write_crafted  # noqa: E402
+from crafted import fake_checkpoint, payloads, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
@@ -432,8 +432,7 @@ def test_resume_picks_only_complete_checkpoints(tmp_path):
     with pytest.raises(ValueError, match=r"none is complete \(step_5.tmp\)"):
         checkpoint.resolve_resume("auto", root)
     for n in (2, 4):
-        (root / f"step_{n}").mkdir()
-        checkpoint.write_marker(root / f"step_{n}", {"kind": "training", "step": n})
+        fake_checkpoint(root / f"step_{n}", n)
     (root / "step_6").mkdir()  # renamed but never marked complete
     assert checkpoint.resolve_resume("auto", root) == root / "step_4"
     assert checkpoint.resolve_resume(str(root), root) == root / "step_4"
@@ -441,7 +440,7 @@ def test_resume_picks_only_complete_checkpoints(tmp_path):
     assert checkpoint.resolve_resume("none", root) is None
     with pytest.raises(ValueError, match="neither a complete checkpoint"):
         checkpoint.resolve_resume(str(root / "step_6"), root)
-    checkpoint.finish_save(root, keep_last=1)
+    checkpoint.finish_save(root, keep_last=1, published=root / "step_4")
     assert (root / "latest").read_text().strip() == "step_4" and not (root / "step_2").exists()
 
 

@@ -34,7 +34,7 @@ from models import MOE_FAMILIES, VOCAB, make_model_dir  # noqa: E402
 from reference import batches, hf3d_run  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d import checkpoint  # noqa: E402
+from hf3d import checkpoint, files  # noqa: E402
 from hf3d.cli import main as cli_main  # noqa: E402
 from hf3d.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa: E402
 from hf3d.hf import TensorSpec, write_hf_dir  # noqa: E402
@@ -114,8 +114,9 @@ def test_from_hf_writes_one_data_file_checksummed_as_written(family_dirs, tmp_pa
 
 def test_from_hf_fsyncs_its_files_only_when_asked(family_dirs, tmp_path, monkeypatch, capsys):
     """By default from-hf leaves its files to the page cache, as save_pretrained does (the marker's
-    checksums, checked at every load, catch an output a power loss cut short); `--fsync` syncs the data
-    file and DCP's .metadata before the marker is written. The data file is the same either way."""
+    checksums, checked at every load, catch an output a power loss cut short); `--fsync` syncs every file
+    and the staging folder before it takes its name, then the folder holding it. The data file is the same
+    either way."""
     import os
 
     synced = []
@@ -129,7 +130,8 @@ def test_from_hf_fsyncs_its_files_only_when_asked(family_dirs, tmp_path, monkeyp
     plain = hf_to_checkpoint(family_dirs["llama"], tmp_path / "plain")
     assert synced == []
     assert cli_main(["convert", "from-hf", "--fsync", str(family_dirs["llama"]), str(tmp_path / "synced")]) == 0
-    assert sorted(synced) == [".metadata.tmp", "__0_0.distcp"]
+    assert {p.name for p in (tmp_path / "synced").iterdir()} <= set(synced)
+    assert synced[-2:] == ["synced.tmp", tmp_path.name]  # the folder, then its name in the parent
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'synced'}"
     assert (plain / "__0_0.distcp").read_bytes() == (tmp_path / "synced" / "__0_0.distcp").read_bytes()
 
@@ -398,8 +400,8 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
     dirs = {k: str(v) for k, v in family_dirs.items()}
     dirs["other-llama"] = str(make_model_dir(tmp_path / "other", "llama", seed=1))
     dirs["llama-ckpt"] = str(hf_to_checkpoint(family_dirs["llama"], tmp_path / "llama-ckpt"))
-    notes = tmp_path / "export-with-notes"
-    shutil.copytree(family_dirs["llama"], notes)
+    notes = files.make_dir(tmp_path / "export-with-notes", "export")  # an export of hf3d's, then a user's notes
+    shutil.copytree(family_dirs["llama"], notes, dirs_exist_ok=True)
     (notes / "my_notes.txt").write_text("keep me")
     dirs["export-with-notes"] = str(notes)
     spawn(_export_worker, 2, dirs, str(tmp_path))

@@ -31,11 +31,12 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from crafted import fake_checkpoint  # noqa: E402
 from dist import _free_port, report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d import checkpoint, faults  # noqa: E402
+from hf3d import checkpoint, faults, files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=3", "run.log_every=1000"]
@@ -383,7 +384,7 @@ def _save_failures_world(model_dir, root: str) -> None:
     ckpts = root / "checkpoints"
     hf3d.save_checkpoint(ckpts / "step_1", pm, opt, step=1)
     if dist.get_rank() == 0:
-        checkpoint.finish_save(ckpts, keep_last=1)
+        checkpoint.finish_save(ckpts, keep_last=1, published=ckpts / "step_1")
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     for full in (1, 0):
         limits = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -430,8 +431,7 @@ def test_pruning_never_follows_symlinks_out_of_the_checkpoints_folder(tmp_path):
     victims = [_victim(outside / f"v{i}") for i in range(4)]
     root = tmp_path / "run" / "checkpoints"
     for n in (1, 2, 4, 6):
-        (root / f"step_{n}").mkdir(parents=True)
-        checkpoint.write_marker(root / f"step_{n}", {"kind": "training", "step": n})
+        fake_checkpoint(root / f"step_{n}", n)
     (root / "step_3").symlink_to(victims[0], target_is_directory=True)
     (root / "step_9").symlink_to(victims[1], target_is_directory=True)  # newest by name: never resumed
     (root / "step_7.tmp").symlink_to(victims[2], target_is_directory=True)
@@ -440,15 +440,20 @@ def test_pruning_never_follows_symlinks_out_of_the_checkpoints_folder(tmp_path):
     (root / "step_5" / checkpoint.MARKER).symlink_to(victims[3] / checkpoint.MARKER)  # a marker that is a link
     assert [d.name for _, d in checkpoint.step_dirs(root)] == ["step_1", "step_2", "step_4", "step_6"]
     assert checkpoint.resolve_resume("auto", root) == root / "step_6"
-    checkpoint.finish_save(root, keep_last=1)
-    assert not (root / "latest").is_symlink() and (root / "latest").read_text() == "step_6\n"
+    with pytest.raises(checkpoint.CheckpointWriteError, match=r"latest is a link; hf3d never writes through a link"):
+        checkpoint.finish_save(root, keep_last=1, published=root / "step_6")  # nothing written through `latest`
+    assert (root / "latest").is_symlink()
+    (root / "latest").unlink()
+    checkpoint.finish_save(root, keep_last=1, published=root / "step_6")
+    assert (root / "latest").read_text() == "step_6\n"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3", "step_5", "step_6", "step_7.tmp", "step_9"]
-    # staging over a symlinked .tmp and publishing over a symlinked step folder unlink the links only
-    checkpoint.remove(root / "step_7.tmp")
-    (root / "step_8.tmp").mkdir()
-    checkpoint.write_marker(root / "step_8.tmp", {"kind": "training", "step": 8})
-    checkpoint.publish(root / "step_8.tmp", root / "step_3")
-    assert checkpoint.is_complete(root / "step_3") and not (root / "step_3").is_symlink()
+    # a staging path or a final path that is a link is refused, never removed nor followed
+    with pytest.raises(ValueError, match=r"step_7.tmp exists and is not a folder hf3d made"):
+        files.make_dir(root / "step_7.tmp", "checkpoint")
+    staged = fake_checkpoint(root / "step_8.tmp", 8)
+    with pytest.raises(ValueError, match=r"step_3 exists and is not a folder hf3d made"):
+        files.publish_dir(staged, root / "step_3")
+    assert (root / "step_3").is_symlink() and (root / "step_7.tmp").is_symlink()
     for v in victims:
         assert (v / "precious.txt").read_text() == "keep me" and checkpoint.is_complete(v)
     assert (tmp_path / "run").is_dir()

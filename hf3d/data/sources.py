@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import files
 from .config import SourceConfig
 
 CACHE_FORMAT = 1  # bump when the cached layout or the tokenisation changes
@@ -203,27 +204,26 @@ def build_token_cache(
     ds = _load(src, res, datasets_cache)
     columns = _check_text_field(ds, src)
     dtype = token_dtype(len(tokenizer))
-    tmp = out.parent / f"{out.name}.tmp-{socket.gethostname()}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = files.make_dir(out.parent / f"{out.name}.tmp-{socket.gethostname()}-{os.getpid()}", "token cache")
     try:
         lens = _write_tokens(_tokenized_batches(ds, src, tokenizer, columns, num_proc), tmp / "tokens.bin", dtype)
     except Exception as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        files.remove_dir(tmp)
         _raise_if_not_utf8(e, src)
         raise
     kept = lens[lens > 0]
     _raw_to_npy(tmp / "tokens.bin", tmp / "tokens.npy", dtype, int(kept.sum()))
-    np.save(tmp / "doc_ends.npy", np.cumsum(kept, dtype=np.int64))
+    with files.new_file(tmp / "doc_ends.npy") as f:
+        np.save(f, np.cumsum(kept, dtype=np.int64))
     meta = dict(source=src.label, path=src.path, num_tokens=int(kept.sum()), num_docs=int(len(kept)))
     meta["skipped_docs"] = int(len(lens) - len(kept))
-    (tmp / "meta.json").write_text(json.dumps(meta))
+    files.write_file(tmp / "meta.json", json.dumps(meta))
     try:
-        os.rename(tmp, out)
+        files.rename_new(tmp, out)
     except OSError:  # another process finished first (a shared file system): keep its copy
         if not (out / "meta.json").is_file():
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
+        files.remove_dir(tmp)
 
 
 def _tokenized_batches(ds, src: SourceConfig, tokenizer, columns: list[str], num_proc: int):
@@ -246,7 +246,7 @@ def _tokenized_batches(ds, src: SourceConfig, tokenizer, columns: list[str], num
 def _write_tokens(batches, raw: Path, dtype: np.dtype) -> np.ndarray:
     """Append every document's tokens to `raw`; returns each document's length (0: skipped)."""
     lengths = []
-    with open(raw, "wb") as f:
+    with files.new_file(raw) as f:
         for batch in batches:
             if isinstance(batch, dict):
                 docs = batch["input_ids"]
@@ -263,11 +263,11 @@ def _write_tokens(batches, raw: Path, dtype: np.dtype) -> np.ndarray:
 
 def _raw_to_npy(raw: Path, dst: Path, dtype: np.dtype, count: int) -> None:
     """An .npy file holding the `count` values of `raw` (its header written first, then the bytes)."""
-    with open(dst, "wb") as f_out, open(raw, "rb") as f_in:
+    with files.new_file(dst) as f_out, open(raw, "rb") as f_in:
         header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
         np.lib.format.write_array_header_2_0(f_out, header)
         shutil.copyfileobj(f_in, f_out, length=2**24)
-    raw.unlink()
+    files.remove_file(raw)
 
 
 # --- opening (every rank) --------------------------------------------------------------------------
