@@ -1,0 +1,477 @@
+"""Untrusted files stay data: the classes of the review (issue 39), each closed by one rule and checked here.
+
+1. Nothing is unpickled beyond torch.load(weights_only=True): a scan of hf3d/ for every unpickling call, and a
+   crafted checkpoint whose .metadata declares a weight as DCP bytes (which DCP's load planner torch.loads with
+   weights_only=False) refused in one line by load_checkpoint and `hf3d convert to-hf`, with nothing run.
+2. hf3d deletes, renames and replaces only folders it made (hf3d/files.py): a scan of hf3d/ for every such call
+   outside that module, and each writer refusing a user's folder, a foreign PATH.tmp or PATH.old.
+3. Files written into shared folders never follow a link (the scan again; the push's card through a dangling
+   README.md link), and a card holds one line per value.
+4. Rotation keeps the checkpoint just published and what resume would choose, by the order of the saves.
+5. A published checkpoint is durable before anything older goes, and a kill at any instant of the publish
+   leaves a checkpoint that resume finds.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # hf3d without an install
+sys.path.insert(0, str(ROOT / "tests"))
+
+from crafted import fake_checkpoint, global_pickle, reseal  # noqa: E402
+from dist import report, spawn, start_watchdog  # noqa: E402
+from models import make_model_dir  # noqa: E402
+
+from hf3d import checkpoint, files  # noqa: E402
+
+PACKAGE = ROOT / "hf3d"
+
+
+# -- the scans ------------------------------------------------------------------------------------------------
+def _calls(path: Path):
+    """(line, dotted name of the callee, the call node) of every call in the module at `path`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            yield node.lineno, ast.unparse(node.func), node
+
+
+def _modules():
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _keyword(call: ast.Call, name: str):
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+# the one reader that unpickles anything: AllowListUnpickler (hf3d/stored.py), which resolves only listed
+# (module, name) pairs to objects hf3d imported itself; tests/test_convert.py and tests/test_checkpoint.py feed it
+# crafted payloads through every allowed module
+ALLOW_LIST_READER = ("stored.py", "AllowListUnpickler")
+
+
+def test_nothing_in_hf3d_unpickles_beyond_weights_only_and_the_allow_list_reader():
+    found = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        source = path.read_text()
+        for lineno, name, call in _calls(path):
+            where = f"{rel}:{lineno} {name}"
+            if name.endswith("torch.load") or name == "load" and "from torch import load" in source:
+                weights_only = _keyword(call, "weights_only")
+                if not (isinstance(weights_only, ast.Constant) and weights_only.value is True):
+                    found.append(f"{where}: torch.load without weights_only=True")
+            if name in ("pickle.load", "pickle.loads", "pickle.Unpickler") or name.endswith("._pickle.load"):
+                found.append(f"{where}: a plain unpickler")
+            if (
+                name == "AllowListUnpickler"
+                and rel != ALLOW_LIST_READER[0]
+                and "_METADATA_GLOBALS" not in ast.unparse(call)
+            ):
+                found.append(f"{where}: AllowListUnpickler with another table than hf3d's")
+            if name.endswith("dcp.load") and "SafeReader" not in ast.unparse(_keyword(call, "storage_reader") or call):
+                found.append(f"{where}: dcp.load without hf3d's SafeReader")
+            weights_only = _keyword(call, "weights_only")
+            if isinstance(weights_only, ast.Constant) and weights_only.value is False:
+                found.append(f"{where}: weights_only=False")
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b) for b in node.bases]
+                if any(b.endswith("Unpickler") for b in bases) and (rel, node.name) != ALLOW_LIST_READER:
+                    found.append(f"{rel}:{node.lineno} class {node.name}({', '.join(bases)}): another unpickler")
+                methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+                # DCP's load planner torch.loads byte entries (weights_only=False), its reader unpickles .metadata
+                if any(b.endswith("LoadPlanner") for b in bases) and "load_bytes" not in methods:
+                    found.append(f"{rel}:{node.lineno} {node.name} inherits DCP's load_bytes")
+                if any(b.endswith(("FileSystemReader", "StorageReader")) for b in bases):
+                    for method in {"read_metadata", "read_data"} - methods:
+                        found.append(f"{rel}:{node.lineno} {node.name} inherits DCP's {method}")
+    assert not found, "\n".join(found)
+
+
+_DELETE_OR_MOVE = {"shutil.rmtree", "os.remove", "os.unlink", "os.rmdir", "os.rename", "os.replace", "os.renames"}
+_DELETE_OR_MOVE |= {"os.removedirs", "shutil.move", "os.truncate"}
+_WRITE = {"shutil.copy", "shutil.copyfile", "shutil.copy2", "shutil.copytree"}
+
+
+def _mode(call: ast.Call) -> str | None:
+    mode = call.args[1] if len(call.args) > 1 else _keyword(call, "mode")
+    return mode.value if isinstance(mode, ast.Constant) else None
+
+
+def test_deleting_renaming_and_writing_files_goes_through_hf3d_files():
+    """Outside hf3d/files.py nothing in hf3d/ deletes, renames or replaces a path, and a file is created only
+    exclusively (open(..., "x"), O_EXCL | O_NOFOLLOW): no write follows a link or lands on a file hf3d did not
+    make. torch.save, numpy and matplotlib write into file objects from files.new_file; the writers of other
+    libraries (config.save_pretrained, DCP's .metadata) write only into a staging folder files.make_dir just
+    made."""
+    found = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "files.py":
+            continue
+        for lineno, name, call in _calls(path):
+            where = f"{rel}:{lineno} {name}"
+            method = name.rsplit(".", 1)[-1]
+            if name in _DELETE_OR_MOVE or name in _WRITE:
+                found.append(where)
+            elif method in ("unlink", "rmdir", "touch", "write_text", "write_bytes", "symlink_to", "hardlink_to"):
+                found.append(where)
+            elif method in ("rename", "replace") and len(call.args) == 1 and not call.keywords:  # Path's
+                found.append(where)
+            elif name in ("open", "io.open") or name.endswith(".open") and name != "os.open":
+                mode = _mode(call)
+                if mode is not None and any(c in mode for c in "wa+") and not name.startswith(("tarfile", "zipfile")):
+                    found.append(f"{where} mode {mode!r}")
+            elif name == "os.open":
+                flags = ast.unparse(call.args[1])
+                if "O_CREAT" in flags and not ("O_EXCL" in flags and "O_NOFOLLOW" in flags):
+                    found.append(f"{where} {flags}")
+            elif method in ("save", "savefig") and name.split(".")[0] in ("torch", "np", "numpy", "fig"):
+                target = call.args[1] if name.startswith("torch") else call.args[0]
+                if not isinstance(target, ast.Name):  # a path expression, not a file object
+                    found.append(f"{where} into {ast.unparse(target)}")
+    assert not found, "calls outside hf3d/files.py:\n" + "\n".join(found)
+
+
+# -- 1. a checkpoint whose .metadata declares a weight as bytes ----------------------------------------------
+def _bytes_entry(ckpt: Path, sentinel: Path) -> str:
+    """Make one weight of the checkpoint a DCP byte entry whose bytes are a pickle that creates `sentinel` when
+    torch.load(weights_only=False) reads them (DCP's DefaultLoadPlanner.load_bytes); the marker resealed.
+    Returns the entry's key."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    metadata = checkpoint.SafeReader(ckpt).read_metadata()
+    key = next(k for k in metadata.state_dict_metadata if k.endswith("layers.0.mlp.down_proj.weight"))
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    for index in [i for i in metadata.storage_data if i.fqn == key]:
+        del metadata.storage_data[index]
+    payload = global_pickle("os", "system", f"touch {sentinel}")
+    (ckpt / "__crafted.distcp").write_bytes(payload)
+    metadata.storage_data[MetadataIndex(key)] = _StorageInfo("__crafted.distcp", 0, len(payload))
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(ckpt)
+    return key
+
+
+def _load_crafted(ckpt: str, model_dir: str, out: str) -> None:
+    import hf3d
+
+    start_watchdog(120)
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    try:
+        hf3d.load_checkpoint(ckpt, pm, hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3))
+        report({"error": None}, Path(out))
+    except ValueError as e:
+        report({"error": str(e)}, Path(out))
+
+
+def test_a_bytes_entry_is_refused_when_the_metadata_is_read_and_runs_nothing(tmp_path, capsys):
+    from hf3d.cli import main as cli_main
+    from hf3d.convert import hf_to_checkpoint
+
+    model_dir = make_model_dir(tmp_path / "llama", "llama")
+    ckpt = hf_to_checkpoint(model_dir, tmp_path / "ckpt")
+    sentinel = tmp_path / "code-ran"
+    key = _bytes_entry(ckpt, sentinel)
+    spawn(_load_crafted, 1, str(ckpt), str(model_dir), str(tmp_path / "res.pt"))
+    error = torch.load(tmp_path / "res.pt")[0]["error"]
+    want = f"{ckpt}/.metadata declares the entry {key!r} as BytesStorageMetadata, not a tensor"
+    assert error is not None and error.startswith(want) and "\n" not in error, error
+    assert not sentinel.exists()
+    capsys.readouterr()
+    assert cli_main(["convert", "to-hf", str(ckpt), str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"hf3d convert: error: {want}") and "\n" not in err and "Traceback" not in err, err
+    assert not sentinel.exists() and not (tmp_path / "hf").exists()
+
+
+def test_the_load_planner_never_unpickles_bytes():
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("model/x"), [], MetadataIndex("model/x"), [], [])
+    with pytest.raises(ValueError, match="'model/x' is bytes; hf3d never unpickles one"):
+        checkpoint._LoadPlanner().load_bytes(item, __import__("io").BytesIO(global_pickle("os", "getpid")))
+
+
+# -- 2. only folders hf3d made are deleted or replaced ---------------------------------------------------------
+def _user_folder(path: Path) -> Path:
+    (path / "src").mkdir(parents=True)
+    (path / "src" / "thesis.tex").write_text("\\section{Years of work}\n")
+    return path
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def _save_into_foreign_folders(model_dir: str, root: str, out: str) -> None:
+    import hf3d
+
+    start_watchdog(120)
+    root, res = Path(root), {}
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    for name, path in [
+        ("folder", root / "thesis"),  # a user's folder at PATH
+        ("staging", root / "ckpt"),  # a user's folder at PATH.tmp
+        ("export", root / "stock-export"),  # a stock save_pretrained folder: model files only, not hf3d's
+    ]:
+        try:
+            if name == "export":
+                pm.save_pretrained(path)
+            else:
+                hf3d.save_checkpoint(path, pm, opt, step=1)
+            res[name] = None
+        except ValueError as e:
+            res[name] = str(e)
+    hf3d.save_checkpoint(root / "mine", pm, opt, step=1)
+    hf3d.save_checkpoint(root / "mine", pm, opt, step=2)  # hf3d's own checkpoint: replaced
+    res["mine"] = checkpoint.read_marker(root / "mine")["step"]
+    real = files._renameat2  # a file system without renameat2: the replaced folder is first moved to PATH.old
+    files._renameat2 = lambda src, dst, flags: False
+    try:
+        hf3d.save_checkpoint(root / "mine", pm, opt, step=3)
+        res["old"] = None
+    except ValueError as e:
+        res["old"] = str(e)
+    files._renameat2 = real
+    res["kept"] = checkpoint.read_marker(root / "mine")["step"]
+    report(res, Path(out))
+
+
+def test_no_writer_deletes_or_replaces_a_folder_hf3d_did_not_make(tmp_path, capsys):
+    from hf3d.cli import main as cli_main
+
+    model_dir = make_model_dir(tmp_path / "llama", "llama")
+    root = tmp_path / "out"
+    foreign = {
+        "thesis": _user_folder(root / "thesis"),
+        "ckpt.tmp": _user_folder(root / "ckpt.tmp"),
+        "stock-export": make_model_dir(root / "stock-export", "llama", seed=1),
+        "mine.old": _user_folder(root / "mine.old"),
+        "from-hf": _user_folder(root / "from-hf"),
+        "from-hf.tmp": _user_folder(root / "from-hf.tmp"),
+    }
+    before = {name: _tree(path) for name, path in foreign.items()}
+    spawn(_save_into_foreign_folders, 1, str(model_dir), str(root), str(tmp_path / "res.pt"))
+    res = torch.load(tmp_path / "res.pt")[0]
+    for name, path in [("folder", root / "thesis"), ("staging", root / "ckpt.tmp"), ("export", root / "stock-export")]:
+        assert res[name] == (
+            f"{path} is a folder hf3d did not make (it has no {files.OWNER_FILE}); hf3d never deletes or replaces "
+            "it: move it away or choose a new output path"
+        ), (name, res[name])
+    assert res["mine"] == 2 and res["kept"] == 2
+    assert res["old"].startswith(f"could not write the checkpoint {root / 'mine'} (") and "\n" not in res["old"]
+    assert f"{root / 'mine.old'} is a folder hf3d did not make" in res["old"]
+    for argv in (["from-hf", str(model_dir), str(root / "from-hf")], ["from-hf", str(model_dir), str(root / "x")]):
+        if argv[-1].endswith("x"):  # the output is new, but its staging path is a user's folder
+            foreign["x.tmp"] = _user_folder(root / "x.tmp")
+            before["x.tmp"] = _tree(root / "x.tmp")
+        assert cli_main(["convert", *argv]) == 1
+        assert "is a folder hf3d did not make" in capsys.readouterr().err
+    assert {name: _tree(path) for name, path in foreign.items()} == before  # nothing deleted or changed
+    assert not (root / "x").exists() and not (root / "thesis.tmp").exists()
+
+
+def test_a_folder_is_hf3ds_only_with_its_own_owner_file(tmp_path):
+    made = files.make_dir(tmp_path / "made", "checkpoint")
+    assert files.owned(made) and json.loads((made / files.OWNER_FILE).read_text())["made_by"] == "hf3d"
+    link = tmp_path / "link"
+    link.symlink_to(made, target_is_directory=True)
+    linked_marker = _user_folder(tmp_path / "linked-marker")
+    (linked_marker / files.OWNER_FILE).symlink_to(made / files.OWNER_FILE)
+    wrong = _user_folder(tmp_path / "wrong")
+    (wrong / files.OWNER_FILE).write_text('{"made_by": "someone"}')
+    for path in (link, linked_marker, wrong):
+        assert not files.owned(path)
+        with pytest.raises(ValueError, match="hf3d never deletes or replaces it"):
+            files.remove_dir(path)
+    assert link.is_symlink() and (wrong / "src" / "thesis.tex").exists() and made.is_dir()
+    (tmp_path / "empty").mkdir()
+    files.remove_dir(tmp_path / "empty")  # an empty folder loses nothing
+    assert not (tmp_path / "empty").exists()
+
+
+# -- 3. no write through a link; a card holds one line per value ------------------------------------------
+def test_the_push_writes_no_card_through_a_dangling_link_and_sends_nothing(tmp_path):
+    from hf3d.hub import HubError, push_to_hub
+
+    model_dir = make_model_dir(tmp_path / "m", "llama")
+    target = tmp_path / "elsewhere" / "created-by-the-card"
+    (model_dir / "README.md").symlink_to(target)
+    with pytest.raises(HubError, match=r"README.md is a link to .*created-by-the-card, which does not exist"):
+        push_to_hub(model_dir, "user/m", token="hf_x", endpoint="http://127.0.0.1:9", retries=0)
+    assert not target.exists() and not target.parent.exists()
+
+
+def test_card_values_stay_on_one_line(tmp_path):
+    from hf3d.hub import write_model_card
+
+    model_dir = make_model_dir(tmp_path / "m", "llama")
+    summary = {
+        "started_from": "run\n## Injected heading",
+        "base_model": "org/model\n---\nlicense: none",
+        "datasets": ["data.jsonl\n- [x](https://example.com)"],
+        "hyperparameters": {"lr\n| fake | row |": "3e-4\r\n# Title"},
+        "license": "mit\nextra: 1",
+    }
+    card = write_model_card(model_dir, summary).read_text()
+    for value in ("## Injected heading", "---\nlicense: none", "- [x]", "| fake | row |", "# Title", "extra: 1"):
+        assert not any(line.startswith(value.split("\n")[-1]) for line in card.splitlines()), (value, card)
+    assert card.count("\n---\n") == 1  # the metadata block ends once
+    with pytest.raises(FileExistsError):  # the card is a new file: an existing one is never overwritten
+        write_model_card(model_dir, {})
+
+
+def test_shared_files_are_never_written_through_links(tmp_path):
+    from hf3d.metrics import MetricsWriter
+
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (run / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(ValueError, match="metrics.jsonl is a link; hf3d never writes through a link"):
+        MetricsWriter(run, enabled=True)
+    (run / "metrics.jsonl").unlink()
+    writer = MetricsWriter(run, enabled=True)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        writer.write({"step": 1})
+    assert victim.read_text() == "keep me"
+
+
+# -- 4. rotation keeps the newest saves, the one just published first -------------------------------------
+ROTATION_RUN = [
+    "parallel.tp=1",
+    "run.global_batch=2",
+    "data.seq_len=32",
+    "optim.warmup_steps=1",
+    "data.eval.every=0",
+    "run.save_final=false",
+    "run.sample_prompt=null",
+    "run.log_every=1000",
+]
+
+
+def _train_one(out: str, *overrides: str) -> None:
+    from hf3d.trainer import TrainConfig, train
+
+    start_watchdog(240)
+    os.chdir(ROOT)
+    overrides = [*ROTATION_RUN, f"run.output_dir={out}", *overrides]
+    train(TrainConfig.from_yaml("examples/configs/tiny-smollm.yaml", overrides))
+
+
+def test_rotation_after_resuming_past_a_damaged_checkpoint_keeps_the_save_it_made(tmp_path):
+    """step_2 good, step_4 damaged: the resumed run starts at step_2, saves step_3 with keep_last=1, and that is
+    what is left and what the next resume takes (the highest step number, step_4, is not the newest save)."""
+    root = tmp_path / "checkpoints"
+    spawn(_train_one, 1, str(tmp_path), "run.steps=4", "checkpoint.every=2", "checkpoint.keep_last=0")
+    largest = max((root / "step_4").iterdir(), key=lambda f: f.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 2)
+    spawn(_train_one, 1, str(tmp_path), "run.steps=3", "checkpoint.every=1", "checkpoint.keep_last=1")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3"]
+    assert (root / "latest").read_text() == "step_3\n"
+    assert checkpoint.resolve_resume("auto", root) == root / "step_3"
+    assert checkpoint.read_marker(root / "step_3")["sequence"] == 3  # step_2, step_4, then step_3
+
+
+def test_rotation_and_resume_follow_the_order_of_the_saves(tmp_path):
+    """A rollback (or load_step: false, or a save off the cadence) saves a lower step after higher ones: that
+    save is the newest, `resume: auto` takes it, and keep_last keeps it and the newest others; a damaged
+    checkpoint does not count as a kept one. Checkpoints of hf3d before it recorded a sequence are older."""
+    root = tmp_path / "checkpoints"
+    for step, sequence in [(2, None), (4, None), (6, 1), (8, 2)]:
+        meta = {} if sequence is None else {"sequence": sequence}
+        ckpt = fake_checkpoint(root / f"step_{step}", step, **meta)
+        (ckpt / "__0_0.distcp").write_bytes(bytes(1000))
+        checkpoint.write_marker(ckpt, checkpoint.read_marker(ckpt) | {"files": None})  # records the new file
+    assert [d.name for _, d in checkpoint.step_dirs(root)] == ["step_2", "step_4", "step_6", "step_8"]
+    os.truncate(root / "step_6" / "__0_0.distcp", 10)  # damaged
+    assert checkpoint.next_sequence(root) == 3
+    published = fake_checkpoint(root / "step_5", 5, sequence=checkpoint.next_sequence(root))  # rolled back
+    assert checkpoint.resolve_resume("auto", root) == published
+    checkpoint.finish_save(root, keep_last=3, published=published)
+    assert (root / "latest").read_text() == "step_5\n"
+    # kept: step_5 (just published), step_8 and step_4 (the newest undamaged others); step_6 (damaged) and
+    # step_2 go
+    assert [d.name for _, d in checkpoint.step_dirs(root)] == ["step_4", "step_8", "step_5"]
+    checkpoint.finish_save(root, keep_last=1, published=published)
+    assert [d.name for _, d in checkpoint.step_dirs(root)] == ["step_5"]
+
+
+# -- 5. durable before anything older goes; a kill at any instant leaves a checkpoint -----------------------
+class _Killed(BaseException):
+    """The process dies here (nothing after this instant happens)."""
+
+
+def _staged_over_old(root: Path) -> tuple[Path, Path]:
+    """root/step_5 published (old), and root/step_5.tmp staged (new, marked): what a publish starts from."""
+    for path, value in [(root / "step_5", 1), (root / "step_5.tmp", 2)]:
+        ckpt = files.make_dir(path, "checkpoint")
+        (ckpt / "__0_0.distcp").write_bytes(bytes([value]) * 4096)
+        checkpoint.write_marker(ckpt, {"kind": "training", "step": 5, "sequence": value})
+    return root / "step_5.tmp", root / "step_5"
+
+
+def _instants(monkeypatch, kill_at: int | None, log: list) -> None:
+    """Record (and, at the kill_at-th one, die at) every step of a publish that touches the disk."""
+    import shutil as shutil_module
+
+    def step(what, fn):
+        def run(*args, **kwargs):
+            if kill_at is not None and len(log) == kill_at:
+                raise _Killed
+            name = what if what != "fsync" else f"fsync {Path(os.readlink(f'/proc/self/fd/{args[0]}')).name}"
+            log.append(name)
+            return fn(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(os, "fsync", step("fsync", os.fsync))
+    monkeypatch.setattr(files, "_renameat2", step("renameat2", files._renameat2))
+    monkeypatch.setattr(os, "rename", step("rename", os.rename))
+    monkeypatch.setattr(shutil_module, "rmtree", step("rmtree", shutil_module.rmtree))
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["renameat2", "without-renameat2"])
+def test_a_publish_is_durable_before_it_removes_and_survives_a_kill_at_any_instant(tmp_path, monkeypatch, swap):
+    if not swap:
+        monkeypatch.setattr(files, "_renameat2", lambda src, dst, flags: False)
+    log = []
+    with monkeypatch.context() as m:
+        tmp, final = _staged_over_old(tmp_path / "plain")
+        _instants(m, None, log)
+        files.publish_dir(tmp, final)
+    moved = "renameat2" if swap else "rename"
+    first_move = log.index(moved)
+    synced = {e.removeprefix("fsync ") for e in log[:first_move] if e.startswith("fsync")}
+    assert {p.name for p in final.iterdir()} | {"step_5.tmp"} <= synced  # every file and the folder, first
+    assert log[first_move + (1 if swap else 2)] == "fsync plain"  # the name on disk, then what it replaced goes
+    assert log[-1] == "rmtree" and checkpoint.read_marker(final)["sequence"] == 2
+    for kill_at in range(len(log)):
+        root = tmp_path / f"killed-{kill_at}"
+        with monkeypatch.context() as m:
+            tmp, final = _staged_over_old(root)
+            _instants(m, kill_at, [])
+            with pytest.raises(_Killed):
+                files.publish_dir(tmp, final)
+        found = checkpoint.resolve_resume("auto", root)  # old or new, complete and undamaged
+        assert found is not None and checkpoint.read_marker(found)["sequence"] in (1, 2), (kill_at, log[kill_at])
+        assert checkpoint.find_damage(found, checkpoint.read_marker(found)) is None
