@@ -192,9 +192,9 @@ def rank_memory(s: Shape, run: Run, rank: int) -> dict[str, float]:
     out["backward_transient"] = 3 * tokens * (s.inter // run.tp) * a
     head = 0.0
     if last and (run.pp == 1 or run.schedule == "1f1b"):  # the fused head (hf3d.pipeline)
-        from hf3d.tensor_parallel import LOSS_CHUNK_ELEMENTS, LOSS_CHUNK_MIN_ROWS
+        from hf3d.tensor_parallel import loss_chunk_rows
 
-        rows = min(tokens, max(LOSS_CHUNK_MIN_ROWS, LOSS_CHUNK_ELEMENTS // vocab))
+        rows = min(tokens, loss_chunk_rows("cpu", vocab))
         head = 4 * vocab * h + tokens * h * a + HEAD_CHUNK * 4 * rows * vocab
     elif last:  # the plain head under the other schedules: each live micro-batch's saved softmax, one backward
         head = tokens * vocab * 4 * (live * HEAD_LIVE + HEAD_PEAK)
