@@ -71,6 +71,13 @@ class BoxStager(AsyncStager):
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf3d-staging")
 
+    def reserve(self, state_dict: dict) -> None:
+        """The host buffers of every box of `state_dict` (entries as `stage` takes them), made now: the copy of
+        a later stage() of the same entries finds them (pinned memory takes seconds to make on a GPU)."""
+        for key, entry in state_dict.items():
+            for offsets, box in entry.boxes.items():
+                self.buffers[(key, offsets)] = torch.empty(box.shape, dtype=entry.dtype, pin_memory=self.on_gpu)
+
     def stage(self, state_dict: dict) -> Future:
         queued = None
         if self.on_gpu:
@@ -143,6 +150,12 @@ class BackgroundSaver:
         self.replay: Replay | None = None  # the last save, where the next one may write as it did
         self.replays = 0  # saves written by replay_save (tests read it)
         self.checkpoint = None  # the caller's handle on the save in flight (a checkpoint.PendingCheckpoint)
+
+    def reserve(self, state: dict) -> None:
+        """Make the stager and its host buffers for `state` before the first save that copies (BoxStager.reserve)."""
+        if self.stager is None:
+            self.stager = BoxStager()
+        self.stager.reserve(state)
 
     def save(
         self, state: dict, writer, planner, then: Callable[[], None] | None, *, copy: bool

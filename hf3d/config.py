@@ -117,10 +117,12 @@ class ParallelConfig:
     neighbouring dp ranks, which exchange tokens all-to-all (hf3d.expert_parallel). ep divides dp and adds
     no world factor; an expert's parameters are replicated over the dp // ep ranks that hold it (times cp),
     and its gradients are reduced and ZeRO-1 shards there."""
-    compile: bool = False
+    compile: bool | str = False
     """Regional compile: every decoder layer of this rank goes through torch.compile, in place, after the
     tensor-parallel swap (hf3d/compile.py); the embedding, the head, the loss and the pipeline stay eager.
-    Needs inductor's backend for the device (a C++ compiler on CPU, triton on CUDA)."""
+    Needs inductor's backend for the device (a C++ compiler on CPU, triton on CUDA). "auto" (what `hf3d train`
+    takes when the key is not written): on with CUDA where compile can run, off on a CPU
+    (`compile.resolve_compile`)."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
@@ -139,8 +141,8 @@ class ParallelConfig:
         self.recompute = _check_recompute(self.recompute)
         if self.recompute != "none" and self.pp > 1 and self.pp_schedule in ("zbv", "dualpipev"):
             raise ValueError(RECOMPUTE_SPLIT_BACKWARD.format(schedule=self.pp_schedule))
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"ParallelConfig.compile must be true or false, got {self.compile!r}")
+        if not isinstance(self.compile, bool) and self.compile != "auto":
+            raise ValueError(f"ParallelConfig.compile must be true, false or 'auto', got {self.compile!r}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
         if self.pp_schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
@@ -182,9 +184,9 @@ class ParallelConfig:
                 kwargs[name] = raw
                 continue
             if name == "compile":
-                if raw.lower() not in BOOL_WORDS:
-                    raise ValueError(f"{var} must be 1 or 0 (true or false), got {raw!r}")
-                kwargs[name] = BOOL_WORDS[raw.lower()]
+                if raw.lower() not in (*BOOL_WORDS, "auto"):
+                    raise ValueError(f"{var} must be 1 or 0 (true or false), or auto, got {raw!r}")
+                kwargs[name] = BOOL_WORDS.get(raw.lower(), "auto")
                 continue
             value = int(raw) if raw.lstrip("+-").isdecimal() else 0
             if value < 1:

@@ -15,6 +15,13 @@ holds experts [j*E/ep, (j+1)*E/ep)). A layer's step, per rank (hf3d/models/moe.p
 
 Every step is differentiable: the adjoint of an all-to-all is the all-to-all with the splits swapped.
 
+No host sync inside a layer but one: at ep > 1 the all-to-all needs its split sizes on the host, read
+once per layer's forward (the rows to send to and to receive from each rank, in one small tensor); the
+backward swaps the same lists. Everything else stays on the device, sized by what the host knows already
+(tokens x top-k): counts are scatter-adds (bincount reads its largest value to size its output), the
+grouped GEMMs take their offsets as a device tensor, repeat_interleave is told its output size, and no
+boolean mask, nonzero or unique sizes a tensor by its data. tests/test_moe_syncs.py counts them.
+
 Router statistics (`RouterStats`): stock's load-balancing loss multiplies the top-k pick counts and the
 router probabilities, each summed over every MoE layer and token of one forward. Its gradient reaches
 each layer's probabilities scaled by the counts of the whole forward, which a pipeline stage does not
@@ -74,11 +81,22 @@ def all_to_all_bytes() -> int:
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows offsets[g-1]:offsets[g] of x times weight[g]^T for each g: weight [G, out, in], x [T, in]."""
+    """Rows offsets[g-1]:offsets[g] of x times weight[g]^T for each g: weight [G, out, in], x [T, in].
+
+    torch's grouped GEMM takes the offsets on the device; its CUDA kernel reads them there for bf16 on sm90 and
+    sm100 (H100/H200, B200), while its fallback (other dtypes or GPUs, and CPU) copies them to the host."""
     if hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    bounds = [0, *offsets.tolist()]  # no grouped GEMM in this torch: one matmul per group
+    bounds = [0, *offsets.tolist()]  # no grouped GEMM in this torch: one matmul per group, a host read
     return torch.cat([x[bounds[g] : bounds[g + 1]] @ weight[g].t() for g in range(weight.shape[0])])
+
+
+def expert_counts(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 on top_k_index's device: how many (token, expert) assignments go to each expert. A scatter-add
+    into E slots, not torch.bincount, which reads the largest id on the host to size its output."""
+    flat = top_k_index.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class Dispatch:
@@ -96,20 +114,22 @@ class Dispatch:
         flat = top_k_index.reshape(-1)
         self.order = torch.sort(flat, stable=True).indices  # assignments by expert, so by rank
         self.rows = self.order // self.k  # the token of each sorted assignment
-        counts = torch.bincount(flat, minlength=num_experts)
-        self.send = counts.view(ep, self.num_local).sum(1).tolist()
-        if self.group is None:
-            self.recv, self.regroup, self.tokens_per_expert = self.send, None, counts
+        counts = expert_counts(flat, num_experts)
+        if self.group is None:  # nothing to exchange: the counts stay on the device as the GEMMs' groups
+            self.send = self.recv = self.regroup = None
+            self.tokens_per_expert = counts
             return
         received = torch.empty_like(counts)  # received[j * E_local + e]: rows from rank j for local expert e
         dist.all_to_all_single(received, counts, group=self.group)
         received = received.view(ep, self.num_local)
-        self.recv = received.sum(1).tolist()
+        # the layer's one host read: the rows to send to each rank and to receive from each rank
+        splits = torch.stack([counts.view(ep, self.num_local).sum(1), received.sum(1)])  # [2, ep]
+        self.send, self.recv = splits.tolist()
         self.tokens_per_expert = received.sum(0)
         # the received rows come rank by rank, each rank's by local expert; the GEMMs want them by expert
-        source_expert = torch.arange(received.numel(), device=counts.device).view(ep, self.num_local)
-        key = source_expert.t().flatten().argsort()  # (rank, expert) blocks in (expert, rank) order
-        blocks = torch.repeat_interleave(key, received.flatten())
+        key = torch.arange(received.numel(), device=counts.device).view(self.num_local, ep).t().flatten()
+        # key[j * E_local + e] = e * ep + j: where block (rank j, expert e) goes in (expert, rank) order
+        blocks = torch.repeat_interleave(key, received.flatten(), output_size=sum(self.recv))
         self.regroup = torch.sort(blocks, stable=True).indices
 
     def send_tokens(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +249,7 @@ class RouterStats:
         again by activation recompute (inside backward) counts nothing."""
         if torch._C._current_graph_task_id() != -1:
             return
-        counts = torch.bincount(top_k_index.reshape(-1), minlength=self.num_experts).to(torch.float32)
+        counts = expert_counts(top_k_index, self.num_experts).to(torch.float32)
         if self.load is not None:
             self.load[self.layers.index(layer)] += counts
         if self.chain is not None:
@@ -262,12 +282,13 @@ def close_forward(stats: RouterStats | None, cp_rank: int, objective: torch.Tens
     return objective + term, aux if cp_rank == 0 else torch.zeros_like(aux)
 
 
-def load_metrics(load: torch.Tensor, layers: list[int]) -> dict[str, float]:
-    """Per step metrics of the expert load [MoE layers, E] (top-k picks over the whole step): the imbalance
-    max / mean of each layer and overall (1.0 is perfect balance), and the dropped tokens (none: dropless)."""
+def load_imbalance(load: torch.Tensor, layers: list[int]) -> dict[str, torch.Tensor]:
+    """The imbalance max / mean of the expert load [MoE layers, E] (top-k picks over the whole step), overall
+    and of each layer (1.0 is perfect balance), as 0-d tensors on load's device: a caller can read them in a
+    host sync it makes anyway (the optimizer's `read_with_step`)."""
     per_layer = load.max(dim=1).values / load.mean(dim=1).clamp_min(1e-9)
-    out = {"moe/load_imbalance": float(per_layer.max()), "moe/dropped_tokens": 0}
-    out.update({f"moe/load_imbalance/layer{i}": float(v) for i, v in zip(layers, per_layer.tolist())})
+    out = {"moe/load_imbalance": per_layer.max()}
+    out.update({f"moe/load_imbalance/layer{i}": v for i, v in zip(layers, per_layer.unbind())})
     return out
 
 

@@ -17,7 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
-from .compile import check_compile, compile_layers
+from .compile import check_compile, compile_layers, resolve_compile
 from .config import ParallelConfig, check_attn_implementation
 from .context_parallel import CPContext, check_attention
 from .expert_parallel import RouterStats, check_load_balance
@@ -66,7 +66,7 @@ def parallelize(
     fp8: None/"off", "tensorwise" or "rowwise" (torchao's float8 recipes), or an hf3d.FP8Config (which
     projections to keep in high precision): the decoder layers' projections train in FP8 (hf3d/fp8.py).
     compile: compile each decoder layer of this rank with torch.compile, in place, after the swap
-    (hf3d/compile.py); None takes `pcfg.compile`.
+    (hf3d/compile.py); "auto": on with CUDA where compile runs, off on a CPU; None takes `pcfg.compile`.
     """
     pcfg = pcfg or ParallelConfig()
     fp8 = as_fp8_config(fp8)
@@ -82,6 +82,7 @@ def parallelize(
         model_files(tokenizer_dir)  # a link to a file outside the folder is refused now, not at the first save
     if config_overrides:
         config = override_config(config, config_overrides, loading_weights=source is not None)
+    compile, _ = resolve_compile(compile, device_type(), config)
     adapter = _checked_adapter(config, pcfg, attn_implementation, compile)
     mesh = build_mesh(pcfg)
     device = (

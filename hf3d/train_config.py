@@ -249,7 +249,7 @@ class PrecisionConfig:
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2))
+    parallel: ParallelConfig = field(default_factory=lambda: ParallelConfig(tp=2, compile="auto"))
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -301,7 +301,9 @@ class TrainConfig:
                 msg = str(e).replace(f"{sub_cls.__name__}.", f"{section}.")
                 raise ValueError(msg.replace("unknown pp_schedule", "unknown parallel.pp_schedule")) from None
         if "parallel" not in built:
-            built["parallel"] = ParallelConfig(tp=2)
+            built["parallel"] = ParallelConfig(tp=2, compile="auto")
+        elif "compile" not in (raw.get("parallel") or {}):  # a run takes the fast path unless told otherwise
+            built["parallel"] = dataclasses.replace(built["parallel"], compile="auto")
         return cls(**built)
 
     def to_dict(self) -> dict:
@@ -353,6 +355,18 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
         f"{r.global_batch // dp // m} rows per rank); tokens in all: {total:,} over {r.steps} steps"
     ]
     lines += describe_schedule(cfg.optim, r.steps)
+    from .compile import resolve_compile
+    from .fp8 import speed_note
+    from .mesh import device_type
+
+    compiled, why = resolve_compile(p.compile, device_type(), model_config)
+    if p.compile == "auto":
+        lines.append(f"parallel.compile: {why}")
+    note = speed_note(
+        cfg.precision.fp8, device_type=device_type(), compiled=compiled, hidden_size=model_config.hidden_size
+    )
+    if note is not None:
+        lines.append(f"warning: {note}")
     return lines + _stage_lines(cfg, stages)
 
 
@@ -360,7 +374,7 @@ def _check_model_fits(cfg: TrainConfig, model_config) -> None:
     """parallel.compile, tp and ep against the model, before the world size: launching another number of
     processes would not help."""
     p = cfg.parallel
-    if p.compile:
+    if p.compile is True:
         from .compile import check_compile
         from .mesh import device_type
 

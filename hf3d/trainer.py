@@ -30,10 +30,12 @@ from .checkpoint import (
     finish_save,
     is_complete,
     load_checkpoint,
+    prepare_async_save,
     resolve_resume,
     save_checkpoint,
 )
-from .expert_parallel import load_metrics
+from .compile import resolve_compile
+from .expert_parallel import load_imbalance
 from .faults import RunState, is_communication_error, leave, root_cause, store_barrier
 from .hub import SUMMARY_FILE
 from .mesh import device_type, on_rank0
@@ -73,6 +75,7 @@ def _load_model(cfg: ModelConfig, pcfg, document_masking: bool, moe, precision):
             document_masking=document_masking,
             flash_available=flash_attn_installed(),
             cp=pcfg.cp,
+            compiled=pcfg.compile,
         ),
         config_overrides=cfg.overrides() or None,
         moe_load_balance=moe.load_balance,
@@ -167,6 +170,8 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         state.step = step + 1
         try:
             record, signum = _step(run, step, health, stop)
+            if step == run.start and cfg.checkpoint.async_ and cfg.checkpoint.every:
+                prepare_async_save(run.pmodel, run.opt)  # the optimizer's state exists: stage buffers now
             if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
                 record["eval_loss"] = evaluate(run.pmodel, eval_batches)
                 record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
@@ -206,6 +211,8 @@ def _build(cfg: TrainConfig, state: RunState) -> tuple[_Run, list[str], list[str
     init_distributed(cfg.run.collective_timeout_s)
     base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
+    # "auto" becomes what runs (the resolved config records it; the derived values say why)
+    cfg.parallel.compile, _ = resolve_compile(cfg.parallel.compile, device_type(), base_config)
     pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe, cfg.precision)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer
@@ -357,6 +364,8 @@ def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[d
     if pmodel.last_aux_loss is not None:
         riders["aux_loss"] = pmodel.last_aux_loss
     load = pmodel.expert_load()
+    if load is not None:  # read in the step's one host sync, not one of its own
+        riders.update(load_imbalance(load, pmodel.router_stats.layers))
     opt.read_with_step(**riders)
     opt.step()
     values = opt.last_values
@@ -388,7 +397,8 @@ def _step(run: _Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[d
     if "aux_loss" in values:
         record["moe/aux_loss"] = values["aux_loss"]
     if load is not None:
-        record.update(load_metrics(load, pmodel.router_stats.layers))
+        record["moe/dropped_tokens"] = 0  # dropless
+        record.update({k: v for k, v in values.items() if k.startswith("moe/load_imbalance")})
     if len(pipe.stage_starts) > 1:
         record["stage"] = pipe.stage_index(step)
     return record, int(values["stop"])

@@ -11,6 +11,7 @@ raises one CheckpointWriteError on every rank with nothing published.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
@@ -359,3 +361,70 @@ def test_a_replay_that_fails_is_raised_on_every_rank_and_publishes_nothing(repla
     assert messages[0] is not None and messages[0] == messages[1], messages
     assert "rank 1: OSError: [Errno 28] No space left on device" in messages[0]
     assert replayed[0]["f"] == []
+
+
+# -- what the first async save finds ready, and where it plans -----------------------------------------------
+def _prepared_world(model_dir: str, out: str) -> None:
+    """A save that copies (here: without an optimizer, as a GPU save copies) after prepare_async_save: the host
+    buffers it copies into are the ones prepared, one per box this rank writes; DCP plans the save on the
+    background thread, not the training thread; and the copy restores exactly."""
+    start_watchdog(120)
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    checkpoint.prepare_async_save(pm)
+    stager = pm._background_saver.stager
+    entries, _ = checkpoint._state_entries(pm, None)
+    reserved = {key: id(buf) for key, buf in stager.buffers.items()}
+    planned_on = []
+    plan = checkpoint._SavePlanner.create_local_plan
+
+    def recording(self):
+        planned_on.append(threading.current_thread() is threading.main_thread())
+        return plan(self)
+
+    checkpoint._SavePlanner.create_local_plan = recording
+    saved = {key: t.clone() for key, t in pm.state_dict().items()}
+    hf3d.save_checkpoint(Path(out) / "weights", pm, step=0, async_=True).result()
+    checkpoint._SavePlanner.create_local_plan = plan
+    res = {
+        "boxes": sum(len(e.boxes) for e in entries.values()),
+        "reserved": len(reserved),
+        "same_buffers": {key: id(buf) for key, buf in stager.buffers.items()} == reserved,
+        "planned_on_main_thread": planned_on,
+    }
+    fresh = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    hf3d.load_checkpoint(Path(out) / "weights", fresh)
+    res["restored"] = all(torch.equal(t, saved[k]) for k, t in fresh.state_dict().items())
+    report(res, Path(out) / "res.pt")
+
+
+def test_the_first_async_save_copies_into_buffers_made_before_it_and_plans_in_the_background(tmp_path):
+    model_dir = make_model_dir(tmp_path / "llama", "llama")
+    spawn(_prepared_world, 2, str(model_dir), str(tmp_path))
+    results = torch.load(tmp_path / "res.pt")
+    assert results[0]["boxes"] > 0  # without an optimizer dp rank 0 writes every parameter, rank 1 none
+    for res in results:
+        assert res["reserved"] == res["boxes"] and res["same_buffers"], res
+        assert res["planned_on_main_thread"] == [False], res
+        assert res["restored"]
+
+
+def _train_recording(out: str) -> None:
+    """`hf3d train` with async checkpoints: what it calls, in order (the first save comes after the prepare)."""
+    import hf3d.trainer
+    from hf3d.trainer import TrainConfig, train
+
+    start_watchdog(240)
+    calls = []
+    for name in ("prepare_async_save", "save_checkpoint"):
+        real = getattr(hf3d.trainer, name)
+        setattr(hf3d.trainer, name, lambda *a, real=real, name=name, **k: (calls.append(name), real(*a, **k))[1])
+    os.chdir(ROOT)
+    sets = ["parallel.tp=1", "run.steps=4", "run.global_batch=2", "data.seq_len=32", "optim.warmup_steps=1"]
+    sets += ["checkpoint.every=2", "checkpoint.async=true", "run.save_final=false", f"run.output_dir={out}"]
+    train(TrainConfig.from_yaml("examples/configs/tiny-smollm.yaml", sets))
+    report(calls, Path(out) / "calls.pt")
+
+
+def test_hf3d_train_prepares_the_async_saves_before_the_first(tmp_path):
+    spawn(_train_recording, 1, str(tmp_path))
+    assert torch.load(tmp_path / "calls.pt")[0] == ["prepare_async_save", "save_checkpoint", "save_checkpoint"]

@@ -29,12 +29,14 @@ from hf3d.attention import resolve_attn_implementation, varlen_kwargs  # noqa: E
         ("cpu", False, False, "sdpa"),
         ("cuda", True, True, "flash_attention_2"),
         ("cuda", False, True, "flash_attention_2"),
-        ("cuda", True, False, "flex_attention"),  # a block mask, not sdpa's dense one
+        ("cuda", True, False, "flex_attention"),  # a block mask, not sdpa's dense one (compiled layers)
         ("cuda", False, False, "sdpa"),
     ],
 )
 def test_auto_attention_depends_on_the_device(device, masking, flash, expected):
-    resolved = resolve_attn_implementation("auto", device, document_masking=masking, flash_available=flash)
+    resolved = resolve_attn_implementation(
+        "auto", device, document_masking=masking, flash_available=flash, compiled=True
+    )
     assert resolved == expected
     for explicit in ("eager", "sdpa", "flex_attention", "flash_attention_2"):  # a user's choice is kept
         kept = resolve_attn_implementation(explicit, device, document_masking=masking, flash_available=flash)

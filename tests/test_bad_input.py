@@ -1191,7 +1191,7 @@ CASES: list[Case] = [
         LAUNCH,
         "`HF3D_COMPILE=maybe` in the environment",
         lambda fx: _from_env(fx, HF3D_COMPILE="maybe"),
-        ["HF3D_COMPILE must be 1 or 0 (true or false), got 'maybe'"],
+        ["HF3D_COMPILE must be 1 or 0 (true or false), or auto, got 'maybe'"],
     ),
     _c(
         "launch-compile-dropout",

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
@@ -201,17 +202,62 @@ def test_mutations_fail_the_checks(world2):
 def test_compile_config(monkeypatch):
     from hf3d.train_config import TrainConfig
 
-    assert hf3d.ParallelConfig().compile is False
-    with pytest.raises(ValueError, match="ParallelConfig.compile must be true or false, got 'yes'"):
+    assert hf3d.ParallelConfig().compile is False  # the API compiles when asked
+    with pytest.raises(ValueError, match="ParallelConfig.compile must be true, false or 'auto', got 'yes'"):
         hf3d.ParallelConfig(compile="yes")
-    for raw, value in (("1", True), ("true", True), ("0", False), ("Off", False)):
+    for raw, value in (("1", True), ("true", True), ("0", False), ("Off", False), ("auto", "auto")):
         monkeypatch.setenv("HF3D_COMPILE", raw)
-        assert hf3d.ParallelConfig.from_env().compile is value
+        assert hf3d.ParallelConfig.from_env().compile == value
     monkeypatch.setenv("HF3D_COMPILE", "maybe")
-    with pytest.raises(ValueError, match="HF3D_COMPILE must be 1 or 0 \\(true or false\\), got 'maybe'"):
+    with pytest.raises(ValueError, match="HF3D_COMPILE must be 1 or 0 \\(true or false\\), or auto, got 'maybe'"):
         hf3d.ParallelConfig.from_env()
     cfg = TrainConfig.from_yaml(None, ["parallel.compile=true", "model.path=x"])
     assert cfg.parallel.compile is True
+    # `hf3d train` without the key takes "auto", with or without a parallel section; written, it is kept
+    assert TrainConfig.from_yaml(str(ROOT / "examples/configs/tiny-smollm.yaml")).parallel.compile == "auto"
+    assert TrainConfig.from_yaml(None, ["model.path=x"]).parallel.compile == "auto"
+    assert TrainConfig.from_yaml(None, ["parallel.tp=1", "model.path=x"]).parallel.compile == "auto"
+    assert TrainConfig.from_yaml(None, ["parallel.compile=false", "model.path=x"]).parallel.compile is False
+
+
+def test_auto_compiles_on_cuda_and_picks_flex_attention_only_when_compiled(monkeypatch):
+    """What a run that writes no speed keys gets: compiled layers on CUDA (where triton is there and nothing
+    refuses compile), eager on a CPU; for packed documents on CUDA flex_attention when the layers are
+    compiled, sdpa (a dense mask) when not; flash_attention_2 when it is installed."""
+    import importlib.util
+
+    from hf3d.attention import resolve_attn_implementation
+    from hf3d.compile import resolve_compile
+
+    assert resolve_compile("auto", "cpu", tiny_config("llama")) == (False, "off on cpu (auto: on with CUDA)")
+    assert resolve_compile(True, "cpu", tiny_config("llama")) == (True, "on")
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: object() if name == "triton" else real_find_spec(name)
+    )
+    assert resolve_compile("auto", "cuda", tiny_config("llama")) == (True, "on with CUDA (auto)")
+    off, why = resolve_compile("auto", "cuda", tiny_config("llama", attention_dropout=0.1))
+    assert not off and why.startswith("off: parallel.compile (auto) cannot run with attention_dropout=0.1"), why
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "triton" else real_find_spec(name))
+    off, why = resolve_compile("auto", "cuda", tiny_config("llama"))
+    assert not off and "needs triton" in why, why
+    packed = dict(document_masking=True, flash_available=False)
+    assert resolve_attn_implementation("auto", "cuda", **packed, compiled=True) == "flex_attention"
+    assert resolve_attn_implementation("auto", "cuda", **packed, compiled=False) == "sdpa"
+    assert resolve_attn_implementation("auto", "cuda", document_masking=True, flash_available=True) == (
+        "flash_attention_2"
+    )
+    assert resolve_attn_implementation("auto", "cpu", **packed, compiled=True) == "sdpa"
+
+
+def test_a_run_says_what_auto_compile_chose():
+    from transformers import AutoConfig
+
+    from hf3d.train_config import TrainConfig, check_run
+
+    cfg = TrainConfig.from_yaml(str(ROOT / "examples/configs/tiny-smollm.yaml"), ["parallel.tp=1"])
+    lines = check_run(cfg, world_size=1, model_config=AutoConfig.from_pretrained(ROOT / "examples/models/tiny-smollm"))
+    assert "parallel.compile: off on cpu (auto: on with CUDA)" in lines
 
 
 def test_compile_without_a_cpp_compiler_is_refused():

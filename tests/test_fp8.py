@@ -371,3 +371,26 @@ def test_filter_rule():
     assert not hf3d.FP8Config().enabled
     with pytest.raises(ValueError, match="fp8 recipe must be one of"):
         hf3d.FP8Config(recipe="float8")
+
+
+def test_a_recipe_slower_than_bf16_says_so_when_the_run_starts():
+    """One line at the start where FP8 ran slower than bf16 in the measurements (on a CPU, eager on a GPU,
+    rowwise at a width up to 2048); none where it ran faster (tensorwise compiled)."""
+    from transformers import AutoConfig
+
+    from hf3d.fp8 import speed_note
+    from hf3d.train_config import TrainConfig, check_run
+
+    assert speed_note("off", device_type="cpu", compiled=False, hidden_size=960) is None
+    assert speed_note("tensorwise", device_type="cuda", compiled=True, hidden_size=2048) is None
+    assert speed_note("rowwise", device_type="cuda", compiled=True, hidden_size=4096) is None
+    rowwise = speed_note("rowwise", device_type="cuda", compiled=True, hidden_size=960)
+    assert rowwise.startswith("precision.fp8=rowwise ran slower than bf16 at this width (hidden 960)"), rowwise
+    eager = speed_note("tensorwise", device_type="cuda", compiled=False, hidden_size=2048)
+    assert "without compiled layers took 1.9-2.2x bf16's step" in eager and "parallel.compile" in eager
+    root = Path(__file__).resolve().parents[1]
+    cfg = TrainConfig.from_yaml(str(root / "examples/configs/tiny-smollm.yaml"), ["precision.fp8=tensorwise"])
+    lines = check_run(cfg, world_size=2, model_config=AutoConfig.from_pretrained(root / "examples/models/tiny-smollm"))
+    warnings = [line for line in lines if line.startswith("warning: ")]
+    assert warnings == ["warning: " + speed_note("tensorwise", device_type="cpu", compiled=False, hidden_size=64)]
+    assert all("\n" not in line for line in lines)

@@ -112,9 +112,9 @@ class TPMoE(nn.Module):
             act = self.act_fn(gate) * up
         return grouped_mm(act, self.down, offsets)
 
-    # Under regional compile (hf3d/compile.py) the block runs eager, one graph break per MoE layer: its rows per
-    # expert are data-dependent (nonzero, bincount, all-to-all split sizes read on the host), which traced as 15
-    # breaks per layer, and torch 2.13's meta function of torch._grouped_mm refuses fp32.
+    # Under regional compile (hf3d/compile.py) the block runs eager, one graph break per MoE layer: at ep > 1 the
+    # all-to-all's split sizes are read on the host (the layer's only host sync; none at ep = 1), and torch
+    # 2.13's meta function of torch._grouped_mm refuses fp32.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
