@@ -1,6 +1,6 @@
-"""Helpers shared by the benchmark scripts: results files, tables, memory probes, launching.
+"""What the benchmark scripts share: the environment block, results files, tables, memory probes, launching.
 
-Nothing here is timed by tests; the scripts are run by hand (see benchmarks/README.md).
+Nothing here is timed by tests; benchmarks/run.py runs the scripts and builds the tables from their results.
 """
 
 from __future__ import annotations
@@ -9,12 +9,9 @@ import datetime
 import json
 import os
 import platform
-import resource
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -25,24 +22,14 @@ RESULTS = Path(os.environ.get("HF3D_BENCH_RESULTS") or BENCH_DIR / "results")
 if str(REPO) not in sys.path:  # hf3d is used from the working tree, not an installed copy
     sys.path.insert(0, str(REPO))
 
-
 # glibc's malloc for memory measurements: every block of 64 KiB or more is its own mapping, returned when
-# freed, so RSS follows live memory rather than the allocator's history (benchmarks/README.md)
+# freed, so RSS follows live memory rather than the allocator's history
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
-# -- statistics and tables -------------------------------------------------------------------------
+# -- statistics and tables ------------------------------------------------------------------------
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
-
-
-def quantile(xs, q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    pos = q * (len(s) - 1)
-    lo, hi = int(pos), min(int(pos) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def fmt(x, digits: int = 3) -> str:
@@ -67,36 +54,37 @@ def mib(n_bytes) -> float:
 
 def md_table(headers: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    for r in rows:
-        out.append("| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in r) + " |")
+    out += ["| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
 
 
-def line_panels(panels: list[dict], path: Path, *, width: float = 7.0, height: float = 4.0) -> None:
-    """Side-by-side panels of named curves, saved as a PNG. Each panel: {"curves": {name: (xs, ys)}, "xlabel",
-    "ylabel", "title"}; the first panel carries the legend. matplotlib is in the dev extra."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(panels), figsize=(width, height), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
-        for name, (xs, ys) in panel["curves"].items():
-            ax.plot(xs, ys, label=name, linewidth=1)
-        ax.set(xlabel=panel["xlabel"], ylabel=panel["ylabel"], title=panel["title"])
-    axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def verdict(value: float, target: float, *, at_most: bool = True) -> str:
+    met = value <= target if at_most else value >= target
+    return f"target {'≤' if at_most else '≥'} {target}x: {'met' if met else 'missed'}"
 
 
-# -- environment ------------------------------------------------------------------------------------
+# -- environment and results files ---------------------------------------------------------------
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def hf3d_uncommitted() -> str:
+    """Uncommitted changes under hf3d/ ('' when the tree matches the commit): other people edit it."""
+    if os.environ.get("HF3D_BENCH_COMMIT"):  # a clean copy of that commit's tree, sent without its .git
+        return ""
+    out = _git("diff", "HEAD", "--shortstat", "--", "hf3d")
+    return f"{out} ({', '.join(_git('diff', 'HEAD', '--name-only', '--', 'hf3d').split())})" if out else ""
+
+
 def env_info() -> dict:
+    """The environment block every results file carries; git_commit is what benchmarks/run.py marks rows by."""
     import torch
     import transformers
 
-    info = {
+    return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -104,157 +92,93 @@ def env_info() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+        "git_commit": os.environ.get("HF3D_BENCH_COMMIT") or _git("rev-parse", "--short", "HEAD"),
+        "hf3d_uncommitted_at_start": hf3d_uncommitted(),
     }
-    try:
-        import accelerate
-
-        info["accelerate"] = accelerate.__version__
-    except ImportError:
-        pass
-    try:
-        info["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-        info["hf3d_uncommitted_at_start"] = hf3d_uncommitted()
-        if os.environ.get("HF3D_BENCH_COMMIT"):  # a clean copy of that commit's tree, sent without its own .git
-            info["git_commit"], info["hf3d_uncommitted_at_start"] = os.environ["HF3D_BENCH_COMMIT"], ""
-    except OSError:
-        pass
-    return info
-
-
-def hf3d_uncommitted() -> str:
-    """Uncommitted changes under hf3d/ ('' when the tree matches the commit): other people edit it."""
-    try:
-        out = subprocess.run(
-            ["git", "diff", "HEAD", "--shortstat", "--", "hf3d"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-        files = subprocess.run(
-            ["git", "diff", "HEAD", "--name-only", "--", "hf3d"], cwd=REPO, capture_output=True, text=True
-        ).stdout.split()
-    except OSError:
-        return "unknown"
-    return f"{out} ({', '.join(files)})" if out else ""
 
 
 def write_results(name: str, title: str, body_md: str, data: dict, *, quick: bool) -> Path:
-    """Write results/<name>.md (markdown + the raw JSON) and results/<name>.json.
-
-    Quick (smoke) runs go to results/quick/ so they never overwrite a full run's numbers.
-    """
+    """results/<name>.md (the table, the command, the environment, the raw JSON) and results/<name>.json.
+    Quick (smoke) runs go to results/quick/ so they never overwrite a measurement."""
     out_dir = RESULTS / "quick" if quick else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     data = dict(data)
-    data.setdefault("env", {})["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    data["env"]["hf3d_uncommitted_at_end"] = "" if os.environ.get("HF3D_BENCH_COMMIT") else hf3d_uncommitted()
-    env = data["env"]
-    env_line = ", ".join(f"{k}={v}" for k, v in env.items())
+    env = data.setdefault("env", {})
+    env["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    env["hf3d_uncommitted_at_end"] = hf3d_uncommitted()
     cmd = "python " + " ".join([f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    raw = json.dumps(data, indent=1, default=str)
     text = (
         f"# {title}\n\n{'**QUICK smoke run — not a measurement.**' if quick else ''}\n\n"
-        f"Command: `{cmd}`\n\nEnvironment: {env_line}\n\n{body_md}\n\n"
-        f"<details><summary>raw JSON</summary>\n\n```json\n{json.dumps(data, indent=1, default=str)}\n```\n</details>\n"
+        f"Command: `{cmd}`\n\nEnvironment: {', '.join(f'{k}={v}' for k, v in env.items())}\n\n{body_md}\n\n"
+        f"<details><summary>raw JSON</summary>\n\n```json\n{raw}\n```\n</details>\n"
     )
-    md = out_dir / f"{name}.md"
-    md.write_text(text)
-    (out_dir / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
-    return md
+    (out_dir / f"{name}.md").write_text(text)
+    (out_dir / f"{name}.json").write_text(raw)
+    return out_dir / f"{name}.md"
 
 
 def import_hf3d():
-    """hf3d with every public name loaded, as a plain `import hf3d` loaded them before names were loaded on
-    first use: a baseline taken after this call holds hf3d's module imports, and no measured call does."""
+    """hf3d with every public name loaded (as a user's script would use them): a memory baseline taken after
+    this call holds hf3d's module imports, and no measured call imports a module."""
     import hf3d
 
     for name in hf3d.__all__:
-        if name != "Trainer":  # transformers' Trainer was never imported with hf3d
+        if name != "Trainer":  # transformers' Trainer is not imported by a training script
             getattr(hf3d, name)
     return hf3d
 
 
-# -- memory probes ----------------------------------------------------------------------------------
+# -- memory probes (Linux /proc) ------------------------------------------------------------------
 def proc_status() -> dict[str, int]:
-    """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of this process in bytes (Linux /proc)."""
+    """VmRSS, VmHWM, RssAnon, RssFile of this process in bytes. VmHWM is the kernel's exact peak RSS;
+    `reset_peak()` sets it back to the current RSS (ru_maxrss cannot be reset, and survives fork + exec)."""
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
                 out[key] = int(rest.split()[0]) * 1024
     return out
 
 
-def ru_maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
-class PeakSampler:
-    """Samples /proc/self/status in a thread; records the peak of each field.
-
-    ru_maxrss (VmHWM) is the exact peak RSS but counts file-backed pages (mmapped safetensors)
-    as well as anonymous memory; the sampled RssAnon peak separates the two (it may miss a spike
-    shorter than the interval).
-    """
-
-    def __init__(self, interval_s: float = 0.003):
-        self.interval_s = interval_s
-        self.peak: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> None:
-        for k, v in proc_status().items():
-            if v > self.peak.get(k, -1):
-                self.peak[k] = v
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            time.sleep(self.interval_s)
-
-    def __enter__(self):
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-
-# -- launching --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# -- launching ------------------------------------------------------------------------------------
+def child_env(extra: dict | None = None) -> dict:
+    """This environment for a child process, less the rendezvous of this process's own process group (which
+    hf3d.parallelize writes into os.environ for a world of one): the child starts a world of its own."""
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    return {"OMP_NUM_THREADS": "1", **env, "PYTHONWARNINGS": "ignore", **(extra or {})}
 
 
 def torchrun(script: Path, nproc: int, args: list[str], *, timeout: float = 900, env: dict | None = None):
-    """Run `torchrun --standalone --nproc-per-node N script args`; returns the CompletedProcess."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *args,
-    ]
-    full_env = dict(os.environ)
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    full_env["PYTHONWARNINGS"] = "ignore"
-    full_env.update(env or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO)
+    """`torchrun --standalone --nproc-per-node N script args`; returns the CompletedProcess."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=child_env(env), cwd=REPO)
 
 
 def python_subprocess(script: Path, args: list[str], *, timeout: float = 900, env: dict | None = None):
-    full_env = dict(os.environ)
-    full_env["PYTHONWARNINGS"] = "ignore"
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
-    )
+    cmd = [sys.executable, str(script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=child_env(env), cwd=REPO)
+
+
+def run_workers(script: Path, nproc: int, args: list[str], out: Path, *, env: dict | None = None) -> list[dict]:
+    """Run `script args` as nproc torchrun workers (one plain process when nproc is 1), each writing
+    `<out>.rank<r>.json`; returns those records, or raises with the workers' error output."""
+    launch = torchrun if nproc > 1 else lambda s, _n, a, env: python_subprocess(s, a, env=env)
+    proc = launch(script, nproc, [*args, "--out", str(out)], env=env)
+    files = [Path(f"{out}.rank{r}.json") for r in range(nproc)]
+    if proc.returncode != 0 or not all(f.exists() for f in files):
+        raise RuntimeError(f"{script.name} {args[:2]} failed (exit {proc.returncode}):\n{tail(proc.stderr, 40)}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def write_rank(out: str, rec: dict) -> None:
+    Path(f"{out}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(rec))
 
 
 def hf3d_train(config: str, settings: list[str], *, nproc: int = 2) -> tuple[subprocess.CompletedProcess, float]:
@@ -270,8 +194,8 @@ def tail(text: str, n: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
-# -- models -----------------------------------------------------------------------------------------
-# the published SmolLM2 shapes (FACTS.md), as LlamaConfig keyword arguments
+# -- models ---------------------------------------------------------------------------------------
+# the published SmolLM2 shapes, as LlamaConfig keyword arguments
 _SMOLLM2 = dict(
     vocab_size=49152,
     tie_word_embeddings=True,
@@ -317,13 +241,12 @@ def llama_config(**kw):
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         pad_token_id=None,
     )
-    base.update(kw)
-    return LlamaConfig(**base)
+    return LlamaConfig(**{**base, **kw})
 
 
 def shape_str(cfg) -> str:
     return (
-        f"Llama hidden={cfg.hidden_size}, layers={cfg.num_hidden_layers}, heads={cfg.num_attention_heads}/"
+        f"{cfg.model_type} hidden={cfg.hidden_size}, layers={cfg.num_hidden_layers}, heads={cfg.num_attention_heads}/"
         f"{cfg.num_key_value_heads} kv, inter={cfg.intermediate_size}, vocab={cfg.vocab_size}, "
         f"tied={bool(cfg.tie_word_embeddings)}"
     )
@@ -338,15 +261,4 @@ def save_model_dir(cfg, path: Path, *, dtype, seed: int = 0) -> int:
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     n = sum(p.numel() for p in model.parameters())
     model.save_pretrained(path)
-    del model
     return n
-
-
-def leave_distributed() -> None:
-    """End a distributed worker whose work is done on every rank: all ranks arrive, output is flushed,
-    then os._exit(0) (hf3d.faults.leave). No interpreter teardown: with gloo's threads still up it was
-    seen to abort a finished rank ("terminate called without an active exception", SIGABRT), even after
-    destroy_process_group, which cannot free process groups that live objects still reference."""
-    from hf3d.faults import leave
-
-    leave(0)

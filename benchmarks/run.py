@@ -1,0 +1,312 @@
+"""The benchmarks' runner: runs them, then writes the performance tables of README.md and benchmarks/README.md
+from benchmarks/results/*.json (nothing in a table is typed by hand).
+
+    python benchmarks/run.py                      # every benchmark, its command, and the state of its results
+    python benchmarks/run.py step_time convert    # run these at full size, one after another, then the tables
+    python benchmarks/run.py --all                # every CPU benchmark (about 25 min on 2 cores), then the tables
+    python benchmarks/run.py --quick step_time    # smoke sizes into results/quick/; no table is touched
+    python benchmarks/run.py --report             # the tables only (--check: exit 1 if one is out of date;
+                                                  #   --strict: exit 2, writing nothing, if a row is not current)
+
+The tables live between marker comments and are replaced whole: `perf` and `default-run` in README.md,
+`results` in benchmarks/README.md. Every results file records the git commit it measured (the `env` block;
+HF3D_BENCH_COMMIT names it for a tree copied without .git). A row is current when `git diff <commit> HEAD --
+hf3d` is empty and no uncommitted hf3d/ change was recorded at measurement; otherwise it is marked STALE (hf3d/
+changed since), UNCOMMITTED (measured on changes in no commit) or UNKNOWN (commit not in this repository).
+Marked rows, rows that miss their target and benchmarks not measured yet are shown, never left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+
+
+def met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+# -- one line of results per results file ---------------------------------------------------------
+def _default_run(d: dict) -> str:
+    evals = d["eval_losses"]
+    return (
+        f"{d['steps']} steps, {d['tokens']:,} tokens in {d['wall_s']:.0f} s wall on 2 processes (tp=2); loss "
+        f"{d['first_loss']:.2f} → {d['last_loss']:.2f}, eval loss {evals[0][1]:.2f} (step {evals[0][0]}) → "
+        f"{evals[-1][1]:.2f} (step {evals[-1][0]}); checkpoints {', '.join(d['checkpoints'])}"
+    )
+
+
+def _step_time(d: dict) -> str:
+    r, mem = d["result"]["wall"], d["memory_ratio_hf3d_over_stock"]
+    out = (
+        f"{d['n_params'] / 1e6:.1f}M params: {r['ratio_hf3d_over_stock']:.3f}x median step time (target ≤ 0.95x: "
+        f"{met(r['ratio_hf3d_over_stock'] <= 0.95)}), {r['ratio_of_minima']:.3f}x fastest steps "
+        f"({d['args']['repeats']} rounds, {d['env'].get('torch_threads')} threads); peak RSS {mem:.3f}x "
+        f"(target ≤ 1.0x: {met(mem <= 1.0)})"
+    )
+    if "ratio_compiled_over_eager" in r:
+        out += (
+            f"; hf3d compiled / eager {r['ratio_compiled_over_eager']:.3f}x median step time, first step (the "
+            f"compile) {d['first']['hf3d compiled']['wall']:.0f} s"
+        )
+    return out
+
+
+def _load_memory(d: dict) -> str:
+    parts = []
+    for dt, s in d["summary"].items():
+        use = s["peak RSS, load + first use (VmHWM)"]["ratio"]
+        own = s["load_peak_over_own_bytes"]
+        parts.append(
+            f"{dt}: load + first use {use:.2f}x stock (target ≤ 0.6x: {met(use <= 0.6)}), private memory "
+            f"{s['private RSS after first use (RssAnon)']['ratio']:.2f}x; load-only peak {own:.3f}x the rank's own "
+            f"parameter bytes (target ≤ 1.05x: {met(own <= 1.05)})"
+        )
+    return "; ".join(parts)
+
+
+def _init_memory(d: dict) -> str:
+    ratio = d["summary"]["peak_above"]["ratio_worst"]
+    return (
+        f"{ratio:.2f}x, worst of {d['tp']} ranks (target ≤ 0.6x: {met(ratio <= 0.6)}); export equals stock "
+        f"from_config tensor by tensor: {d['export_equal']}"
+    )
+
+
+def _convert(d: dict) -> str:
+    dts = [dt for dt in ("bf16", "fp32") if dt in d]
+    s = {dt: d[dt]["summary"] for dt in dts}
+
+    def each(key: str, unit: str = "x") -> str:
+        return ", ".join(f"{dt} {s[dt][key]:.2f}{unit}" for dt in dts)
+
+    ok = {k: all(s[dt][k] <= t for dt in dts) for k, t in (("to_hf_time_vs_raw", 2), ("from_hf_time_vs_raw", 2))}
+    mem = "to_hf_extra_mem_above_raw_in_largest_tensors"
+    return (
+        f"time / raw: to-hf {each('to_hf_time_vs_raw')} (target ≤ 2x: {met(ok['to_hf_time_vs_raw'])}); from-hf "
+        f"{each('from_hf_time_vs_raw')} (target ≤ 2x: {met(ok['from_hf_time_vs_raw'])}), with --fsync against raw + "
+        f"fsync {each('from_hf_fsync_time_vs_raw_fsync')}; to-hf extra peak memory above raw {each(mem, '')} "
+        f"largest tensors (target ≤ +1: {met(all(s[dt][mem] <= 1 for dt in dts))}); to-hf output bit-identical "
+        f"to the source: {all(d[dt]['to_hf_bit_identical_to_source'] for dt in dts)}"
+    )
+
+
+def _checkpoint(d: dict) -> str:
+    parts = []
+    for mesh, modes in d["meshes"].items():
+        for mode in ("sync", "async"):
+            m, t = modes[mode], modes[mode]["slowest"]
+            target = f" (target ≤ 0.1: {met(m['stall_steps'] <= 0.1)})" if mode == "async" else ""
+            if mode == "async" and m.get("steady_steps") is not None:
+                target += f", from the 3rd save {m['steady_steps']:.2f} ({met(m['steady_steps'] <= 0.1)})"
+            parts.append(
+                f"{mesh} {mode}: stall {m['stall_steps']:.2f} steps{target}; save {t['save'] / t['raw_write']:.2f}x "
+                f"a raw write, load {t['load'] / t['raw_read']:.2f}x a raw read; restored exactly: {m['restored']}"
+            )
+    return f"{d['params'] / 1e6:.1f}M params, fp32 + AdamW, 2 processes (slowest rank). " + "; ".join(parts)
+
+
+def _gpu(d: dict) -> str:
+    parts = [
+        f"{r['what']} {r['ratio']:.3f}x (target ≥ {r['target']}x: {met(r['ratio'] >= r['target'])})"
+        if "ratio" in r
+        else f"{r['what']}: not measured"
+        for r in d["ratios"]
+    ]
+    b = d["rows"].get("hf3d train 360M", {})
+    if "saves" in b:
+        stalls = [s["stall_steps"] for s in b["saves"]]
+        beside = max(s["beside_worst"] for s in b["saves"])
+        parts.append(
+            f"(b) async save stalls {', '.join(f'{x:.2f}' for x in stalls)} steps (target ≤ 0.1: "
+            f"{met(max(stalls) <= 0.1)}), worst step beside a write {beside:.2f}x steady (target ≤ 1.05x: "
+            f"{met(beside <= 1.05)})"
+        )
+    mfu = d["rows"].get("1.7B hf3d compiled", {}).get("mfu")
+    if mfu is not None:
+        parts.append(f"1.7B hf3d MFU {mfu:.1%} (target ≥ 50 %: {met(mfu >= 0.5)})")
+    return f"{d['env'].get('gpu')}, torch {d['env'].get('torch')}: " + "; ".join(parts)
+
+
+@dataclass
+class Benchmark:
+    name: str  # its results file: results/<name>.json
+    script: str
+    args: list[str]
+    what: str
+    minutes: str  # at full size on a 2-core CPU (the GPU script: on one H100/H200)
+    line: Callable[[dict], str]
+    gpu: bool = False
+
+    @property
+    def command(self) -> str:
+        return " ".join(["python", f"benchmarks/{self.script}", *self.args])
+
+
+BENCHMARKS = [
+    Benchmark("default_run", "bench_default_run.py", [], "the README's main command (the embedded default run), "
+              "2-core CPU", "1", _default_run),
+    Benchmark("step_time", "bench_step_time.py", [], "step time and peak RSS, hf3d tp=pp=dp=1 / stock transformers "
+              "+ AdamW (Llama, fp32)", "2", _step_time),
+    Benchmark("step_time_threads1", "bench_step_time.py", ["--threads", "1"], "the same with one thread", "2",
+              _step_time),
+    Benchmark("step_time_compile", "bench_step_time.py", ["--compile"], "the same with hf3d's compiled decoder "
+              "layers (`compile=True`) in the rounds too (inductor on CPU)", "3", _step_time),
+    Benchmark("load_memory", "bench_load_memory.py", [], "peak RSS of one tp=3 rank loading a SmolLM2-135M-shaped "
+              "checkpoint / stock `from_pretrained` (above a baseline)", "3", _load_memory),
+    Benchmark("init_memory", "bench_init_memory.py", [], "peak RSS of one tp=3 rank initialising SmolLM2-135M "
+              "from its config / stock `from_config`", "2", _init_memory),
+    Benchmark("convert", "bench_convert.py", [], "`hf3d convert to-hf` / `from-hf`, SmolLM2-135M shape, against "
+              "raw safetensors I/O of the same bytes", "4", _convert),
+    Benchmark("checkpoint", "bench_checkpoint.py", [], "training checkpoint: the stall per save, sync and "
+              "`checkpoint.async`; save and load against raw I/O; dp=2 and pp=2", "8", _checkpoint),
+    Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
+              "9 (GPU)", _gpu, gpu=True),
+]  # fmt: skip
+BY_NAME = {b.name: b for b in BENCHMARKS}
+
+
+# -- staleness ------------------------------------------------------------------------------------
+def status(env: dict, repo: Path = REPO) -> tuple[str, str]:
+    """(state, note): state is current | STALE | UNCOMMITTED | UNKNOWN."""
+    commit = env.get("git_commit")
+    if not commit:
+        return "UNKNOWN", "no commit recorded"
+    diff = subprocess.run(
+        ["git", "diff", "--stat", commit, "HEAD", "--", "hf3d"], cwd=repo, capture_output=True, text=True
+    )
+    if diff.returncode != 0:
+        return "UNKNOWN", f"commit {commit} is not in this repository"
+    if diff.stdout.strip():
+        files = len(diff.stdout.strip().splitlines()) - 1
+        return "STALE", f"hf3d/ changed since {commit} ({files} file{'s' * (files != 1)})"
+    if env.get("hf3d_uncommitted_at_start") or env.get("hf3d_uncommitted_at_end"):
+        return "UNCOMMITTED", f"measured at {commit} with uncommitted hf3d/ changes"
+    return "current", commit
+
+
+def load(name: str, results: Path) -> dict | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _when(env: dict) -> str:
+    state, note = status(env)
+    date = env.get("date_utc", "?")[:10]
+    return f"{note}, {date}" if state == "current" else f"**{state}**: {note}, {date}"
+
+
+# -- the tables -----------------------------------------------------------------------------------
+def perf_table(results: Path = RESULTS) -> tuple[str, list[str]]:
+    """The table, and the results files it uses that are not current."""
+    lines = ["| what | result | command | measured at |", "| --- | --- | --- | --- |"]
+    not_current = []
+    for b in BENCHMARKS:
+        d = load(b.name, results)
+        if d is None:
+            where = " (needs a GPU)" if b.gpu else ""
+            lines.append(f"| {b.what} | not measured yet{where}: no `results/{b.name}.json` | `{b.command}` | — |")
+            continue
+        try:
+            text = b.line(d)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, IndexError) as e:
+            text = f"`results/{b.name}.json` is from an earlier version of the script ({type(e).__name__}: {e}): re-run"
+        if status(d.get("env", {}))[0] != "current":
+            not_current.append(b.name)
+        lines.append(f"| {b.what} | {text} | `{b.command}` | {_when(d.get('env', {}))} |")
+    return "\n".join(lines), not_current
+
+
+def default_run_block(results: Path = RESULTS) -> str:
+    """The quick start's paragraph on what the main command did when it was last run."""
+    d = load("default_run", results)
+    if d is None:
+        return "(not measured yet: `python benchmarks/bench_default_run.py`)"
+    sample = d["sample"].replace("\n", " ").strip()
+    return (
+        f"Measured by `python benchmarks/bench_default_run.py` ({_when(d['env'])}): {_default_run(d)}. Its loss "
+        "curve (`outputs/tiny-smollm/loss_curve.png`, train and eval):\n\n"
+        "![loss curve of the default run](benchmarks/results/default_run_loss_curve.png)\n\n"
+        f"and the sample it wrote (`outputs/tiny-smollm/sample.txt`, from the exported model): `{sample[:160]}`"
+    )
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?(<!-- {re.escape(name)}:end -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"no <!-- {name}:start --> ... <!-- {name}:end --> block")
+    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text, count=1)
+
+
+def render(results: Path = RESULTS) -> tuple[dict[Path, str], list[str]]:
+    """{README file: its new text}, and the results files the table uses that are not current."""
+    table, not_current = perf_table(results)
+    readme, bench_readme = REPO / "README.md", BENCH_DIR / "README.md"
+    text = replace_block(readme.read_text(), "perf", table)
+    out = {readme: replace_block(text, "default-run", default_run_block(results))}
+    out[bench_readme] = replace_block(bench_readme.read_text(), "results", table)
+    return out, not_current
+
+
+def report(*, check: bool = False, strict: bool = False) -> int:
+    texts, not_current = render()
+    if not_current:
+        print(f"not current (marked in the table): {', '.join(not_current)}", file=sys.stderr)
+        if strict:
+            return 2
+    changed = [p for p, t in texts.items() if p.read_text() != t]
+    for p in changed:
+        if check:
+            print(f"out of date: {p.relative_to(REPO)}", file=sys.stderr)
+        else:
+            p.write_text(texts[p])
+            print(f"rewrote {p.relative_to(REPO)}")
+    return 1 if check and changed else 0
+
+
+# -- running --------------------------------------------------------------------------------------
+def run(b: Benchmark, quick: bool) -> int:
+    cmd = [sys.executable, str(BENCH_DIR / b.script), *b.args, *(["--quick"] if quick else [])]
+    print(f"== {b.name}: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.run(cmd, cwd=REPO).returncode
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("names", nargs="*", help=f"benchmarks to run: {', '.join(BY_NAME)}")
+    ap.add_argument("--all", action="store_true", help="every CPU benchmark")
+    ap.add_argument("--quick", action="store_true", help="smoke sizes; results/quick/, no table touched")
+    ap.add_argument("--report", action="store_true", help="only rewrite the tables from results/*.json")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a table is out of date")
+    ap.add_argument("--strict", action="store_true", help="exit 2, writing nothing, if a row is not current")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.names if n not in BY_NAME]
+    if unknown:
+        ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
+    todo = [b for b in BENCHMARKS if not b.gpu] if args.all else [BY_NAME[n] for n in args.names]
+    if not (todo or args.report or args.check or args.strict):
+        for b in BENCHMARKS:
+            d = load(b.name, RESULTS)
+            state = "not measured" if d is None else _when(d.get("env", {})).replace("**", "")
+            print(f"{b.name:20s} {b.minutes:>8s} min  {b.command:55s} {state}")
+        return 0
+    failed = [b.name for b in todo if run(b, args.quick)]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    if args.quick and not (args.report or args.check or args.strict):
+        return 1 if failed else 0
+    return report(check=args.check, strict=args.strict) or (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
