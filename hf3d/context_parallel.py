@@ -43,6 +43,8 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
+from . import compat
+
 SEQ_DIM = 1  # tokens, targets, position ids and activations are [batch, seq, ...]
 # attention implementations that run a query chunk at an offset into the sequence: their mask interface
 # takes q/kv lengths and offsets. flash_attention_* sees only a 2D padding mask and a causal flag, which
@@ -112,7 +114,7 @@ class CPContext:
         if not self.active:
             return x
         parts = x.new_empty((self.size, *x.shape))
-        dist.all_gather_single(parts.flatten(0, 1), x.contiguous(), group=self.group)
+        compat.all_gather_single(parts.flatten(0, 1), x.contiguous(), group=self.group)
         return to_sequence_order(parts, dim)
 
     def local_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -186,7 +188,7 @@ class _GatherKV(torch.autograd.Function):
     def forward(ctx, kv, cp: CPContext):
         ctx.cp = cp
         parts = kv.new_empty((cp.size, *kv.shape))
-        dist.all_gather_single(parts.flatten(0, 1), kv.contiguous(), group=cp.group)
+        compat.all_gather_single(parts.flatten(0, 1), kv.contiguous(), group=cp.group)
         cp.kv_bytes += (cp.size - 1) * kv.numel() * kv.element_size()
         return to_sequence_order(parts, dim=3)
 
@@ -195,7 +197,7 @@ class _GatherKV(torch.autograd.Function):
         cp = ctx.cp
         parts = to_rank_order(grad, cp.size, dim=3).contiguous()  # [cp, 2, b, kv_heads, 2c, d]
         out = parts.new_empty(parts.shape[1:])
-        dist.reduce_scatter_single(out, parts.flatten(0, 1), group=cp.group)
+        compat.reduce_scatter_single(out, parts.flatten(0, 1), group=cp.group)
         cp.kv_bytes += (cp.size - 1) * out.numel() * out.element_size()
         return out, None
 

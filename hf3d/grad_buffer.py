@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import compat
 from .layout import get_pieces, shard_range
 
 
@@ -183,7 +184,7 @@ class GradBuffer:
         lo, hi = self.shard(b)
         if self.collective == "reduce_scatter":
             out = torch.empty(hi - lo, device=flat.device)
-            b.work = (dist.reduce_scatter_single(out, flat, group=self.group, async_op=True), out, lo, hi)
+            b.work = (compat.reduce_scatter_single(out, flat, group=self.group, async_op=True), out, lo, hi)
             return
         # all_to_all: each rank receives every rank's copy of its own shard, and sums them: a
         # reduce-scatter that gloo runs faster than its reduce_scatter or all_reduce. At most two buckets'
@@ -245,4 +246,4 @@ class GradBuffer:
                 dist.all_reduce(b.param_data, group=self.group)
             else:
                 shard = b.param_data[lo - b.offset : hi - b.offset].clone()
-                dist.all_gather_single(b.param_data, shard, group=self.group)
+                compat.all_gather_single(b.param_data, shard, group=self.group)

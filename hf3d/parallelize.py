@@ -17,6 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .checkpoint import SHAPE_FIELDS
+from .compat import check_fp8_rowwise, check_pipeline_schedule
 from .compile import check_compile, compile_layers, resolve_compile
 from .config import ParallelConfig, check_attn_implementation
 from .context_parallel import CPContext, check_attention
@@ -84,6 +85,7 @@ def parallelize(
         config = override_config(config, config_overrides, loading_weights=source is not None)
     compile, _ = resolve_compile(compile, device_type(), config)
     adapter = _checked_adapter(config, pcfg, attn_implementation, compile)
+    check_fp8_rowwise(fp8.recipe, fp8.emulate, device_type())
     mesh = build_mesh(pcfg)
     device = (
         torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
@@ -111,6 +113,7 @@ def _checked_adapter(config, pcfg: ParallelConfig, attn_implementation: str, com
     """The model family's adapter, once the mesh, the attention and compile are known to fit this config."""
     if compile:
         check_compile(device_type(), config)
+    check_pipeline_schedule(pcfg.pp_schedule, pcfg.pp)
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
     adapter.check_ep(config, pcfg.ep)

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import compat
+
 SEQ_DIM = 1  # activations are [batch, seq, hidden]
 IGNORE_INDEX = -100  # a target that takes no loss (HF and torch cross-entropy)
 
@@ -25,7 +27,7 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Te
     world = dist.get_world_size(group)
     x0 = x.movedim(dim, 0).contiguous()
     out = x0.new_empty((world * x0.shape[0], *x0.shape[1:]))
-    dist.all_gather_single(out, x0, group=group)
+    compat.all_gather_single(out, x0, group=group)
     return out.movedim(0, dim).contiguous()  # activations leave stages by p2p, which wants contiguous
 
 
@@ -35,7 +37,7 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torc
     if x0.shape[0] % world:
         raise ValueError(f"dim {dim} of size {x0.shape[0]} cannot be split over {world} tensor-parallel ranks")
     out = x0.new_empty((x0.shape[0] // world, *x0.shape[1:]))
-    dist.reduce_scatter_single(out, x0, group=group)
+    compat.reduce_scatter_single(out, x0, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -69,7 +71,7 @@ class _CopyToTP(torch.autograd.Function):
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return compat.all_reduce_copy(x, group)
 
     @staticmethod
     def backward(ctx, grad):

@@ -374,6 +374,9 @@ def _check_model_fits(cfg: TrainConfig, model_config) -> None:
     """parallel.compile, tp and ep against the model, before the world size: launching another number of
     processes would not help."""
     p = cfg.parallel
+    from .compat import check_pipeline_schedule
+
+    check_pipeline_schedule(p.pp_schedule, p.pp, key="parallel.pp_schedule")
     if p.compile is True:
         from .compile import check_compile
         from .mesh import device_type

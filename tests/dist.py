@@ -13,9 +13,16 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+from hf3d import compat  # noqa: E402
+
+V_SCHEDULES = ("zbv", "dualpipev")
+NEEDS_2_13 = pytest.mark.skipif(compat.BEFORE_2_13, reason="hf3d refuses the V schedules before torch 2.13")
 
 
 def _free_port() -> int:

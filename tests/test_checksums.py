@@ -115,17 +115,23 @@ def test_an_earlier_direct_write_error_reaches_finish_and_abandon_closes_the_fil
 
 @pytest.fixture()
 def dcp_logger():
-    """DCP's logger as torch sets it up (level DEBUG, NullHandlers only), whatever ran before; put back after."""
+    """DCP's logger as torch sets it up (level DEBUG, NullHandlers only), whatever ran before and whatever the
+    test runner attached for the test's call (pytest 9.2 adds its capture handler to loggers that do not
+    propagate, like this one); put back after."""
     import logging
 
     from torch.distributed.checkpoint import logger as dcp_logger_module
 
     logger = dcp_logger_module._dcp_logger
     level, handlers = logger.level, list(logger.handlers)
-    logger.setLevel(logging.DEBUG)
-    logger.handlers = [logging.NullHandler()]
+
+    def as_torch_sets_it_up():
+        logger.setLevel(logging.DEBUG)
+        logger.handlers = [logging.NullHandler()]
+        return logger
+
     try:
-        yield logger
+        yield as_torch_sets_it_up
     finally:
         logger.setLevel(level)
         logger.handlers = handlers
@@ -138,7 +144,7 @@ def test_dcp_debug_records_are_off_only_while_nothing_would_hear_them(dcp_logger
 
     from hf3d.writer import dcp_debug_records_off
 
-    logger = dcp_logger
+    logger = dcp_logger()
     with dcp_debug_records_off():
         assert not logger.isEnabledFor(logging.DEBUG)
         assert logger.isEnabledFor(logging.WARNING)
@@ -163,6 +169,7 @@ def test_the_dcp_logger_switch_ends_as_it_began_when_threads_overlap(dcp_logger)
 
     from hf3d.writer import dcp_debug_records_off
 
+    logger = dcp_logger()
     entered, release = threading.Event(), threading.Event()
 
     def other():
@@ -175,10 +182,10 @@ def test_the_dcp_logger_switch_ends_as_it_began_when_threads_overlap(dcp_logger)
     try:
         entered.wait()
         with dcp_debug_records_off():  # enters second, leaves first
-            assert dcp_logger.level == logging.INFO
+            assert logger.level == logging.INFO
             release.set()
             thread.join()
-            assert dcp_logger.level == logging.INFO  # the other thread left; this one is still inside
-        assert dcp_logger.level == logging.DEBUG
+            assert logger.level == logging.INFO  # the other thread left; this one is still inside
+        assert logger.level == logging.DEBUG
     finally:
         release.set()

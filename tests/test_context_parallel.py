@@ -26,7 +26,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from dist import report, spawn, start_watchdog  # noqa: E402
+from dist import V_SCHEDULES, compat, report, spawn, start_watchdog  # noqa: E402
 from models import FAMILIES, VOCAB, make_model_dir, tiny_config  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, reference_run  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -249,7 +249,7 @@ WORLD4_CASES = {
     "cp4": dict(cp=4),
     **{
         f"cp2-pp2-{s}": dict(cp=2, pp=2, pp_schedule=s, num_microbatches=4)
-        for s in ("afab", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+        for s in ("afab", "1f1b", "interleaved-1f1b", *(() if compat.BEFORE_2_13 else V_SCHEDULES))
     },
 }
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
-from dist import report, spawn, start_watchdog  # noqa: E402
+from dist import compat, report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir, tiny_config  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, moe_reference_run, saved_names  # noqa: E402
 
@@ -47,6 +47,8 @@ CASES = {  # name: (family, ParallelConfig keywords)
     # two stages per rank, backward split into input and weight passes: the statistics' chain still closes
     "qwen2-moe/zbv-ep2": ("qwen2-moe", dict(pp=2, dp=2, ep=2, pp_schedule="zbv", num_microbatches=4)),
 }
+if compat.BEFORE_2_13:  # hf3d refuses the V schedules there (hf3d/compat.py)
+    CASES.pop("qwen2-moe/zbv-ep2")
 RESUMES = {  # name: (case whose step-2 checkpoint is loaded, ParallelConfig keywords of the resumed run)
     "ep2->ep1": ("qwen3-moe/dp4-ep2", dict(dp=4)),
     "tp2->tp1": ("qwen3-moe/tp2-ep2", dict(dp=4, ep=2)),

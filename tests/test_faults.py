@@ -50,6 +50,7 @@ DRIVER = '''
 or published (SIGKILL the process right after `latest` names the checkpoint of step STEP)."""
 import os, sys, time
 import torch.distributed as dist
+from hf3d import compat
 from hf3d.cli import main
 from hf3d.model import ParallelModel
 from hf3d.stage import StageModule
@@ -80,7 +81,7 @@ if site == "forward":
     StageModule.forward = raising(StageModule.forward, ValueError("injected failure in forward"))
 elif site == "dp":  # the buckets' collective: all-reduce, or ZeRO-1's reduce-scatter (all-to-all on gloo)
     dp_failure = RuntimeError("injected failure in the dp reduction")
-    for name in ("all_reduce", "reduce_scatter_single", "all_to_all_single"):
+    for name in ("all_reduce", compat.REDUCE_SCATTER, "all_to_all_single"):
         setattr(dist, name, raising(getattr(dist, name), dp_failure))
 elif site == "send":
     dist.batch_isend_irecv = raising(dist.batch_isend_irecv, RuntimeError("injected failure in a pipeline send"))

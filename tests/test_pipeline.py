@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from asserts import assert_close
-from dist import _free_port, _worker
+from dist import NEEDS_2_13, V_SCHEDULES, _free_port, _worker, compat
 from models import VOCAB, make_model_dir, tiny_config
 from reference import BETAS, CLIP, LR, WD, batches, reference_run
 
@@ -342,6 +342,8 @@ PARITY_W2 = {
     "pp2-dualpipev-llama": ("llama4", _pp("dualpipev", 4), {}),
     "pp2-dualpipev-qwen2-untied": ("qwen2_4", _pp("dualpipev", 4), {}),
 }
+if compat.BEFORE_2_13:  # hf3d refuses the V schedules there (hf3d/compat.py)
+    PARITY_W2 = {k: v for k, v in PARITY_W2.items() if not any(s in k for s in V_SCHEDULES)}
 # world 4
 PARITY_W4 = {
     "pp4-1f1b-llama": ("llama4", dict(pp=4, pp_schedule="1f1b", num_microbatches=4), {}),
@@ -528,6 +530,7 @@ def test_tied_copies_identical_after_every_step(name, spawned):
             assert p["equal"], f"step {step + 1}, (tp, dp)={p['key']}: tied copies differ by {p['max_abs']:.3g}"
 
 
+@pytest.mark.skipif(compat.BEFORE_2_13, reason="the V schedules need torch 2.13 (hf3d/compat.py)")
 def test_tied_v_schedule_shares_one_parameter(spawned):
     """zbv puts stage 0 and the last stage on rank 0: one Parameter, no copy."""
     recs = _records(spawned, "pp2-zbv-llama")
@@ -557,8 +560,8 @@ def test_split_layers_unit():
         ("pp2-1f1b-llama-5layers", {0: [["0", "1"]], 1: [["2", "3", "4"]]}),
         ("pp2-1f1b-llama", {0: [["0", "1"]], 1: [["2", "3"]]}),
         ("pp2-interleaved-v2-llama", {0: [["0"], ["2"]], 1: [["1"], ["3"]]}),
-        ("pp2-zbv-llama", {0: [["0"], ["3"]], 1: [["1"], ["2"]]}),
-        ("pp2-dualpipev-llama", {0: [["0"], ["3"]], 1: [["1"], ["2"]]}),
+        pytest.param("pp2-zbv-llama", {0: [["0"], ["3"]], 1: [["1"], ["2"]]}, marks=NEEDS_2_13),
+        pytest.param("pp2-dualpipev-llama", {0: [["0"], ["3"]], 1: [["1"], ["2"]]}, marks=NEEDS_2_13),
         ("pp4-1f1b-llama", {0: [["0"]], 1: [["1"]], 2: [["2"]], 3: [["3"]]}),
         ("pp3-1f1b-llama-5layers", None),  # checked against the recorded split
     ],
