@@ -212,7 +212,7 @@ class Bench:
 
     def measure(self, name: str, shape: str, make) -> dict:
         """Build a side, run warm-up and timed steps; tokens/s, MFU, peak memory, compile counters."""
-        import hf3d.metrics
+        import hf3d.train.metrics
 
         torch, cuda = self.torch, self.dev.type == "cuda"
         self.free()
@@ -233,8 +233,8 @@ class Bench:
                 first_loss = loss
         step = C.median(timed)
         cfg = self.config(shape)[0]
-        peak = None if self.args.cpu_smoke else hf3d.metrics.device_peak_flops()
-        flops = None if shape == "moe" else hf3d.metrics.flops_per_token(cfg, ids.shape[1])
+        peak = None if self.args.cpu_smoke else hf3d.train.metrics.device_peak_flops()
+        flops = None if shape == "moe" else hf3d.train.metrics.flops_per_token(cfg, ids.shape[1])
         counters = torch._dynamo.utils.counters
         row = dict(
             name=name,
@@ -478,14 +478,14 @@ def main(argv=None) -> int:
         ):
             if not hasattr(dist, new):
                 setattr(dist, new, getattr(dist, old))
-    import hf3d.metrics
+    import hf3d.train.metrics
 
     t_start = time.perf_counter()
     env = C.env_info()
     env["torch_has_2_13_collective_names"] = hasattr(dist, "all_gather_single")
     if torch.cuda.is_available() and not args.cpu_smoke:
         env.update(
-            gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda, peak_flops=hf3d.metrics.device_peak_flops()
+            gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda, peak_flops=hf3d.train.metrics.device_peak_flops()
         )
     data = {"env": env, "args": vars(args), "seq": 64 if args.cpu_smoke else SEQ, "rows": {}}
     wanted = [w for w in args.rows.split(",") if w]

@@ -2,7 +2,7 @@
 
     python conversion/convert_hf3d_to_hf.py CKPT OUT [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
 
-See hf3d/convert.py for what is read and written.
+See hf3d/checkpoint/convert.py for what is read and written.
 """
 
 import sys

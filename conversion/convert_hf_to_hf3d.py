@@ -3,7 +3,7 @@
     python conversion/convert_hf_to_hf3d.py SRC OUT [--fsync]
 
 `hf3d train` starts from the result with `--set model.path=OUT` (step 0, fresh optimizer), and
-`hf3d.load_checkpoint` loads it; see hf3d/convert.py for the format.
+`hf3d.load_checkpoint` loads it; see hf3d/checkpoint/convert.py for the format.
 """
 
 import sys

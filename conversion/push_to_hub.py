@@ -2,7 +2,7 @@
 
     python conversion/push_to_hub.py DIR REPO_ID [--private] [--revision R] [--commit-message M]
 
-The token comes from HF_TOKEN or `hf auth login`. See hf3d/hub.py for what is uploaded and how
+The token comes from HF_TOKEN or `hf auth login`. See hf3d/hf/hub.py for what is uploaded and how
 the card is made.
 """
 

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _SOURCES = {
-    "FP8Config": ".fp8",
-    "ParallelConfig": ".config",
+    "FP8Config": ".parallel.fp8",
+    "ParallelConfig": ".parallel.config",
     "ParallelModel": ".model",
-    "ParallelOptimizer": ".optim",
-    "Trainer": ".hf_trainer",
-    "build_optimizer": ".optim",
-    "finish": ".faults",
-    "load_checkpoint": ".checkpoint",
+    "ParallelOptimizer": ".optim.zero",
+    "Trainer": ".integrations.transformers_trainer",
+    "build_optimizer": ".optim.zero",
+    "finish": ".utils.faults",
+    "load_checkpoint": ".checkpoint.load",
     "parallelize": ".parallelize",
-    "prepare": ".accel",
-    "save_checkpoint": ".checkpoint",
+    "prepare": ".integrations.accelerate",
+    "save_checkpoint": ".checkpoint.save",
 }
 
 __all__ = [
@@ -42,19 +42,20 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .accel import prepare
-    from .checkpoint import load_checkpoint, save_checkpoint
-    from .config import ParallelConfig
-    from .faults import finish
-    from .fp8 import FP8Config
-    from .hf_trainer import Trainer
+    from .checkpoint.load import load_checkpoint
+    from .checkpoint.save import save_checkpoint
+    from .integrations.accelerate import prepare
+    from .integrations.transformers_trainer import Trainer
     from .model import ParallelModel
-    from .optim import ParallelOptimizer, build_optimizer
+    from .optim.zero import ParallelOptimizer, build_optimizer
+    from .parallel.config import ParallelConfig
+    from .parallel.fp8 import FP8Config
     from .parallelize import parallelize
+    from .utils.faults import finish
 
 
 def __getattr__(name: str):
-    """A public name from its module, or a submodule (`hf3d.metrics`), imported on first use."""
+    """A public name from its module, or a submodule (`hf3d.train.metrics`), imported on first use."""
     if name in _SOURCES:
         value = getattr(importlib.import_module(_SOURCES[name], __name__), name)
     else:

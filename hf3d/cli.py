@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .config import DTYPE_NAMES
+from .parallel.config import DTYPE_NAMES
 
 
 def _is_main_rank() -> bool:
@@ -19,18 +19,18 @@ def _train(args) -> int:
     A run that got as far as its process group leaves through faults.leave (or faults.fail), under a
     launcher or not: no interpreter teardown, which with gloo's threads up can abort and turn 0 into 134
     (it did so in a one-process run, its process group destroyed first)."""
-    from .faults import RunState, die_with_parent, fail, leave, started_by_launcher
+    from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
 
     if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
         die_with_parent()
     state = RunState()
     try:
-        from .train_config import TrainConfig
+        from .train.config import TrainConfig
 
         cfg = TrainConfig.from_yaml(args.config, args.set or [])  # a bad config fails before the slow imports
         p = cfg.parallel
         state.place(p.tp, p.pp, int(os.environ.get("WORLD_SIZE", "1")), cp=p.cp)
-        from .trainer import train
+        from .train.trainer import train
 
         train(cfg, state=state)
     except Exception as e:
@@ -58,19 +58,19 @@ def _generate(args) -> None:
 
 
 def _to_hf(args) -> None:
-    from .convert import checkpoint_to_hf
+    from .checkpoint.convert import checkpoint_to_hf
 
     print(f"wrote {checkpoint_to_hf(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)}")
 
 
 def _from_hf(args) -> None:
-    from .convert import hf_to_checkpoint
+    from .checkpoint.convert import hf_to_checkpoint
 
     print(f"wrote {hf_to_checkpoint(args.src, args.out, fsync=args.fsync)}")
 
 
 def _push(args) -> None:
-    from .hub import push_to_hub
+    from .hf.hub import push_to_hub
 
     url = push_to_hub(
         args.model_dir,

@@ -11,16 +11,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .config import ParallelConfig, check_cp_seq_len
-from .context_parallel import CPContext
-from .expert_parallel import is_expert
-from .hf import DEFAULT_MAX_SHARD_BYTES
-from .mesh import data_parallel_group
-from .microbatches import train_step
-from .pipeline import relay_forward
-from .stage import StageModule
-from .tensor_parallel import IGNORE_INDEX
-from .vocab import check_vocab, raise_out_of_vocab, vocab_flag
+from .hf.save import DEFAULT_MAX_SHARD_BYTES
+from .parallel.config import ParallelConfig, check_cp_seq_len
+from .parallel.context import CPContext
+from .parallel.expert import is_expert
+from .parallel.mesh import data_parallel_group
+from .parallel.microbatches import train_step
+from .parallel.pipeline import relay_forward
+from .parallel.stage import StageModule
+from .parallel.tensor import IGNORE_INDEX
+from .parallel.vocab import check_vocab, raise_out_of_vocab, vocab_flag
 
 # HF call arguments that change nothing here (no KV cache while training; outputs are always a dataclass)
 IGNORED_KWARGS = {"use_cache", "return_dict", "num_items_in_batch", "output_attentions", "output_hidden_states"}
@@ -51,7 +51,7 @@ class ParallelModel(nn.Module):
         self.hf_shapes, self.tokenizer_dir = hf_shapes, tokenizer_dir
         self.stage_owners, self.layer_split = stage_owners, layer_split
         # context parallel: this rank's place on the cp axis; every cp rank gets the full rows and keeps its
-        # 2 of 2*cp sequence chunks (hf3d.context_parallel)
+        # 2 of 2*cp sequence chunks (hf3d.parallel.context)
         self.cp = cp if cp is not None else CPContext(None, 0, 1)
         self.grad_sync = None  # set by build_optimizer: receives train_step's start-of-step signal
         self._pipeline = None
@@ -67,7 +67,7 @@ class ParallelModel(nn.Module):
         # once (a sync before the forward). Either way the step raises the same ValueError.
         self.deferred_checks = False
         self.router_stats = None  # the MoE router statistics of the load-balancing loss, set by parallelize
-        self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/rng.py), set by parallelize
+        self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/parallel/rng.py), set by parallelize
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property
@@ -309,9 +309,9 @@ class ParallelModel(nn.Module):
     ) -> None:
         """Collective: write an HF directory (safetensors + config.json + generation config and tokenizer
         files if known, + `extra_files` {name: bytes} from rank 0) that stock
-        `AutoModelForCausalLM.from_pretrained` loads (hf3d/export.py). The folder appears complete or not at all.
+        `AutoModelForCausalLM.from_pretrained` loads (hf3d/hf/export.py). The folder appears complete or not at all.
         An existing out_dir is replaced only when hf3d made it and it holds nothing but an HF export's files; any
         other is refused on every rank."""
-        from .export import save_hf
+        from .hf.export import save_hf
 
         save_hf(self, out_dir, max_shard_bytes=max_shard_bytes, extra_files=extra_files)

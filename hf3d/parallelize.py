@@ -15,22 +15,23 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from .attention import AUTO, flash_attn_installed, resolve_attn_implementation
-from .checkpoint import SHAPE_FIELDS
-from .compat import check_fp8_rowwise, check_pipeline_schedule
-from .compile import check_compile, compile_layers, resolve_compile
-from .config import ParallelConfig, check_attn_implementation
-from .context_parallel import CPContext, check_attention
-from .expert_parallel import RouterStats, check_load_balance
-from .fp8 import FP8Config, apply_fp8, as_fp8_config
-from .hf import SafetensorsSource, StateDictSource, model_files, resolve_model_dir
-from .init import InitSource, has_weights
-from .layout import get_pieces
-from .mesh import build_mesh, device_type, expert_group, init_distributed
+from .checkpoint.entries import SHAPE_FIELDS
+from .hf.folders import model_files, resolve_model_dir
+from .hf.load import SafetensorsSource, StateDictSource
 from .model import ParallelModel
 from .models import EPContext, TPContext, get_adapter
-from .rng import DropoutRNG
-from .stage import StageModule, layer_costs, split_layers, stage_ranks
+from .parallel.attention import AUTO, flash_attn_installed, resolve_attn_implementation
+from .parallel.compile import check_compile, compile_layers, resolve_compile
+from .parallel.config import ParallelConfig, check_attn_implementation
+from .parallel.context import CPContext, check_attention
+from .parallel.expert import RouterStats, check_load_balance
+from .parallel.fp8 import FP8Config, apply_fp8, as_fp8_config
+from .parallel.init_weights import InitSource, has_weights
+from .parallel.layout import get_pieces
+from .parallel.mesh import build_mesh, device_type, expert_group, init_distributed
+from .parallel.rng import DropoutRNG
+from .parallel.stage import StageModule, layer_costs, split_layers, stage_ranks
+from .utils.compat import check_fp8_rowwise, check_pipeline_schedule
 
 
 def parallelize(
@@ -49,13 +50,13 @@ def parallelize(
     """Split a stock transformers causal LM over the ("pp", "dp", "cp", "tp") mesh.
 
     model_or_path: a stock model instance, an HF directory, or a Hub id. A local directory with a
-    config.json and no weights is initialised from scratch, sharded (hf3d/init.py): the weights of
+    config.json and no weights is initialised from scratch, sharded (hf3d/parallel/init_weights.py): the weights of
     `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config, dtype=torch.float32)`, at any mesh.
     seed: the seed of that initialisation (ignored when weights are loaded).
     dtype: parameter and activation dtype (fp32 master weights live in the optimizer).
     attn_implementation: any key of HF's attention registry ("sdpa", "eager", "flex_attention",
     "flash_attention_2" when installed), or "auto": sdpa on CPU; on CUDA flash_attention_2 when
-    flash-attn is installed, else sdpa (hf3d/attention.py; pass "flex_attention" for packed rows there,
+    flash-attn is installed, else sdpa (hf3d/parallel/attention.py; pass "flex_attention" for packed rows there,
     as sdpa builds a dense mask from restarting position ids).
     config_overrides: values set on the HF config before the model is built, and exported with it by
     `save_pretrained` (long-context knobs): `rope_theta`; `rope_scaling` or its transformers 5 name
@@ -65,9 +66,9 @@ def parallelize(
     attribute of the config, such as `max_position_embeddings`. Attributes that shape the weights
     (hidden_size, vocab_size, ...) can change only when initialising from a config-only directory.
     fp8: None/"off", "tensorwise" or "rowwise" (torchao's float8 recipes), or an hf3d.FP8Config (which
-    projections to keep in high precision): the decoder layers' projections train in FP8 (hf3d/fp8.py).
+    projections to keep in high precision): the decoder layers' projections train in FP8 (hf3d/parallel/fp8.py).
     compile: compile each decoder layer of this rank with torch.compile, in place, after the swap
-    (hf3d/compile.py); "auto": on with CUDA where compile runs, off on a CPU; None takes `pcfg.compile`.
+    (hf3d/parallel/compile.py); "auto": on with CUDA where compile runs, off on a CPU; None takes `pcfg.compile`.
     """
     pcfg = pcfg or ParallelConfig()
     fp8 = as_fp8_config(fp8)

@@ -24,9 +24,9 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def direct_writes_from_memory(monkeypatch) -> list[int]:
-    """The lengths of the writes hf3d.checksums.DirectFile makes from its caller's memory (past its buffers),
+    """The lengths of the writes hf3d.checkpoint.checksums.DirectFile makes from its caller's memory (past its buffers),
     in order, while the test runs."""
-    from hf3d import checksums
+    from hf3d.checkpoint import checksums
 
     lengths: list[int] = []
     write_view = checksums.DirectFile._write_view

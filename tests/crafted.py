@@ -55,7 +55,7 @@ def reseal(ckpt: Path) -> None:
 
     marker = ckpt / checkpoint.MARKER
     meta = json.loads(marker.read_text())
-    meta["files"] = checkpoint._file_table(ckpt)
+    meta["files"] = checkpoint.file_table(ckpt)
     marker.write_text(json.dumps(meta))
 
 
@@ -91,7 +91,8 @@ def craft_stored_box(ckpt: Path, payload: bytes) -> None:
 def fake_checkpoint(path: Path, step: int, **meta) -> Path:
     """A complete checkpoint folder as hf3d makes one (its owner file, then the marker), holding no weights:
     what resume and rotation look at."""
-    from hf3d import checkpoint, files
+    from hf3d import checkpoint
+    from hf3d.utils import files
 
     files.make_dir(path, "checkpoint")
     checkpoint.write_marker(path, {"kind": "training", "step": step, **meta})

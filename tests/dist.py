@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
-from hf3d import compat  # noqa: E402
+from hf3d.utils import compat  # noqa: E402
 
 V_SCHEDULES = ("zbv", "dualpipev")
 NEEDS_2_13 = pytest.mark.skipif(compat.BEFORE_2_13, reason="hf3d refuses the V schedules before torch 2.13")
@@ -43,7 +43,7 @@ _PRELOAD = [
     "transformers.models.qwen3.modeling_qwen3",
     "transformers.models.smollm3.modeling_smollm3",
     "hf3d.parallelize",
-    "hf3d.trainer",
+    "hf3d.train.trainer",
     "models",
     "reference",
 ]

@@ -144,7 +144,7 @@ def _refusals(model_dir) -> dict:
     out = {}
     for name, change in cases.items():
         try:
-            hf3d.accel.check_accelerator(SimpleNamespace(**{**ok, **change}), pm)
+            hf3d.integrations.accelerate.check_accelerator(SimpleNamespace(**{**ok, **change}), pm)
             out[name] = None
         except ValueError as e:
             out[name] = str(e)

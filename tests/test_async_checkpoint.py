@@ -32,6 +32,8 @@ from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
+from hf3d.checkpoint import entries as ckpt_entries  # noqa: E402
+from hf3d.checkpoint import save  # noqa: E402
 
 BATCH, SEQ, SAVE_AT, STEPS = 4, 16, 2, 5
 MESHES = {"dp2": dict(), "pp2": dict(pp=2, num_microbatches=2)}
@@ -67,7 +69,7 @@ def _held_until(fn, event: threading.Event, seen: list | None = None):
 def _async_world(model_dir: str, out: str) -> None:
     start_watchdog(240)
     data, res, rank = batches(STEPS, BATCH, SEQ, 101), {}, dist.get_rank()
-    plan, write_marker = checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker
+    plan, write_marker = ckpt_entries.SavePlanner.create_local_plan, checkpoint.write_marker
     for name, pkw in MESHES.items():
         root = Path(out) / name
         pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
@@ -78,8 +80,8 @@ def _async_world(model_dir: str, out: str) -> None:
         # runs (its update must wait until the write has read the state), and rank 0's marker waits
         # until the checks below have looked at the folders
         planned, marked = threading.Event(), threading.Event()
-        checkpoint._SavePlanner.create_local_plan = _held_until(plan, planned)
-        checkpoint.write_marker = _held_until(write_marker, marked)
+        ckpt_entries.SavePlanner.create_local_plan = _held_until(plan, planned)
+        save.write_marker = _held_until(write_marker, marked)
         published = []
         pending = hf3d.save_checkpoint(
             root / "async", pm, opt, step=SAVE_AT, extra={"note": name}, async_=True,
@@ -94,7 +96,7 @@ def _async_world(model_dir: str, out: str) -> None:
         )
         marked.set()
         res[name] = dict(before=before, path=str(pending.result()), after_publish=published, uninterrupted=first + rest)
-        checkpoint._SavePlanner.create_local_plan, checkpoint.write_marker = plan, write_marker
+        ckpt_entries.SavePlanner.create_local_plan, save.write_marker = plan, write_marker
         sync, done = checkpoint.read_marker(root / "sync"), checkpoint.read_marker(root / "async")
         # byte for byte but DCP's .metadata (it records its path) and the RNG files (the dropout stream's
         # state_dict records its lazily drawn seed only from its second call on): those compared by value
@@ -122,23 +124,23 @@ def _async_world(model_dir: str, out: str) -> None:
     # nothing in it
     hf3d.save_checkpoint(Path(out) / "weights", pm, step=0)
     planned = threading.Event()
-    checkpoint._SavePlanner.create_local_plan = _held_until(plan, planned)
+    ckpt_entries.SavePlanner.create_local_plan = _held_until(plan, planned)
     pending = hf3d.save_checkpoint(Path(out) / "weights_async", pm, step=0, async_=True)
     _train(pm, opt, data[:1])
     planned.set()
     pending.result()
-    checkpoint._SavePlanner.create_local_plan = plan
+    ckpt_entries.SavePlanner.create_local_plan = plan
     files = [checkpoint.read_marker(Path(out) / d)["files"] for d in ("weights", "weights_async")]
     res["weights_only"] = {k: (v, files[1].get(k)) for k, v in files[0].items() if k.endswith(".distcp")}
     marked, seen = threading.Event(), []
-    checkpoint.write_marker = _held_until(write_marker, marked)
-    make_dir = checkpoint.files_.make_dir  # the second save stages only once the first one is published
-    checkpoint.files_.make_dir = lambda p, kind: (seen.append((p.name, checkpoint.is_complete(Path(out) / "one"))),
+    save.write_marker = _held_until(write_marker, marked)
+    make_dir = save.files_.make_dir  # the second save stages only once the first one is published
+    save.files_.make_dir = lambda p, kind: (seen.append((p.name, checkpoint.is_complete(Path(out) / "one"))),
                                                   make_dir(p, kind))[1]  # fmt: skip
     hf3d.save_checkpoint(Path(out) / "one", pm, opt, step=1, async_=True)
     threading.Timer(0.5, marked.set).start()
     hf3d.save_checkpoint(Path(out) / "two", pm, opt, step=2)
-    checkpoint.files_.make_dir = make_dir
+    save.files_.make_dir = make_dir
     res["overlap"] = [s for s in seen if s[0] == "two.tmp"]
 
     # a background failure on rank 0 (after every rank wrote its files), over a checkpoint published before at
@@ -151,14 +153,14 @@ def _async_world(model_dir: str, out: str) -> None:
     is_complete = checkpoint.is_complete
     if rank == 1:
         checkpoint.is_complete = lambda path: (time.sleep(0.5), is_complete(path))[1]
-    checkpoint.write_marker = full_disk if rank == 0 else write_marker
+    save.write_marker = full_disk if rank == 0 else write_marker
     pending = hf3d.save_checkpoint(Path(out) / "three", pm, opt, step=33, async_=True)
     try:
         pending.result()
         res["failure"] = None
     except ValueError as e:
         res["failure"] = f"{type(e).__name__}: {e}"
-    checkpoint.write_marker, checkpoint.is_complete = write_marker, is_complete
+    save.write_marker, checkpoint.is_complete = write_marker, is_complete
     res["failure_left"] = sorted(p.name for p in Path(out).iterdir() if p.name.startswith("three"))
     res["failure_kept_step"] = checkpoint.read_marker(Path(out) / "three")["step"]
 
@@ -248,7 +250,7 @@ def test_checkpoint_async_is_a_yaml_key_and_survives_the_resolved_config(tmp_pat
     """`async` is a Python keyword: the field is `async_`, the YAML key (and the saved config.yaml) `async`."""
     import yaml
 
-    from hf3d.train_config import TrainConfig
+    from hf3d.train.config import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, ["checkpoint.async=true"])
     assert cfg.checkpoint.async_ is True and TrainConfig.from_yaml(None, []).checkpoint.async_ is False
@@ -275,7 +277,7 @@ def test_a_failure_after_the_publication_says_the_checkpoint_is_there(results):
 
 def _boxes(pm, opt) -> dict:
     """Copies of every box this rank's checkpoint holds (the parameters and the optimizer's state)."""
-    entries, _ = checkpoint._state_entries(pm, opt)
+    entries, _ = ckpt_entries.state_entries(pm, opt)
     return {(k, tuple(off)): t.clone() for k, e in entries.items() for off, t in e.boxes.items()}
 
 
@@ -321,7 +323,7 @@ def _replay_world(model_dir: str, out: str) -> None:
     save("e", 2, beside=data[1:2])
     res["e"] = _loads_as(model_dir, root / "e", saved)
     # a replay that fails on rank 1: raised on every rank, nothing published
-    from hf3d.writer import OneFileWriter
+    from hf3d.checkpoint.writer import OneFileWriter
 
     replay = OneFileWriter.replay
 
@@ -372,19 +374,19 @@ def _prepared_world(model_dir: str, out: str) -> None:
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
     checkpoint.prepare_async_save(pm)
     stager = pm._background_saver.stager
-    entries, _ = checkpoint._state_entries(pm, None)
+    entries, _ = ckpt_entries.state_entries(pm, None)
     reserved = {key: id(buf) for key, buf in stager.buffers.items()}
     planned_on = []
-    plan = checkpoint._SavePlanner.create_local_plan
+    plan = ckpt_entries.SavePlanner.create_local_plan
 
     def recording(self):
         planned_on.append(threading.current_thread() is threading.main_thread())
         return plan(self)
 
-    checkpoint._SavePlanner.create_local_plan = recording
+    ckpt_entries.SavePlanner.create_local_plan = recording
     saved = {key: t.clone() for key, t in pm.state_dict().items()}
     hf3d.save_checkpoint(Path(out) / "weights", pm, step=0, async_=True).result()
-    checkpoint._SavePlanner.create_local_plan = plan
+    ckpt_entries.SavePlanner.create_local_plan = plan
     res = {
         "boxes": sum(len(e.boxes) for e in entries.values()),
         "reserved": len(reserved),
@@ -410,14 +412,14 @@ def test_the_first_async_save_copies_into_buffers_made_before_it_and_plans_in_th
 
 def _train_recording(out: str) -> None:
     """`hf3d train` with async checkpoints: what it calls, in order (the first save comes after the prepare)."""
-    import hf3d.trainer
-    from hf3d.trainer import TrainConfig, train
+    import hf3d.train.trainer
+    from hf3d.train.trainer import TrainConfig, train
 
     start_watchdog(240)
     calls = []
     for name in ("prepare_async_save", "save_checkpoint"):
-        real = getattr(hf3d.trainer, name)
-        setattr(hf3d.trainer, name, lambda *a, real=real, name=name, **k: (calls.append(name), real(*a, **k))[1])
+        real = getattr(hf3d.train.trainer, name)
+        setattr(hf3d.train.trainer, name, lambda *a, real=real, name=name, **k: (calls.append(name), real(*a, **k))[1])
     os.chdir(ROOT)
     sets = ["parallel.tp=1", "run.steps=4", "run.global_batch=2", "data.seq_len=32", "optim.warmup_steps=1"]
     sets += ["checkpoint.every=2", "checkpoint.async=true", "run.save_final=false", f"run.output_dir={out}"]

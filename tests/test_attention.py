@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
-from hf3d.attention import resolve_attn_implementation, varlen_kwargs  # noqa: E402
+from hf3d.parallel.attention import resolve_attn_implementation, varlen_kwargs  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,7 @@ def test_auto_attention_depends_on_the_device(device, masking, flash, expected):
 
 
 def test_a_cpu_run_resolves_to_sdpa():
-    from hf3d.train_config import ModelConfig
+    from hf3d.train.config import ModelConfig
 
     assert ModelConfig().attn_implementation == "auto"
     assert resolve_attn_implementation("auto", "cpu", document_masking=True, flash_available=True) == "sdpa"

@@ -131,7 +131,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     """Every file the cases read, under tmp; returns their paths (plain strings: the spawn pickles them)."""
     from transformers import AutoTokenizer
 
-    from hf3d.files import make_dir
+    from hf3d.utils.files import make_dir
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
     d = tmp / "data"
@@ -231,7 +231,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     # crafted checkpoints: a .metadata that would run `touch <tmp>/code-ran`, a data file named outside the folder
     from crafted import global_pickle, rewrite_metadata, write_crafted
 
-    from hf3d.convert import hf_to_checkpoint
+    from hf3d.checkpoint.convert import hf_to_checkpoint
 
     honest = hf_to_checkpoint(fx["llama"], ck / "honest")
     shutil.copytree(honest, ck / "crafted")
@@ -286,13 +286,13 @@ def make_inputs(tmp: Path) -> dict[str, str]:
 # Helpers the cases use
 # ------------------------------------------------------------------------------------------------
 def _yaml(fx, name: str, *overrides: str):
-    from hf3d.train_config import TrainConfig
+    from hf3d.train.config import TrainConfig
 
     return TrainConfig.from_yaml(fx[f"yaml_{name}"], list(overrides))
 
 
 def _set(*overrides: str):
-    from hf3d.train_config import TrainConfig
+    from hf3d.train.config import TrainConfig
 
     return TrainConfig.from_yaml(None, list(overrides))
 
@@ -300,7 +300,7 @@ def _set(*overrides: str):
 def _check_run(*overrides: str, world_size: int = 1) -> list[str]:
     from transformers import AutoConfig
 
-    from hf3d.train_config import check_run
+    from hf3d.train.config import check_run
 
     cfg = _set("parallel.tp=1", *overrides)
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_SMOLLM))
@@ -310,7 +310,7 @@ def _check_run_dropout(*overrides: str) -> list[str]:
     """check_run of the tiny SmolLM example with attention dropout 0.1 in its config."""
     from transformers import AutoConfig
 
-    from hf3d.train_config import check_run
+    from hf3d.train.config import check_run
 
     model_config = AutoConfig.from_pretrained(TINY_SMOLLM, attention_dropout=0.1)
     return check_run(_set("parallel.tp=1", *overrides), world_size=1, model_config=model_config)
@@ -320,7 +320,7 @@ def _check_moe_run(*overrides: str, world_size: int) -> list[str]:
     """check_run of the tiny Qwen3-MoE example (8 experts)."""
     from transformers import AutoConfig
 
-    from hf3d.train_config import check_run
+    from hf3d.train.config import check_run
 
     cfg = _set("parallel.tp=1", f"model.path={TINY_MOE}", *overrides)
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_MOE))
@@ -329,7 +329,7 @@ def _check_moe_run(*overrides: str, world_size: int) -> list[str]:
 def _check_other_router() -> list[str]:
     from transformers import MixtralConfig
 
-    from hf3d.train_config import check_run
+    from hf3d.train.config import check_run
 
     return check_run(_set("parallel.tp=1"), world_size=1, model_config=MixtralConfig(num_hidden_layers=1))
 
@@ -431,7 +431,7 @@ def _without_cxx(fn):
 
 
 def _lr_scheduler_lr_mismatch(fx):
-    from hf3d.schedules import ScheduleConfig, build_lr_scheduler
+    from hf3d.train.lr_schedules import ScheduleConfig, build_lr_scheduler
 
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
     return build_lr_scheduler(opt, ScheduleConfig(lr=3e-3), 10)
@@ -463,7 +463,7 @@ def _step_taken(fx):
 def _compatible(fx):
     from transformers import AutoConfig
 
-    from hf3d.checkpoint import check_compatible
+    from hf3d.checkpoint.load import check_compatible
 
     check_compatible(Path(fx["llama_wide"]), AutoConfig.from_pretrained(fx["llama"]))
 
@@ -481,7 +481,7 @@ def _marker(fx, key: str):
 
 
 def _push_local(fx, repo_id: str):
-    from hf3d.hub import push_to_hub
+    from hf3d.hf.hub import push_to_hub
 
     return push_to_hub(fx["llama"], repo_id, token="hf_not_used")
 
@@ -1734,7 +1734,7 @@ CASES: list[Case] = [
         "api-push-linked-file",
         API,
         "`push_to_hub` of a folder whose tokenizer.json links to a file elsewhere",
-        lambda fx: __import__("hf3d.hub").hub.push_to_hub(fx["linked"], "me/model", token="hf_not_used"),
+        lambda fx: __import__("hf3d.hf.hub").hf.hub.push_to_hub(fx["linked"], "me/model", token="hf_not_used"),
         ["<tmp>/models/linked/tokenizer.json is a link to <tmp>/secret.txt", "hf3d uploads no file from outside"],
     ),
     _c(

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,7 +34,9 @@ from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d import checkpoint, optim_state  # noqa: E402
+from hf3d import checkpoint  # noqa: E402
+from hf3d.checkpoint import entries, save  # noqa: E402
+from hf3d.optim import state as optim_state
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, SEQ, STEPS, SAVE_AT = 4, 16, 6, 3
@@ -262,25 +265,25 @@ def test_a_box_is_written_as_its_own_bytes_without_a_copy():
     import io
 
     flat = torch.arange(40, dtype=torch.float32)
-    boxes = checkpoint._Boxes([8, 4], torch.float32)
+    boxes = entries.Boxes([8, 4], torch.float32)
     boxes.add([0, 0], flat[6:22].view(4, 4))
     boxes.add([4, 0], flat[22:38].view(4, 4))
-    planner = checkpoint._SavePlanner()
+    planner = entries.SavePlanner()
     planner.state_dict = {"w": boxes}
     for off, box in boxes.boxes.items():
-        item = planner.lookup_object(checkpoint.MetadataIndex("w", off))
+        item = planner.lookup_object(MetadataIndex("w", off))
         assert item.data_ptr() == box.data_ptr() and item.untyped_storage().nbytes() == box.numel() * 4
         mine, clone = io.BytesIO(), io.BytesIO()
         torch.save(item, mine)
         torch.save(box.clone(), clone)
         assert mine.getvalue() == clone.getvalue()
-    bf16 = checkpoint._Boxes([4, 4], torch.bfloat16)
+    bf16 = entries.Boxes([4, 4], torch.bfloat16)
     bf16.add([0, 0], flat[6:22].view(4, 4))
-    strided = checkpoint._Boxes([4, 2], torch.float32)
+    strided = entries.Boxes([4, 2], torch.float32)
     strided.add([0, 0], flat[:16].view(4, 4)[:, :2])
     for obj in (bf16, strided):
         planner.state_dict = {"w": obj}
-        item = planner.lookup_object(checkpoint.MetadataIndex("w", torch.Size([0, 0])))
+        item = planner.lookup_object(MetadataIndex("w", torch.Size([0, 0])))
         assert item.dtype == obj.dtype and item.untyped_storage().nbytes() == item.numel() * item.element_size()
         assert torch.equal(item.float(), next(iter(obj.boxes.values())).to(obj.dtype).float())
 
@@ -294,22 +297,22 @@ def test_large_boxes_are_written_from_their_memory_and_read_back(tmp_path, monke
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    from hf3d import checksums, writer
-    from hf3d.stored import stored_box
+    from hf3d.checkpoint import checksums, writer
+    from hf3d.checkpoint.stored import stored_box
 
     monkeypatch.setattr(checksums.DirectFile, "from_memory", 4096)
     from_memory = direct_writes_from_memory
     flat = torch.randn(3 * 3000 + 7)
-    w = checkpoint._Boxes([3000, 3], torch.float32)  # three boxes of 12,000 bytes at odd offsets
+    w = entries.Boxes([3000, 3], torch.float32)  # three boxes of 12,000 bytes at odd offsets
     for i in range(3):
         w.add([1000 * i, 0], flat[7 + 3000 * i : 7 + 3000 * (i + 1)].view(1000, 3))
-    half = checkpoint._Boxes([2000, 3], torch.bfloat16)  # copied to bf16: a storage of its own
+    half = entries.Boxes([2000, 3], torch.bfloat16)  # copied to bf16: a storage of its own
     half.add([0, 0], flat[1 : 1 + 6000].view(2000, 3))
-    small = checkpoint._Boxes([10], torch.float32)
+    small = entries.Boxes([10], torch.float32)
     small.add([0], flat[:10])
     state = {"w": w, "half": half, "small": small}
     out = writer.OneFileWriter(tmp_path, direct=True)
-    dcp.save(state, storage_writer=out, planner=checkpoint._SavePlanner(), no_dist=True)
+    dcp.save(state, storage_writer=out, planner=entries.SavePlanner(), no_dist=True)
     assert len(from_memory) == 4  # the three float32 boxes and the bf16 copy; not the small box
     [(name, written)] = out.file_table().items()
     assert written["crc32"] == zlib.crc32((tmp_path / name).read_bytes())
@@ -336,7 +339,7 @@ def test_a_tensor_of_a_layout_saved_before_is_written_as_torch_save_writes_it(tm
 
     from torch.utils.serialization import config
 
-    from hf3d import checksums, writer
+    from hf3d.checkpoint import checksums, writer
 
     monkeypatch.setattr(checksums.DirectFile, "from_memory", 4096)  # 4 KiB and up: written from memory
     monkeypatch.setattr(writer, "_SAVED", writer._SavedBytes())
@@ -478,7 +481,7 @@ TRAIN = [
 
 
 def _train_world(out: str, kill_at: int | None, sigterm_after: int | None = None, *overrides: str) -> None:
-    from hf3d.trainer import TrainConfig, train
+    from hf3d.train.trainer import TrainConfig, train
 
     start_watchdog(240)
     if kill_at is not None:  # die the moment the checkpoint of step kill_at would be marked complete
@@ -489,7 +492,7 @@ def _train_world(out: str, kill_at: int | None, sigterm_after: int | None = None
                 os._exit(9)
             write_marker(tmp, meta)
 
-        checkpoint.write_marker = dying
+        save.write_marker = dying
     if sigterm_after is not None:  # rank 1 alone is told to stop, during step sigterm_after
         from hf3d.model import ParallelModel
 

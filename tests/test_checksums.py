@@ -1,4 +1,4 @@
-"""hf3d/checksums.py: the marker's CRC-32s equal zlib's over the same bytes, whole files, ranges at odd
+"""hf3d/checkpoint/checksums.py: the marker's CRC-32s equal zlib's over the same bytes, whole files, ranges at odd
 offsets, and files checksummed block by block while they are written."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 
-from hf3d import checksums
+from hf3d.checkpoint import checksums
 
 
 @pytest.fixture()
@@ -142,7 +142,7 @@ def test_dcp_debug_records_are_off_only_while_nothing_would_hear_them(dcp_logger
     a logger someone gave a handler keeps its level and gets its records."""
     import logging
 
-    from hf3d.writer import dcp_debug_records_off
+    from hf3d.checkpoint.writer import dcp_debug_records_off
 
     logger = dcp_logger()
     with dcp_debug_records_off():
@@ -167,7 +167,7 @@ def test_the_dcp_logger_switch_ends_as_it_began_when_threads_overlap(dcp_logger)
     import logging
     import threading
 
-    from hf3d.writer import dcp_debug_records_off
+    from hf3d.checkpoint.writer import dcp_debug_records_off
 
     logger = dcp_logger()
     entered, release = threading.Event(), threading.Event()

@@ -52,7 +52,7 @@ def test_import_and_the_command_line_load_torch_only_when_needed():
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
         "import hf3d.parallelize\n"  # the submodule does not hide the function of the same name
         "assert callable(hf3d.parallelize) and hf3d.parallelize.__module__ == 'hf3d.parallelize'\n"
-        "assert hf3d.ParallelConfig(tp=2).tp == 2 and callable(hf3d.mesh.init_distributed)\n"
+        "assert hf3d.ParallelConfig(tp=2).tp == 2 and callable(hf3d.parallel.mesh.init_distributed)\n"
         "assert set(hf3d.__all__) <= set(dir(hf3d)) and all(getattr(hf3d, n) for n in hf3d.__all__)\n"
         "try:\n    hf3d.nope\nexcept AttributeError as e:\n    print(e)\n"
     )

@@ -1,4 +1,4 @@
-"""hf3d/compat.py, the differences between torch releases, checked on whichever torch runs the suite (2.11, 2.13).
+"""hf3d/utils/compat.py, the differences between torch releases, checked on whichever torch runs the suite (2.11, 2.13).
 
 Without processes: the collectives' names are this torch's (the newer where both exist); the wrappers look the
 function up on torch.distributed at each call and pass the arguments through (op= only when given), so a swapped
@@ -6,7 +6,7 @@ function up on torch.distributed at each call and pass the arguments through (op
 On 2 gloo processes:
 - the values of the all-gather and the reduce-scatter, blocking and async, with no deprecation warning;
 - compiled with aot_eager against eager, with dynamo's counters (no graph break, one graph): the sequence-parallel
-  pair of hf3d.tensor_parallel (all-gather forward / reduce-scatter backward, and the reverse), and an
+  pair of hf3d.parallel.tensor (all-gather forward / reduce-scatter backward, and the reverse), and an
   autograd.Function whose forward is `all_reduce_copy` and whose backward is the identity (hf3d's _ReduceFromTP):
   outputs and input gradients equal. The same function with the in-place all-reduce of a clone (what _ReduceFromTP
   ran before) is held to that on torch 2.13+ only: 2.11 compiles it with a zero input gradient (measured).
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
 
-from hf3d import compat  # noqa: E402
+from hf3d.utils import compat  # noqa: E402
 
 WATCHDOG_S = 180
 
@@ -124,20 +124,20 @@ def _compiled_pair(fn) -> dict:
 
 def gather_then_scatter(x, group):
     """forward all-gather then reduce-scatter; backward all-gather then reduce-scatter: 2 * world * x."""
-    from hf3d.tensor_parallel import gather_seq, reduce_scatter_seq
+    from hf3d.parallel.tensor import gather_seq, reduce_scatter_seq
 
     return reduce_scatter_seq(gather_seq(x, group) * 2.0, group)
 
 
 def scatter_then_gather(x, group):
     """forward reduce-scatter then all-gather (and the reverse in backward)."""
-    from hf3d.tensor_parallel import gather_seq, reduce_scatter_seq
+    from hf3d.parallel.tensor import gather_seq, reduce_scatter_seq
 
     return gather_seq(reduce_scatter_seq(x * 3.0, group).sin(), group)
 
 
 class _SumCopy(torch.autograd.Function):
-    """hf3d.tensor_parallel's _ReduceFromTP: forward all_reduce_copy, backward the identity."""
+    """hf3d.parallel.tensor's _ReduceFromTP: forward all_reduce_copy, backward the identity."""
 
     @staticmethod
     def forward(ctx, x, group):

@@ -1,4 +1,4 @@
-"""Regional compile (`parallel.compile`, hf3d/compile.py) against the same job run eager.
+"""Regional compile (`parallel.compile`, hf3d/parallel/compile.py) against the same job run eager.
 
 One spawn of 2 gloo processes, fp32, the tiny 2-layer llama of tests/models.py. For each job, every rank
 trains STEPS steps eager and STEPS steps with `parallelize(..., compile=True)` (inductor's CPU backend) from
@@ -48,7 +48,7 @@ GRAPHS = 1  # dynamo graphs per compiled run: one layer graph, reused by the lay
 # block's disabled call 3 times over the run (measured; any other break would add to it)
 MOE_BREAKS, MOE_GRAPHS = 3, 2
 WATCHDOG_S = 500
-# FP8 (hf3d/fp8.py) needs projections whose dims are multiples of 16
+# FP8 (hf3d/parallel/fp8.py) needs projections whose dims are multiples of 16
 FP8_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -58,7 +58,7 @@ FP8_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, n
 def _run(path: str, pcfg_kw: dict, compile: bool, backend: str = "inductor", fp8: str | None = None) -> dict:
     from torch._dynamo.utils import counters
 
-    from hf3d.compile import compiled
+    from hf3d.parallel.compile import compiled
 
     torch._dynamo.reset()
     counters.clear()
@@ -200,7 +200,7 @@ def test_mutations_fail_the_checks(world2):
 # no processes: the config, the environment, the refusal
 # ------------------------------------------------------------------------------------------------
 def test_compile_config(monkeypatch):
-    from hf3d.train_config import TrainConfig
+    from hf3d.train.config import TrainConfig
 
     assert hf3d.ParallelConfig().compile is False  # the API compiles when asked
     with pytest.raises(ValueError, match="ParallelConfig.compile must be true, false or 'auto', got 'yes'"):
@@ -226,8 +226,8 @@ def test_auto_compiles_on_cuda_and_picks_flex_attention_only_when_compiled(monke
     compiled, sdpa (a dense mask) when not; flash_attention_2 when it is installed."""
     import importlib.util
 
-    from hf3d.attention import resolve_attn_implementation
-    from hf3d.compile import resolve_compile
+    from hf3d.parallel.attention import resolve_attn_implementation
+    from hf3d.parallel.compile import resolve_compile
 
     assert resolve_compile("auto", "cpu", tiny_config("llama")) == (False, "off on cpu (auto: on with CUDA)")
     assert resolve_compile(True, "cpu", tiny_config("llama")) == (True, "on")
@@ -253,7 +253,7 @@ def test_auto_compiles_on_cuda_and_picks_flex_attention_only_when_compiled(monke
 def test_a_run_says_what_auto_compile_chose():
     from transformers import AutoConfig
 
-    from hf3d.train_config import TrainConfig, check_run
+    from hf3d.train.config import TrainConfig, check_run
 
     cfg = TrainConfig.from_yaml(str(ROOT / "examples/configs/tiny-smollm.yaml"), ["parallel.tp=1"])
     lines = check_run(cfg, world_size=1, model_config=AutoConfig.from_pretrained(ROOT / "examples/models/tiny-smollm"))
@@ -263,7 +263,7 @@ def test_a_run_says_what_auto_compile_chose():
 def test_compile_without_a_cpp_compiler_is_refused():
     from torch._inductor import config
 
-    from hf3d.compile import check_compile
+    from hf3d.parallel.compile import check_compile
 
     check_compile("cpu")  # this machine has g++
     with config.patch({"cpp.cxx": ("hf3d-no-such-compiler",)}):
@@ -275,7 +275,7 @@ def test_compile_without_a_cpp_compiler_is_refused():
 
 
 def test_compile_with_attention_dropout_is_refused():
-    from hf3d.compile import check_compile
+    from hf3d.parallel.compile import check_compile
 
     check_compile("cpu", tiny_config("llama"))
     with pytest.raises(ValueError, match="compile=True cannot run with attention_dropout=0.1"):

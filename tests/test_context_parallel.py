@@ -1,4 +1,4 @@
-"""Context parallelism (hf3d.context_parallel) against stock transformers on the whole, unsplit sequence.
+"""Context parallelism (hf3d.parallel.context) against stock transformers on the whole, unsplit sequence.
 
 Every distributed case uses packed documents (position ids that restart, documents crossing the chunk
 boundaries at every cp here, labels at document starts ignored) and checks, in fp32 on gloo, against
@@ -33,7 +33,7 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d.context_parallel import (  # noqa: E402
+from hf3d.parallel.context import (
     CPContext,
     build_masks,
     head_tail_chunks,
@@ -89,7 +89,7 @@ def test_split_and_order_round_trip(cp):
 
 def test_seq_len_rule():
     """S must cut into 2*cp chunks, and under sequence parallelism each rank's S/cp tokens into tp parts."""
-    from hf3d.config import check_cp_seq_len
+    from hf3d.parallel.config import check_cp_seq_len
 
     check_cp_seq_len(30, cp=1, tp=4, sequence_parallel=True)  # no cp: no rule here
     check_cp_seq_len(24, cp=2, tp=3, sequence_parallel=True)  # 24 = 6 chunks of 4; 12 tokens per rank, 3 | 12
@@ -172,7 +172,7 @@ def _case(res, out, name, path, data, pos, *, train=True, attn="sdpa", **pcfg):
 
 def _mutations(res, path, data, pos):
     """This rank's own logits (before any gather) with one deliberate bug each, patched in this process."""
-    import hf3d.context_parallel as cpm
+    import hf3d.parallel.context as cpm
 
     ids, _ = data[0]
     pm = hf3d.parallelize(path, hf3d.ParallelConfig(cp=2))

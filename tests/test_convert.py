@@ -34,10 +34,12 @@ from models import MOE_FAMILIES, VOCAB, make_model_dir  # noqa: E402
 from reference import batches, hf3d_run  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d import checkpoint, files  # noqa: E402
+from hf3d import checkpoint  # noqa: E402
+from hf3d.checkpoint.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa: E402
 from hf3d.cli import main as cli_main  # noqa: E402
-from hf3d.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa: E402
-from hf3d.hf import TensorSpec, write_hf_dir  # noqa: E402
+from hf3d.hf.load import TensorSpec  # noqa: E402
+from hf3d.hf.save import write_hf_dir  # noqa: E402
+from hf3d.utils import files
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")
@@ -159,7 +161,7 @@ def test_read_into_matches_get(tmp_path, monkeypatch, dtype):
     is written."""
     from safetensors.torch import save_file
 
-    from hf3d import hf
+    from hf3d.hf import load as hf
 
     g = torch.Generator().manual_seed(0)
     save_file({"a": torch.randn(13, 7, generator=g), "b": torch.randn(5, generator=g).bfloat16()}, tmp_path / "x")
@@ -434,11 +436,11 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
 
 
 def _stage_writers_worker(model_dir: str, out: str) -> None:
-    import hf3d.export
+    import hf3d.hf.export
 
     start_watchdog(180)
     written, received = [], []
-    write_shard, recv = hf3d.export.write_shard, dist.recv
+    write_shard, recv = hf3d.hf.export.write_shard, dist.recv
 
     def recording_write(path, group, produce):
         written.append(Path(path).name)
@@ -448,7 +450,7 @@ def _stage_writers_worker(model_dir: str, out: str) -> None:
         received.append(src)
         return recv(tensor, src=src, group=group, **kw)
 
-    hf3d.export.write_shard, dist.recv = recording_write, recording_recv
+    hf3d.hf.export.write_shard, dist.recv = recording_write, recording_recv
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(pp=2, tp=2))
     pm.save_pretrained(Path(out) / "pp2-tp2-sharded", max_shard_bytes=SHARD)
     res = {"written": written, "received": list(received)}
@@ -461,7 +463,7 @@ def _stage_writers_worker(model_dir: str, out: str) -> None:
             raise OSError(28, "No space left on device")
         write_shard(path, group, produce)
 
-    hf3d.export.write_shard = full_disk
+    hf3d.hf.export.write_shard = full_disk
     try:
         pm.save_pretrained(Path(out) / "failed", max_shard_bytes=SHARD)
     except (OSError, ValueError) as e:

@@ -33,7 +33,7 @@ from models import VOCAB, make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, hf3d_run, reference_run  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d.layout import get_pieces  # noqa: E402
+from hf3d.parallel.layout import get_pieces  # noqa: E402
 
 BATCH, SEQ = 4, 16
 STEPS = 3

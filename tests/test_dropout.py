@@ -1,4 +1,4 @@
-"""Dropout under the mesh (hf3d/rng.py): per-rank streams, stock's statistics, bit-exact resume.
+"""Dropout under the mesh (hf3d/parallel/rng.py): per-rank streams, stock's statistics, bit-exact resume.
 
 The tiny models have attention_dropout 0 elsewhere; here it is on. One world of 2 processes at tp=2:
 - resume: 4 steps straight == 2 steps, save, a fresh model and optimizer (seeded otherwise), load,
@@ -29,8 +29,8 @@ from models import VOCAB, make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d import checkpoint  # noqa: E402
-from hf3d.rng import DropoutRNG, seed_streams  # noqa: E402
+from hf3d.checkpoint import load  # noqa: E402
+from hf3d.parallel.rng import DropoutRNG, seed_streams  # noqa: E402
 
 BATCH, SEQ, P = 4, 16, 0.3
 
@@ -65,13 +65,13 @@ def _resume(dirs, out: str) -> dict:
     pm, opt = _fresh(dirs["dropout"], 0)
     _train(pm, opt, data[:2])
     hf3d.save_checkpoint(f"{out}/step_2", pm, opt, step=2)
-    for name, restore in (("resumed", checkpoint._restore_rng), ("not_restored", lambda *a: None)):
+    for name, restore in (("resumed", load._restore_rng), ("not_restored", lambda *a: None)):
         pm, opt = _fresh(dirs["dropout"], 1)  # a new process seeds its streams: the checkpoint's must win
-        checkpoint._restore_rng, saved = restore, checkpoint._restore_rng
+        load._restore_rng, saved = restore, load._restore_rng
         try:
             step = hf3d.load_checkpoint(f"{out}/step_2", pm, opt)
         finally:
-            checkpoint._restore_rng = saved
+            load._restore_rng = saved
         res[name] = _train(pm, opt, data[step:])
         res[f"{name}_params_equal"] = all(torch.equal(a, b) for a, b in zip(_params(pm), straight_params))
     return res

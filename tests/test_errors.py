@@ -24,7 +24,7 @@ from models import VOCAB, tiny_config  # noqa: E402
 from transformers import AutoModelForCausalLM, MistralConfig  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d.config import ENV_VARS, PP_SCHEDULES  # noqa: E402
+from hf3d.parallel.config import ENV_VARS, PP_SCHEDULES  # noqa: E402
 
 WATCHDOG_S = 300
 SUPPORTED = ("llama", "qwen2", "qwen3", "smollm3")
@@ -363,7 +363,7 @@ def test_error_message(errors, case):
 def test_numbers_yaml_reads_as_strings_are_taken_as_numbers():
     """YAML reads 3e-4 (no dot) as a string; a config field that is a number takes it as one, and
     anything else is one clear message naming the key."""
-    from hf3d.trainer import TrainConfig
+    from hf3d.train.trainer import TrainConfig
 
     cfg = TrainConfig.from_yaml(None, ["optim.lr=3e-4", "optim.eps=1e-8", "run.global_batch=8"])
     assert cfg.optim.lr == 3e-4 and cfg.optim.eps == 1e-8 and cfg.run.global_batch == 8

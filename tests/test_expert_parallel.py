@@ -47,7 +47,7 @@ CASES = {  # name: (family, ParallelConfig keywords)
     # two stages per rank, backward split into input and weight passes: the statistics' chain still closes
     "qwen2-moe/zbv-ep2": ("qwen2-moe", dict(pp=2, dp=2, ep=2, pp_schedule="zbv", num_microbatches=4)),
 }
-if compat.BEFORE_2_13:  # hf3d refuses the V schedules there (hf3d/compat.py)
+if compat.BEFORE_2_13:  # hf3d refuses the V schedules there (hf3d/utils/compat.py)
     CASES.pop("qwen2-moe/zbv-ep2")
 RESUMES = {  # name: (case whose step-2 checkpoint is loaded, ParallelConfig keywords of the resumed run)
     "ep2->ep1": ("qwen3-moe/dp4-ep2", dict(dp=4)),
@@ -112,7 +112,8 @@ def _resumed_loss(path: str, ckpt: Path, kw: dict, data) -> float:
 
 def _mutations(path: str, ids, data, out: Path, res: dict) -> None:
     """Each mutation runs the case again with one thing made wrong; the parent checks that it shows."""
-    from hf3d import expert_parallel, optim
+    from hf3d.optim import zero as optim
+    from hf3d.parallel import expert as expert_parallel
 
     kw = CASES[MUTATION_CASE][1]
     init, combine, groups = expert_parallel.Dispatch.__init__, expert_parallel.Dispatch.combine, optim.reduction_groups

@@ -36,7 +36,8 @@ from dist import _free_port, report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d import checkpoint, faults, files  # noqa: E402
+from hf3d import checkpoint  # noqa: E402
+from hf3d.utils import faults, files
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=3", "run.log_every=1000"]
@@ -50,10 +51,10 @@ DRIVER = '''
 or published (SIGKILL the process right after `latest` names the checkpoint of step STEP)."""
 import os, sys, time
 import torch.distributed as dist
-from hf3d import compat
+from hf3d.utils import compat
 from hf3d.cli import main
 from hf3d.model import ParallelModel
-from hf3d.stage import StageModule
+from hf3d.parallel.stage import StageModule
 
 fail_rank, fail_step, site, log = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 argv = sys.argv[sys.argv.index("--") + 1:]
@@ -87,15 +88,15 @@ elif site == "send":
     dist.batch_isend_irecv = raising(dist.batch_isend_irecv, RuntimeError("injected failure in a pipeline send"))
 elif site == "published":
     import signal
-    import hf3d.trainer
-    finish_save = hf3d.trainer.finish_save
+    import hf3d.train.trainer
+    finish_save = hf3d.train.trainer.finish_save
 
     def killed_after(root, *a, **k):  # checkpoint.async: in the background, while a later step runs
         finish_save(root, *a, **k)
         if rank == fail_rank and (root / "latest").read_text().strip() == f"step_{fail_step}":
             os.kill(os.getpid(), signal.SIGKILL)
 
-    hf3d.trainer.finish_save = killed_after
+    hf3d.train.trainer.finish_save = killed_after
 real_exit = os._exit
 
 def logged_exit(code):
@@ -194,7 +195,8 @@ def test_die_with_parent_ends_a_child_whose_parent_is_killed(tmp_path):
         """
         import subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c",
-            "from hf3d.faults import die_with_parent; import time; die_with_parent(); print('armed', flush=True); "
+            "from hf3d.utils.faults import die_with_parent; import time; die_with_parent(); "
+            "print('armed', flush=True); "
             "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
         child.stdout.readline()
         print(child.pid, flush=True)
@@ -261,7 +263,7 @@ def test_any_rank_failing_anywhere_stops_every_rank_with_one_line(tmp_path, rank
 
 def _timeout_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0")
-    hf3d.mesh.init_distributed(timeout_s=2)
+    hf3d.parallel.mesh.init_distributed(timeout_s=2)
     if rank == 1:  # a peer that hangs without dying
         time.sleep(12)
         return
@@ -312,7 +314,7 @@ def test_finish_ends_every_rank_together_after_the_slowest(tmp_path):
 
 def test_collective_timeout_must_be_positive():
     with pytest.raises(ValueError, match="collective timeout must be a number of seconds > 0"):
-        hf3d.mesh.init_distributed(timeout_s=0)
+        hf3d.parallel.mesh.init_distributed(timeout_s=0)
 
 
 def test_nccl_ends_a_rank_stuck_on_a_dead_peer_after_the_timeout(monkeypatch):
@@ -320,7 +322,7 @@ def test_nccl_ends_a_rank_stuck_on_a_dead_peer_after_the_timeout(monkeypatch):
     through NCCL's watchdog, which must tear the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING) after the
     process group's timeout (run.collective_timeout_s). Checked without CUDA: the environment chosen for
     "nccl", a user's own setting (under either name) kept, and what init_process_group receives."""
-    from hf3d.mesh import backend_environment
+    from hf3d.parallel.mesh import backend_environment
 
     assert backend_environment("nccl", {}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
     assert backend_environment("gloo", {}) == {}
@@ -332,17 +334,17 @@ def test_nccl_ends_a_rank_stuck_on_a_dead_peer_after_the_timeout(monkeypatch):
     def fake_init(backend, timeout):
         seen.update(backend=backend, timeout=timeout, env=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
 
-    monkeypatch.setattr(hf3d.mesh.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(hf3d.mesh.dist, "init_process_group", fake_init)
-    monkeypatch.setattr(hf3d.mesh.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(hf3d.mesh.torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(hf3d.parallel.mesh.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(hf3d.parallel.mesh.dist, "init_process_group", fake_init)
+    monkeypatch.setattr(hf3d.parallel.mesh.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hf3d.parallel.mesh.torch.cuda, "set_device", lambda device: None)
     for name in ("TORCHELASTIC_RUN_ID", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RANK", "0")  # as a launcher would: no free-port search
-    hf3d.mesh.init_distributed(timeout_s=7)
+    hf3d.parallel.mesh.init_distributed(timeout_s=7)
     assert seen == {"backend": "nccl", "timeout": datetime.timedelta(seconds=7), "env": "3"}
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    hf3d.mesh.init_distributed(timeout_s=7)
+    hf3d.parallel.mesh.init_distributed(timeout_s=7)
     assert seen["env"] == "2"
 
 

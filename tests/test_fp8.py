@@ -1,4 +1,4 @@
-"""FP8 training (hf3d/fp8.py) against torchao's `convert_to_float8_training` on the stock model, fp32 master.
+"""FP8 training (hf3d/parallel/fp8.py) against torchao's `convert_to_float8_training` on the stock model, fp32 master.
 
 The oracle: stock Llama converted by torchao with the same recipe and the same module filter
 (`FP8Config.module_filter_fn`, which leaves the output head out), trained by torch AdamW with gradient
@@ -136,8 +136,8 @@ def _probe(model_dir, kw: dict, *, mutated: bool) -> dict:
     import torch.distributed as dist
     from torchao.float8 import convert_to_float8_training
 
-    from hf3d.layout import get_pieces
-    from hf3d.tensor_parallel import ColumnParallelLinear
+    from hf3d.parallel.layout import get_pieces
+    from hf3d.parallel.tensor import ColumnParallelLinear
 
     cfg = hf3d.FP8Config(recipe="tensorwise")
     g = torch.Generator().manual_seed(7)
@@ -180,7 +180,7 @@ def _worker(model_dir, out_dir, world):
     start_watchdog(150)
     import torch.distributed as dist
 
-    from hf3d.fp8 import _Split
+    from hf3d.parallel.fp8 import _Split
 
     data = batches(STEPS, BATCH, SEQ, VOCAB)
     res = {}
@@ -380,8 +380,8 @@ def test_a_recipe_slower_than_bf16_says_so_when_the_run_starts():
     rowwise at a width up to 2048); none where it ran faster (tensorwise compiled)."""
     from transformers import AutoConfig
 
-    from hf3d.fp8 import speed_note
-    from hf3d.train_config import TrainConfig, check_run
+    from hf3d.parallel.fp8 import speed_note
+    from hf3d.train.config import TrainConfig, check_run
 
     assert speed_note("off", device_type="cpu", compiled=False, hidden_size=960) is None
     assert speed_note("tensorwise", device_type="cuda", compiled=True, hidden_size=2048) is None

@@ -28,8 +28,8 @@ from asserts import assert_close  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB as VOCAB_MODEL  # noqa: E402
 
-from hf3d import tensor_parallel as tp_mod  # noqa: E402
-from hf3d.tensor_parallel import IGNORE_INDEX, VocabParallelLMHead  # noqa: E402
+from hf3d.parallel import tensor as tp_mod  # noqa: E402
+from hf3d.parallel.tensor import IGNORE_INDEX, VocabParallelLMHead  # noqa: E402
 
 TOL = 1e-5
 CHUNK_RTOL, CHUNK_ATOL = 6e-6, 2e-6  # training at two chunk sizes: measured 4.1e-7 relative, 1.2e-7 apart

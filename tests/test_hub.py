@@ -30,7 +30,7 @@ from hub_server import FakeHub  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
 from hf3d import cli  # noqa: E402
-from hf3d.hub import write_model_card  # noqa: E402
+from hf3d.hf.hub import write_model_card  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_test9f3Kq2ZtW7mXcR4vBn8LpYs"
@@ -147,7 +147,7 @@ def test_server_down_is_one_clear_error(model_dir, hub_env, capsys, caplog):
     line = _error_line(err)
     assert "could not reach the Hub while creating the repo user/tiny" in line
     assert f"at http://127.0.0.1:{port} (after 3 attempts" in line and "check the network" in line
-    retries = [r.getMessage() for r in caplog.records if r.name == "hf3d.hub"]
+    retries = [r.getMessage() for r in caplog.records if r.name == "hf3d.hf.hub"]
     assert [m.split("; ")[-1] for m in retries] == ["retry 1 of 2 in 0.01 s", "retry 2 of 2 in 0.02 s"]
     _assert_no_token(err, caplog.text)
 
@@ -298,12 +298,12 @@ def test_train_pushes_its_final_model_with_the_run_card(tmp_path):
 
 
 def test_card_shows_the_loss_curve_png_and_eval_loss_and_uploads_the_png(model_dir, hub_env, tmp_path, capsys):
-    """A loss_curve.png (drawn by hf3d.plots from a metrics.jsonl with eval points) is linked at the
+    """A loss_curve.png (drawn by hf3d.train.plots from a metrics.jsonl with eval points) is linked at the
     top of the card's loss-curve section and lands in the same commit; final_eval_loss is shown with
     its perplexity; Hub datasets link to their pages."""
     pytest.importorskip("matplotlib")
-    from hf3d.hub import LOSS_CURVE_FILE
-    from hf3d.plots import plot_loss_curve
+    from hf3d.hf.hub import LOSS_CURVE_FILE
+    from hf3d.train.plots import plot_loss_curve
 
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"step": s, "loss": 6.0 - 0.07 * s, "tokens": 512 * s} for s in range(1, 41)]
@@ -340,7 +340,7 @@ def test_the_starting_point_of_a_run_is_recorded(tmp_path):
     """A Hub id is the base model; a local export or checkpoint is named (its folder only) and its own
     record, or config.json's _name_or_path, gives the Hub model it descends from; a config-only folder
     is a run from scratch."""
-    from hf3d.trainer import starting_point
+    from hf3d.train.finish import starting_point
 
     assert starting_point("HuggingFaceTB/SmolLM2-135M") == ("HuggingFaceTB/SmolLM2-135M", None)
     scratch = tmp_path / "scratch"

@@ -1,4 +1,4 @@
-"""Sharded from-scratch initialisation (hf3d/init.py) against stock `from_config`.
+"""Sharded from-scratch initialisation (hf3d/parallel/init_weights.py) against stock `from_config`.
 
 What is checked:
 - `hf3d.parallelize(config_only_dir, pcfg, seed=s)` exported with `save_pretrained` equals
@@ -35,8 +35,8 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d.init import has_weights  # noqa: E402
 from hf3d.models import get_adapter  # noqa: E402
+from hf3d.parallel.init_weights import has_weights  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "qwen3", "smollm3")
 MESHES = {"tp1": dict(tp=1), "tp2": dict(tp=2), "pp2": dict(pp=2), "tp2pp2": dict(tp=2, pp=2)}

@@ -1,5 +1,5 @@
-"""hf3d/metrics.py: the process's own peak memory, throughput / TFLOP/s / MFU, which trackers are usable;
-hf3d/plots.py: the loss-curve PNG."""
+"""hf3d/train/metrics.py: the process's own peak memory, throughput / TFLOP/s / MFU, which trackers are usable;
+hf3d/train/plots.py: the loss-curve PNG."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf3d import metrics
-from hf3d.metrics import available_trackers, peak_memory_bytes, throughput, tracker_install_hint
-from hf3d.plots import plot_loss_curve
+from hf3d.train import metrics
+from hf3d.train.metrics import available_trackers, peak_memory_bytes, throughput, tracker_install_hint
+from hf3d.train.plots import plot_loss_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def test_child_reports_its_own_peak_not_its_parents():
     held = torch.ones(2**28)  # 1 GiB, touched
     parent = peak_memory_bytes()
     assert parent >= held.numel() * 4
-    code = "from hf3d.metrics import peak_memory_bytes; print(peak_memory_bytes())"
+    code = "from hf3d.train.metrics import peak_memory_bytes; print(peak_memory_bytes())"
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     child = int(proc.stdout.strip())
@@ -113,7 +113,7 @@ def test_loss_curve_marks_the_stage_starts(tmp_path):
     """A stage starting at step s (0-based) is the record of step s + 1 on: its line falls between the
     records s and s + 1; stage 0 and starts outside the plotted steps get none; the lines are drawn."""
     pytest.importorskip("matplotlib")
-    from hf3d.plots import stage_marks
+    from hf3d.train.plots import stage_marks
 
     stages = [(0, "short"), (40, "long-32k"), (80, "long-64k"), (500, "later")]
     assert stage_marks(stages, [float(s) for s in range(1, 121)]) == [(40.5, "long-32k"), (80.5, "long-64k")]

@@ -15,7 +15,7 @@ A MoE layer's forward is what runs between its module's forward pre-hook and hoo
 runs while the autograd engine evaluates a node made during one of those forwards (sequence numbers).
 Sanity counts (the grouped GEMMs seen in both phases) show that the attribution sees the layers' ops.
 
-Expected, from hf3d/expert_parallel.py's Dispatch: at ep=1 nothing; at ep>1 one `tolist` of the [2, ep]
+Expected, from hf3d/parallel/expert.py's Dispatch: at ep=1 nothing; at ep>1 one `tolist` of the [2, ep]
 rows to send to and receive from each rank per MoE layer forward, none in backward (_AllToAll's backward
 swaps the same lists). So per rank and step: MoE layers x micro-batches reads.
 """

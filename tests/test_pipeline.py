@@ -342,7 +342,7 @@ PARITY_W2 = {
     "pp2-dualpipev-llama": ("llama4", _pp("dualpipev", 4), {}),
     "pp2-dualpipev-qwen2-untied": ("qwen2_4", _pp("dualpipev", 4), {}),
 }
-if compat.BEFORE_2_13:  # hf3d refuses the V schedules there (hf3d/compat.py)
+if compat.BEFORE_2_13:  # hf3d refuses the V schedules there (hf3d/utils/compat.py)
     PARITY_W2 = {k: v for k, v in PARITY_W2.items() if not any(s in k for s in V_SCHEDULES)}
 # world 4
 PARITY_W4 = {
@@ -530,7 +530,7 @@ def test_tied_copies_identical_after_every_step(name, spawned):
             assert p["equal"], f"step {step + 1}, (tp, dp)={p['key']}: tied copies differ by {p['max_abs']:.3g}"
 
 
-@pytest.mark.skipif(compat.BEFORE_2_13, reason="the V schedules need torch 2.13 (hf3d/compat.py)")
+@pytest.mark.skipif(compat.BEFORE_2_13, reason="the V schedules need torch 2.13 (hf3d/utils/compat.py)")
 def test_tied_v_schedule_shares_one_parameter(spawned):
     """zbv puts stage 0 and the last stage on rank 0: one Parameter, no copy."""
     recs = _records(spawned, "pp2-zbv-llama")
@@ -540,7 +540,7 @@ def test_tied_v_schedule_shares_one_parameter(spawned):
 
 # -- the stage split -------------------------------------------------------------------------------
 def test_split_layers_unit():
-    from hf3d.stage import layer_costs, split_layers, stage_ranks
+    from hf3d.parallel.stage import layer_costs, split_layers, stage_ranks
 
     assert split_layers(2, *layer_costs(tiny_config("llama", num_hidden_layers=5))) == [[0, 1], [2, 3, 4]]
     assert split_layers(4, *layer_costs(tiny_config("llama", num_hidden_layers=4))) == [[0], [1], [2], [3]]
@@ -612,11 +612,11 @@ def test_bad_schedule_needs_more_microbatches(spawned):
 
 
 def test_bad_unknown_schedule_lists_known(spawned):
-    import hf3d.config
+    import hf3d.parallel.config
 
     for msg in _all_raised(spawned, "bad-unknown-schedule"):
         assert "gpipe" in msg
-        for known in hf3d.config.PP_SCHEDULES:
+        for known in hf3d.parallel.config.PP_SCHEDULES:
             assert known in msg, msg
 
 

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hf3d.train_config import RunConfig  # noqa: E402
-from hf3d.trainer import StepHealth  # noqa: E402
+from hf3d.train.config import RunConfig  # noqa: E402
+from hf3d.train.step import StepHealth  # noqa: E402
 
 ONE_PROCESS = [
     "parallel.tp=1",
@@ -201,9 +201,9 @@ def _count_host_syncs(tmp: str) -> None:
     import torch
     from dist import report, start_watchdog
 
-    from hf3d import trainer
     from hf3d.data import DataPipeline
-    from hf3d.train_config import TrainConfig
+    from hf3d.train import trainer
+    from hf3d.train.config import TrainConfig
 
     start_watchdog(300)
     reads: list[str] = []
@@ -213,7 +213,7 @@ def _count_host_syncs(tmp: str) -> None:
         def read(self, *args, **kwargs):
             caller = sys._getframe(1).f_code
             # the fused loss's backward reads its incoming gradient only on CPU (`device.type != "cpu" or`)
-            cpu_only = caller.co_name == "backward" and caller.co_filename.endswith("tensor_parallel.py")
+            cpu_only = caller.co_name == "backward" and caller.co_filename.endswith("parallel/tensor.py")
             exempt = Path(caller.co_filename).name in NOT_HF3D_READS
             if counting[0] and not (cpu_only or exempt):
                 reads.append(f"{name} in {caller.co_name}")
@@ -233,7 +233,7 @@ def _count_host_syncs(tmp: str) -> None:
             counting[0] = True
 
     DataPipeline.next_batch = host_batch
-    step = trainer._step
+    step = trainer.one_step
     per_step = []
 
     def counting_step(*args, **kwargs):
@@ -245,7 +245,7 @@ def _count_host_syncs(tmp: str) -> None:
             counting[0] = False
             per_step.append(list(reads))
 
-    trainer._step = counting_step
+    trainer.one_step = counting_step
     settings = [s for s in ONE_PROCESS if not s.startswith("parallel.")] + ["parallel.tp=1", "optim.z_loss=1e-4"]
     settings += ["run.steps=3", "checkpoint.every=0", "run.save_final=false", f"run.output_dir={tmp}/run"]
     trainer.train(TrainConfig.from_yaml(str(ROOT / "examples/configs/tiny-smollm.yaml"), settings))

@@ -1,4 +1,4 @@
-"""LR schedules (hf3d/schedules.py): each curve at its key steps against hand-computed values, resume
+"""LR schedules (hf3d/train/lr_schedules.py): each curve at its key steps against hand-computed values, resume
 from state_dict, validation messages, and the schedule driving hf3d's ParallelOptimizer to the same
 numbers as stock transformers + torch AdamW."""
 
@@ -13,7 +13,7 @@ from dist import report, spawn, start_watchdog
 from reference import BETAS, CLIP, LR, WD, batches
 from transformers import AutoModelForCausalLM
 
-from hf3d.schedules import ScheduleConfig, build_lr_scheduler, decay_start_step, describe_schedule
+from hf3d.train.lr_schedules import ScheduleConfig, build_lr_scheduler, decay_start_step, describe_schedule
 
 PEAK, MIN = 1e-3, 1e-4
 

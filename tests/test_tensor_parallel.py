@@ -44,10 +44,10 @@ from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, SmolLM3Config  # noqa: E402
 
 import hf3d  # noqa: E402
-from hf3d.layout import Piece, concat_pieces, get_pieces  # noqa: E402
 from hf3d.models import TPContext, get_adapter  # noqa: E402
 from hf3d.models.common import padded_vocab, valid_tp_sizes  # noqa: E402
-from hf3d.stage import split_layers  # noqa: E402
+from hf3d.parallel.layout import Piece, concat_pieces, get_pieces  # noqa: E402
+from hf3d.parallel.stage import split_layers  # noqa: E402
 
 FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")
 # tp=3 fits none of FAMILIES; these llama variants (6 query heads) take it

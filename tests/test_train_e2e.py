@@ -112,8 +112,8 @@ def test_a_longer_resumed_run_says_how_the_lr_moves_and_its_checkpoint_carries_t
     line gives the old and new length and the lr before and after. The new run starts from an export
     (model.path: a local folder), and `convert to-hf` of its checkpoint writes the run's record, from
     which the card says where it continued from."""
-    from hf3d.convert import checkpoint_to_hf
-    from hf3d.hub import write_model_card
+    from hf3d.checkpoint.convert import checkpoint_to_hf
+    from hf3d.hf.hub import write_model_card
 
     base, _, _ = runs
     out = tmp_path / "longer"
@@ -179,7 +179,7 @@ def test_stages_example_config_checks_out():
     decay starts (said in the derived values), and a stage moved past the run refused with one line."""
     from transformers import AutoConfig
 
-    from hf3d.train_config import TrainConfig, check_run
+    from hf3d.train.config import TrainConfig, check_run
 
     path = "examples/configs/smollm3-style-stages.yaml"
     cfg = TrainConfig.from_yaml(str(ROOT / path))
@@ -194,7 +194,7 @@ def test_stages_example_config_checks_out():
 
 
 def test_weight_decay_patterns_pick_the_parameters_without_decay():
-    from hf3d.train_config import OptimConfig
+    from hf3d.train.config import OptimConfig
 
     rule = OptimConfig(exclude_from_weight_decay=["*norm*", "*.bias"]).no_decay_rule()
     assert rule("model.layers.0.input_layernorm.weight", None) and rule("model.layers.0.self_attn.q_proj.bias", None)
@@ -210,7 +210,7 @@ def test_default_weight_decay_rule_is_the_transformers_trainers(family):
     from models import tiny_config  # tests/ is on sys.path (pytest's prepend import mode)
     from transformers import Trainer
 
-    from hf3d.optim import no_decay_names
+    from hf3d.optim.zero import no_decay_names
 
     model = AutoModelForCausalLM.from_config(tiny_config(family))
     names = {n for n, _ in model.named_parameters()}

@@ -3,7 +3,7 @@
 1. Nothing is unpickled beyond torch.load(weights_only=True): a scan of hf3d/ for every unpickling call, and a
    crafted checkpoint whose .metadata declares a weight as DCP bytes (which DCP's load planner torch.loads with
    weights_only=False) refused in one line by load_checkpoint and `hf3d convert to-hf`, with nothing run.
-2. hf3d deletes, renames and replaces only folders it made (hf3d/files.py): a scan of hf3d/ for every such call
+2. hf3d deletes, renames and replaces only folders it made (hf3d/utils/files.py): a scan of hf3d/ for every such call
    outside that module, and each writer refusing a user's folder, a foreign PATH.tmp or PATH.old.
 3. Files written into shared folders never follow a link (the scan again; the push's card through a dangling
    README.md link), and a card holds one line per value.
@@ -32,7 +32,9 @@ from crafted import fake_checkpoint, global_pickle, reseal  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
-from hf3d import checkpoint, files  # noqa: E402
+from hf3d import checkpoint  # noqa: E402
+from hf3d.checkpoint import entries  # noqa: E402
+from hf3d.utils import files  # noqa: E402
 
 PACKAGE = ROOT / "hf3d"
 
@@ -54,10 +56,10 @@ def _keyword(call: ast.Call, name: str):
     return next((k.value for k in call.keywords if k.arg == name), None)
 
 
-# the one reader that unpickles anything: AllowListUnpickler (hf3d/stored.py), which resolves only listed
+# the one reader that unpickles anything: AllowListUnpickler (hf3d/checkpoint/stored.py), which resolves only listed
 # (module, name) pairs to objects hf3d imported itself; tests/test_convert.py and tests/test_checkpoint.py feed it
 # crafted payloads through every allowed module
-ALLOW_LIST_READER = ("stored.py", "AllowListUnpickler")
+ALLOW_LIST_READER = ("checkpoint/stored.py", "AllowListUnpickler")
 
 
 def test_nothing_in_hf3d_unpickles_beyond_weights_only_and_the_allow_list_reader():
@@ -111,7 +113,7 @@ def _mode(call: ast.Call) -> str | None:
 
 
 def test_deleting_renaming_and_writing_files_goes_through_hf3d_files():
-    """Outside hf3d/files.py nothing in hf3d/ deletes, renames or replaces a path, and a file is created only
+    """Outside hf3d/utils/files.py nothing in hf3d/ deletes, renames or replaces a path, and a file is created only
     exclusively (open(..., "x"), O_EXCL | O_NOFOLLOW): no write follows a link or lands on a file hf3d did not
     make. torch.save, numpy and matplotlib write into file objects from files.new_file; the writers of other
     libraries (config.save_pretrained, DCP's .metadata) write only into a staging folder files.make_dir just
@@ -119,7 +121,7 @@ def test_deleting_renaming_and_writing_files_goes_through_hf3d_files():
     found = []
     for path in _modules():
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel == "files.py":
+        if rel == "utils/files.py":
             continue
         for lineno, name, call in _calls(path):
             where = f"{rel}:{lineno} {name}"
@@ -142,7 +144,7 @@ def test_deleting_renaming_and_writing_files_goes_through_hf3d_files():
                 target = call.args[1] if name.startswith("torch") else call.args[0]
                 if not isinstance(target, ast.Name):  # a path expression, not a file object
                     found.append(f"{where} into {ast.unparse(target)}")
-    assert not found, "calls outside hf3d/files.py:\n" + "\n".join(found)
+    assert not found, "calls outside hf3d/utils/files.py:\n" + "\n".join(found)
 
 
 # -- 1. a checkpoint whose .metadata declares a weight as bytes ----------------------------------------------
@@ -179,8 +181,8 @@ def _load_crafted(ckpt: str, model_dir: str, out: str) -> None:
 
 
 def test_a_bytes_entry_is_refused_when_the_metadata_is_read_and_runs_nothing(tmp_path, capsys):
+    from hf3d.checkpoint.convert import hf_to_checkpoint
     from hf3d.cli import main as cli_main
-    from hf3d.convert import hf_to_checkpoint
 
     model_dir = make_model_dir(tmp_path / "llama", "llama")
     ckpt = hf_to_checkpoint(model_dir, tmp_path / "ckpt")
@@ -204,7 +206,7 @@ def test_the_load_planner_never_unpickles_bytes():
 
     item = ReadItem(LoadItemType.BYTE_IO, MetadataIndex("model/x"), [], MetadataIndex("model/x"), [], [])
     with pytest.raises(ValueError, match="'model/x' is bytes; hf3d never unpickles one"):
-        checkpoint._LoadPlanner().load_bytes(item, __import__("io").BytesIO(global_pickle("os", "getpid")))
+        entries.LoadPlanner().load_bytes(item, __import__("io").BytesIO(global_pickle("os", "getpid")))
 
 
 # -- 2. only folders hf3d made are deleted or replaced ---------------------------------------------------------
@@ -308,7 +310,7 @@ def test_a_folder_is_hf3ds_only_with_its_own_owner_file(tmp_path):
 
 # -- 3. no write through a link; a card holds one line per value ------------------------------------------
 def test_the_push_writes_no_card_through_a_dangling_link_and_sends_nothing(tmp_path):
-    from hf3d.hub import HubError, push_to_hub
+    from hf3d.hf.hub import HubError, push_to_hub
 
     model_dir = make_model_dir(tmp_path / "m", "llama")
     target = tmp_path / "elsewhere" / "created-by-the-card"
@@ -319,7 +321,7 @@ def test_the_push_writes_no_card_through_a_dangling_link_and_sends_nothing(tmp_p
 
 
 def test_card_values_stay_on_one_line(tmp_path):
-    from hf3d.hub import write_model_card
+    from hf3d.hf.hub import write_model_card
 
     model_dir = make_model_dir(tmp_path / "m", "llama")
     summary = {
@@ -338,7 +340,7 @@ def test_card_values_stay_on_one_line(tmp_path):
 
 
 def test_shared_files_are_never_written_through_links(tmp_path):
-    from hf3d.metrics import MetricsWriter
+    from hf3d.train.metrics import MetricsWriter
 
     run = tmp_path / "run"
     run.mkdir()
@@ -370,7 +372,7 @@ ROTATION_RUN = [
 
 
 def _train_one(out: str, *overrides: str) -> None:
-    from hf3d.trainer import TrainConfig, train
+    from hf3d.train.trainer import TrainConfig, train
 
     start_watchdog(240)
     os.chdir(ROOT)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..configfile import build_section
+from ..utils.configfile import build_section
 
 KINDS = ("auto", "json", "parquet", "text", "hub", "datatrove")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tensor_parallel import IGNORE_INDEX
+from ..parallel.tensor import IGNORE_INDEX
 
 
 def pack_window(window: np.ndarray, doc_starts: np.ndarray, *, document_masking: bool) -> tuple[np.ndarray, ...]:

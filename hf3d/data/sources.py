@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import files
+from ..utils import files
 from .config import SourceConfig
 
 CACHE_FORMAT = 1  # bump when the cached layout or the tokenisation changes

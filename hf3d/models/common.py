@@ -25,15 +25,10 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..context_parallel import CPMask, context_attention
-from ..layout import Piece, concat_pieces, set_pieces, shard_range, whole
-from ..rng import DropoutRNG
-from ..tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-)
+from ..parallel.context import CPMask, context_attention
+from ..parallel.layout import Piece, concat_pieces, set_pieces, shard_range, whole
+from ..parallel.rng import DropoutRNG
+from ..parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead
 
 
 @dataclass
@@ -46,7 +41,7 @@ class TPContext:
     sequence_parallel: bool = False
     dtype: torch.dtype | None = None
     rng: DropoutRNG | None = None
-    """This rank's tensor-parallel dropout stream (hf3d/rng.py): attention dropout draws from it."""
+    """This rank's tensor-parallel dropout stream (hf3d/parallel/rng.py): attention dropout draws from it."""
 
 
 def mark_tp_partial(param: nn.Parameter, ctx: TPContext) -> None:
@@ -203,7 +198,7 @@ class TPAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         if isinstance(attention_mask, CPMask):  # context parallel: keys and values of the whole sequence
             attention = functools.partial(context_attention, attention)
-        # masks over this rank's heads come from its own stream (hf3d/rng.py); no dropout, no RNG work
+        # masks over this rank's heads come from its own stream (hf3d/parallel/rng.py); no dropout, no RNG work
         with self.rng.fork() if dropout and self.rng is not None else contextlib.nullcontext():
             out, weights = attention(
                 self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **extra, **kwargs
@@ -333,7 +328,7 @@ class DecoderAdapter:
         return []
 
     def mlp_costs(self, config) -> list[float] | None:
-        """Each layer's MLP cost for the pipeline split (hf3d.stage.layer_costs); None: all dense and alike."""
+        """Each layer's MLP cost for the pipeline split (hf3d.parallel.stage.layer_costs); None: all dense and alike."""
         return None
 
     def disk_shapes(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from ..expert_parallel import Dispatch, RouterStats, grouped_mm, mark_expert
-from ..layout import Piece, set_pieces, shard_range, whole
-from ..tensor_parallel import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from ..parallel.expert import Dispatch, RouterStats, grouped_mm, mark_expert
+from ..parallel.layout import Piece, set_pieces, shard_range, whole
+from ..parallel.tensor import copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 from .common import TPMLP, DecoderAdapter, TPContext, _SwiGLU, mark_tp_partial
 
 EXPERT_NAME = re.compile(r"^(?P<layer>.+\.experts)\.(?P<k>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
@@ -112,9 +112,9 @@ class TPMoE(nn.Module):
             act = self.act_fn(gate) * up
         return grouped_mm(act, self.down, offsets)
 
-    # Under regional compile (hf3d/compile.py) the block runs eager, one graph break per MoE layer: at ep > 1 the
-    # all-to-all's split sizes are read on the host (the layer's only host sync; none at ep = 1), and torch
-    # 2.13's meta function of torch._grouped_mm refuses fp32.
+    # Under regional compile (hf3d/parallel/compile.py) the block runs eager, one graph break per MoE layer: at
+    # ep > 1 the all-to-all's split sizes are read on the host (the layer's only host sync; none at ep = 1), and
+    # torch 2.13's meta function of torch._grouped_mm refuses fp32.
     @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape

@@ -1,0 +1,116 @@
+"""A checkpoint folder's marker, written last: what makes the folder complete, and the size and CRC-32 of every
+other file in it, which `find_damage` checks before a load."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..utils import files as files_
+from .checksums import crc32_file
+
+MARKER = "hf3d_checkpoint.json"
+
+
+FORMAT_VERSION = 1
+
+
+_CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt")
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether `name` is a file of an hf3d checkpoint folder (what `convert from-hf` may replace)."""
+    from ..hf.folders import is_export_file
+
+    return name in (MARKER, files_.OWNER_FILE) or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_export_file(name)
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def read_marker(path: str | os.PathLike) -> dict:
+    """The checkpoint's own description; refuses folders that are not complete hf3d checkpoints."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {str(path)!r} is not a directory")
+    if not is_complete(path):
+        raise ValueError(
+            f"{path} is not a complete hf3d checkpoint (no {MARKER}: the save was interrupted, or this is "
+            "not a checkpoint folder)"
+        )
+    try:
+        meta = json.loads((path / MARKER).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path / MARKER} is damaged ({type(e).__name__}: {e}); this checkpoint cannot be trusted: resume from "
+            "another one (checkpoint.resume: PATH) or delete this folder"
+        ) from None
+    if meta.get("format") != "hf3d" or meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{path / MARKER} is not an hf3d checkpoint of format version {FORMAT_VERSION}")
+    return meta
+
+
+def staging_dir(final: Path) -> Path:
+    """Where a checkpoint destined for `final` is written before the rename."""
+    return final.with_name(final.name + ".tmp")
+
+
+def write_marker(tmp: Path, meta: dict) -> None:
+    """The last file written into a staged checkpoint: `meta`, plus the size and CRC-32 of every other
+    file already there (what `find_damage` checks). Files `meta["files"]` already lists (checksummed by
+    the ranks that wrote them) are taken as given."""
+    given = meta.get("files") or {}
+    files = {**file_table(tmp, skip=set(given)), **given}
+    meta = {"format": "hf3d", "version": FORMAT_VERSION, **meta, "files": dict(sorted(files.items()))}
+    files_.write_file(tmp / MARKER, json.dumps(meta, indent=1), replace=True)
+
+
+def file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files under `folder` matching `only`, but the marker and `skip`."""
+    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(MARKER))
+    files = (p for p in files if p.relative_to(folder).as_posix() not in skip)
+    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": crc32_file(p)} for p in files}
+
+
+def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
+    """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
+    words naming the first damaged file; None when every file has the size and CRC-32 its marker records,
+    or when the marker records none (written before hf3d recorded them: not verified).
+
+    Under a process group every rank must call this: each checksums its share of the files and the
+    verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank;
+    `checksums=False` checks only them (no file is read)."""
+    files = meta.get("files")
+    if not isinstance(files, dict):
+        return None
+    names = sorted(files)
+    for name in names:
+        p = path / name
+        if not p.is_file():
+            return f"{name} is missing"
+        size = p.stat().st_size
+        if size != files[name].get("size"):
+            return f"{name} has {size} bytes where {files[name].get('size')} were written"
+    if not checksums:
+        return None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    bad = [n for n in names[rank::world] if crc32_file(path / n) != files[n].get("crc32")]
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, bad)
+        bad = sorted(n for b in everyone for n in b)
+    return f"{bad[0]} does not match the checksum written with it" if bad else None
+
+
+def refuse_damaged(path: Path, meta: dict, *, checksums: bool = True, problem: str | None = None) -> None:
+    """Raise the one-line refusal of a damaged checkpoint: `problem` when given, else `find_damage`'s."""
+    problem = problem or find_damage(path, meta, checksums=checksums)
+    if problem is not None:
+        raise ValueError(
+            f"checkpoint {path} is damaged: {problem}; use another checkpoint (an older step_<N>) or delete this folder"
+        )

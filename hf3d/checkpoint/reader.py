@@ -1,0 +1,138 @@
+"""Reading DCP's files without running code: `.metadata` through an allow-list unpickler, only tensor entries, each
+stored box mapped from the file's pages."""
+
+from __future__ import annotations
+
+import pickle
+from collections import OrderedDict
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+
+from ..utils.faults import one_line
+from .stored import TORCH_DTYPES, AllowListUnpickler, stored_box
+
+_METADATA_GLOBALS = {
+    **{
+        ("torch.distributed.checkpoint.metadata", c.__name__): c
+        for c in (
+            Metadata,
+            TensorStorageMetadata,
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            TensorProperties,
+            MetadataIndex,
+            StorageMeta,
+            _MEM_FORMAT_ENCODING,
+        )
+    },
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("torch", "Size"): torch.Size,
+    **{  # Python 3.13 pickles paths under pathlib._local
+        (m, c.__name__): c
+        for c in (PosixPath, PurePosixPath, WindowsPath, PureWindowsPath)
+        for m in ("pathlib", c.__module__)
+    },
+    ("collections", "OrderedDict"): OrderedDict,
+    **TORCH_DTYPES,
+}
+
+
+def check_relative(path: Path, rel: str) -> None:
+    """Refuse a file name from a checkpoint's metadata that points outside the checkpoint folder."""
+    parts = Path(rel).parts if isinstance(rel, str) else ()
+    if not parts or Path(rel).is_absolute() or ".." in parts:
+        raise ValueError(
+            f"{path / '.metadata'} names the data file {rel!r}, outside the checkpoint folder (an absolute path "
+            "or '..'); refusing to read it (the metadata may have been crafted)"
+        )
+
+
+class SafeReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` through an allow-list unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = AllowListUnpickler(f, _METADATA_GLOBALS, f"{self.path}/.metadata").load()
+            except pickle.UnpicklingError as e:
+                raise ValueError(str(e)) from None
+            except Exception as e:  # truncated, or values the allowed classes do not take
+                raise ValueError(f"{self.path}/.metadata is not readable DCP metadata ({one_line(e)})") from None
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+            raise ValueError(f"{self.path}/.metadata holds a {type(metadata).__name__}, not DCP metadata")
+        for key, md in metadata.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):  # DCP unpickles byte entries (torch.load, weights_only=False)
+                raise ValueError(
+                    f"{self.path}/.metadata declares the entry {key!r} as {type(md).__name__}, not a tensor; hf3d "
+                    "stores only tensors and never unpickles an entry: refusing this checkpoint (it may have been "
+                    "crafted to run code)"
+                )
+        for info in metadata.storage_data.values():
+            check_relative(Path(self.path), getattr(info, "relative_path", None))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.boxes = {  # what the metadata says each stored box is: (dtype, shape)
+            MetadataIndex(fqn, chunk.offsets): (md.properties.dtype, tuple(chunk.sizes))
+            for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)
+            for chunk in md.chunks
+        }
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner):
+        """DCP's read, with each stored box mapped (hf3d/checkpoint/stored.py) instead of torch.loaded into new memory:
+        the one copy is into the target, from the page cache; each file is read front to back."""
+
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):  # read_metadata refused them already
+            raise ValueError(f"{self.path}: a byte entry reached the reader; hf3d never unpickles one")
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for rel, items in per_file.items():
+            path = Path(self.path) / rel
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
+            with open(path, "rb") as f:
+                index, box = None, None
+                for item in items:
+                    if item.storage_index != index:  # several targets may read one box (another mesh)
+                        index, info = item.storage_index, self.storage_data[item.storage_index]
+                        box = stored_box(path, info, *self.boxes[index], f)
+                    source = box
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                        source = source.narrow(dim, start, length)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != source.size():
+                        raise ValueError(
+                            f"{path}: {index.fqn} holds {tuple(source.size())} where {tuple(target.size())} is read"
+                        )
+                    target.copy_(source)
+                    planner.commit_tensor(item, target)
+                box = None
+        done = torch.futures.Future()
+        done.set_result(None)
+        return done

@@ -1,0 +1,198 @@
+"""Reading HF weights: only this rank's slices of the safetensors files (or of a model in memory), each read into
+its target without a copy of its own."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import mmap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .folders import SAFE_INDEX, SAFE_SINGLE
+
+ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+_BLOCK_BYTES = 64 * 2**20  # column slices are read this many bytes of rows at a time
+
+
+class SafetensorsSource:
+    """Reads slices of named tensors from an HF dir's safetensors files (single or sharded).
+
+    Only the requested rows are read (columns: block by block of rows), with plain file reads
+    rather than a memory map, so neither the tensors nor the file pages of other ranks' slices
+    count towards this process's memory.
+    """
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        index = model_dir / SAFE_INDEX
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (model_dir / SAFE_SINGLE).is_file():
+            files = [SAFE_SINGLE]
+        else:
+            raise ValueError(
+                f"no {SAFE_SINGLE} or {SAFE_INDEX} in {model_dir}; hf3d reads safetensors checkpoints only "
+                "(re-save the model with save_pretrained(..., safe_serialization=True))"
+            )
+        self.entries: dict[str, tuple[Path, int, str, tuple[int, ...]]] = {}  # name -> file, offset, dtype, shape
+        for f in files:
+            fpath = model_dir / f
+            if not fpath.is_file():
+                raise ValueError(f"{fpath} is listed in {SAFE_INDEX} but missing; re-download the checkpoint")
+            for name, (offset, dtype, shape) in _read_header(fpath).items():
+                self.entries[name] = (fpath, offset, dtype, shape)
+
+    def spec(self, name: str) -> TensorSpec:
+        _, _, dtype_name, shape = self.entries[name]
+        return TensorSpec(name, shape, ST_DTYPES[dtype_name])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` (any shape, scalars included)."""
+        fpath, offset, dtype_name, shape = self.entries[name]
+        out = torch.empty(shape, dtype=ST_DTYPES[dtype_name])
+        with open(fpath, "rb", buffering=0) as f:
+            _read_into(f, offset, out.view(-1))
+        return out
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """The whole tensor `name` as a view of its file's pages (`mapped`): no copy is made."""
+        fpath, offset, dtype_name, shape = self.entries[name]
+        if math.prod(shape) == 0:
+            return torch.empty(shape, dtype=ST_DTYPES[dtype_name])
+        with open(fpath, "rb") as f:
+            return mapped(f, offset, ST_DTYPES[dtype_name], math.prod(shape)).view(shape)
+
+    def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of `name` along `dim`, in the file's dtype."""
+        if name not in self.entries:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+        _, _, dtype_name, shape = self.entries[name]
+        out = torch.empty((*shape[:dim], stop - start, *shape[dim + 1 :]), dtype=ST_DTYPES[dtype_name])
+        self.read_into(name, dim, start, stop, out, block_bytes=_BLOCK_BYTES)
+        return out
+
+    def read_into(
+        self, name: str, dim: int, start: int, stop: int, out: torch.Tensor, *, block_bytes: int | None = None
+    ) -> None:
+        """Fill `out` (a parameter's piece) with `get(name, dim, start, stop)`, converted to out's dtype,
+        without holding that slice in memory of its own: rows of the file go straight into `out` when
+        they are its bytes (same dtype, rows along dim 0, out contiguous, in host memory); otherwise they pass
+        through a host block of at most `block_bytes` (default _INTO_BLOCK_BYTES), copied into `out` (on a GPU
+        too)."""
+        if name not in self.entries:
+            raise ValueError(f"tensor {name!r} is missing from the checkpoint in {self.model_dir}")
+        fpath, offset, dtype_name, shape = self.entries[name]
+        dtype = ST_DTYPES[dtype_name]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        rows = (start, stop) if dim == 0 else (0, shape[0])  # the file rows the slice lies in
+        with open(fpath, "rb", buffering=0) as f:
+            if dim == 0 and out.dtype == dtype and out.is_contiguous() and out.device.type == "cpu":
+                _read_into(f, offset + start * row_bytes, out)
+                return
+            per_block = max(1, (block_bytes or _INTO_BLOCK_BYTES) // max(row_bytes, 1))
+            block = torch.empty((min(per_block, rows[1] - rows[0]), *shape[1:]), dtype=dtype)
+            for r0 in range(rows[0], rows[1], per_block):
+                r1 = min(rows[1], r0 + per_block)
+                _read_into(f, offset + r0 * row_bytes, block[: r1 - r0])
+                part = block[: r1 - r0] if dim == 0 else block[: r1 - r0].narrow(dim, start, stop - start)
+                out[r0 - rows[0] : r1 - rows[0]].copy_(part)
+
+
+_INTO_BLOCK_BYTES = 4 * 2**20  # read_into's block, when the file's rows cannot go straight into the target
+
+
+# madvise(MADV_POPULATE_READ), Linux 5.14+ (Python has no name for it): maps a range's pages from the page
+# cache in one call, without copying them; faulting them in one at a time costs more than a read() copy
+_MADV_POPULATE_READ = 22
+
+
+def mapped(f, start: int, dtype: torch.dtype, count: int) -> torch.Tensor:
+    """`count` elements of `dtype` at byte `start` of the open file f, as a 1-D view of its pages: a private
+    (copy-on-write) mapping, so nothing written to the tensor reaches the file. The mapping lives as long
+    as the tensor; its pages are populated from the page cache in one call."""
+    first_page = start - start % mmap.ALLOCATIONGRANULARITY
+    pages = mmap.mmap(
+        f.fileno(), start + count * dtype.itemsize - first_page, offset=first_page, access=mmap.ACCESS_COPY
+    )
+    with contextlib.suppress(OSError):  # before Linux 5.14 the pages fault in one by one as they are read
+        pages.madvise(_MADV_POPULATE_READ)
+    return torch.frombuffer(pages, dtype=dtype, count=count, offset=start - first_page)
+
+
+def _read_into(f, offset: int, out: torch.Tensor) -> None:
+    """Fill a contiguous tensor with the file's bytes at offset (reads may come back short)."""
+    view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+    f.seek(offset)
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise ValueError(f"{f.name} ended early; is it truncated?")
+        done += n
+
+
+def _read_header(fpath: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:
+    """{name: (absolute byte offset, dtype, shape)}; refuses files cut short or not safetensors."""
+    size = fpath.stat().st_size
+    with open(fpath, "rb") as f:
+        try:
+            header_len = int.from_bytes(f.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("header length beyond the end of the file")
+            header = json.loads(f.read(header_len))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{fpath} is not a readable safetensors file ({e}); is it truncated?") from e
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if size < 8 + header_len + end:
+        raise ValueError(
+            f"{fpath} is truncated ({size} bytes, its header promises {8 + header_len + end}); "
+            "re-download or re-save the checkpoint"
+        )
+    unknown = {v["dtype"] for v in header.values()} - set(ST_DTYPES)
+    if unknown:
+        raise ValueError(f"{fpath} holds tensors of dtype {', '.join(sorted(unknown))}, which hf3d cannot read")
+    return {k: (8 + header_len + v["data_offsets"][0], v["dtype"], tuple(v["shape"])) for k, v in header.items()}
+
+
+class StateDictSource:
+    """The same reader over an in-memory state dict (a stock model instance)."""
+
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self.state_dict = state_dict
+
+    def get(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if name not in self.state_dict:
+            raise ValueError(f"tensor {name!r} is missing from the model's state dict")
+        return self.state_dict[name].detach().narrow(dim, start, stop - start)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize

@@ -1,0 +1,259 @@
+"""A run before its first step: the checks that need no weights, the model, the data pipeline, the optimizer and
+the accelerate front end; the resume (only what the checkpoint section asks for); what the run prints at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from ..checkpoint.load import load_checkpoint
+from ..checkpoint.marker import is_complete
+from ..checkpoint.rotation import resolve_resume
+from ..checkpoint.save import PendingCheckpoint
+from ..models import get_adapter
+from ..parallel.attention import flash_attn_installed, resolve_attn_implementation
+from ..parallel.compile import resolve_compile
+from ..parallel.mesh import device_type
+from ..parallel.rng import seed_streams
+from ..utils import files
+from ..utils.faults import RunState, store_barrier
+from .config import DTYPES, ModelConfig, TrainConfig, check_run
+from .lr_schedules import build_lr_scheduler
+from .metrics import (
+    available_trackers,
+    device_peak_flops,
+    tracker_install_hint,
+)
+from .rope_stages import StageRoPE
+
+
+def _load_model(cfg: ModelConfig, pcfg, document_masking: bool, moe, precision):
+    """The parallel model. A weightless HF directory is initialised from its config by `parallelize`
+    itself: every rank draws the stock init in stock order and keeps only its own slices, so the
+    model equals `torch.manual_seed(init_seed); from_config(config, dtype=torch.float32)` (then cast
+    to model.dtype) at any mesh."""
+    from ..parallelize import parallelize
+
+    pmodel = parallelize(
+        cfg.path,
+        pcfg,
+        seed=cfg.init_seed,
+        dtype=DTYPES[cfg.dtype],
+        attn_implementation=resolve_attn_implementation(
+            cfg.attn_implementation,
+            device_type(),
+            document_masking=document_masking,
+            flash_available=flash_attn_installed(),
+            cp=pcfg.cp,
+            compiled=pcfg.compile,
+        ),
+        config_overrides=cfg.overrides() or None,
+        moe_load_balance=moe.load_balance,
+        moe_bias_rate=moe.bias_update_rate,
+        fp8=precision.fp8_config(),
+    )
+    if is_complete(cfg.path):  # start from a checkpoint's weights: step 0, fresh optimizer
+        load_checkpoint(cfg.path, pmodel)
+    return pmodel
+
+
+def _model_config(cfg: ModelConfig):
+    from transformers import AutoConfig
+
+    if not Path(cfg.path).exists() and (cfg.path.startswith((".", "/", "~")) or cfg.path.count("/") > 1):
+        raise ValueError(
+            f"model.path {cfg.path!r} does not exist: give an HF model directory, an hf3d checkpoint or a Hub id "
+            "(NAMESPACE/NAME)"
+        )
+    try:
+        return AutoConfig.from_pretrained(cfg.path)
+    except OSError as e:
+        raise ValueError(
+            f"model.path {cfg.path!r} is neither a local model directory (with config.json) nor a Hub model id "
+            f"that can be reached: {str(e).splitlines()[0]}"
+        ) from None
+
+
+def report_memory(opt, out: Path, rank0: bool, write) -> None:
+    """Every rank's training-state bytes, printed and written to <output_dir>/memory.json."""
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, opt.memory_report())
+    if rank0:
+        files.write_file(out / "memory.json", json.dumps(reports, indent=1), replace=True)
+        for r, rep in enumerate(reports):
+            write(f"hf3d: rank {r} training state (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rep.items()))
+
+
+@dataclasses.dataclass
+class Run:
+    """What the phases of one `hf3d train` run share."""
+
+    cfg: TrainConfig
+    pmodel: object
+    opt: object
+    pipe: object
+    acc: object
+    out: Path
+    rank0: bool
+    trackers: list
+    sched: object = None
+    start: int = 0
+    saved: dict = dataclasses.field(default_factory=dict)
+    mlp_costs: list | None = None  # each layer's MLP parameters a token meets, for the FLOPs (MoE layers differ)
+    resume_from: Path | None = None
+    saved_to: Path | None = None
+    pending: PendingCheckpoint | None = None  # checkpoint.async: the save being written in the background
+    schedule_change: str | None = None  # the resume line when run.steps changed (_schedule_change)
+    flops_per_token: float = 0.0
+    peak_flops: float | None = None  # of one device, when known (MFU)
+    rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
+
+
+def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[str]]:
+    """Checks, then the model, the data pipeline, the optimizer and the accelerate front end."""
+    from accelerate import Accelerator
+    from tqdm.auto import tqdm
+
+    from ..data import DataPipeline
+    from ..integrations.accelerate import prepare
+    from ..optim.zero import build_optimizer
+    from ..parallel.mesh import init_distributed
+
+    if cfg.run.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
+        torch.use_deterministic_algorithms(True)
+    init_distributed(cfg.run.collective_timeout_s)
+    base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
+    derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
+    # "auto" becomes what runs (the resolved config records it; the derived values say why)
+    cfg.parallel.compile, _ = resolve_compile(cfg.parallel.compile, device_type(), base_config)
+    pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe, cfg.precision)
+    state.locate(pmodel.mesh)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or cfg.model.path)
+    pipe = DataPipeline(
+        cfg.data,
+        tokenizer,
+        global_batch=cfg.run.global_batch,
+        dp_rank=pmodel.dp_rank,
+        dp_size=pmodel.dp_size,
+        total_steps=cfg.run.steps,
+        local_main=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+        barrier=lambda: store_barrier("data"),
+    )
+    o = cfg.optim
+    opt = build_optimizer(
+        pmodel,
+        torch.optim.AdamW,
+        lr=o.lr,
+        betas=o.betas,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.max_grad_norm or None,
+        bucket_size=o.bucket_size,
+        exclude_from_weight_decay=o.no_decay_rule(),
+    )
+    pmodel.deferred_checks = True  # a bad id is read in opt.step()'s one host sync (hf3d/model.py)
+    out = Path(cfg.run.output_dir)
+    trackers, missing = available_trackers(cfg.run.report_to)
+    # the loop is an accelerate loop: trackers, and the same refusals as any hf3d.prepare user
+    acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=trackers or None, project_dir=str(out))
+    pmodel, opt = prepare(acc, pmodel, opt)
+    run = Run(cfg, pmodel, opt, pipe, acc, out, rank0=dist.get_rank() == 0, trackers=trackers)
+    run.mlp_costs = get_adapter(pmodel.config.model_type).mlp_costs(pmodel.config)
+    run.peak_flops = device_peak_flops()
+    run.rope = StageRoPE(cfg, pmodel, pipe, base_config, tqdm.write if run.rank0 else None)
+    return run, derived, missing
+
+
+def resume_run(run: Run) -> None:
+    """Only the parts of the checkpoint that the checkpoint section asks for; then the lr schedule."""
+    cfg, opt = run.cfg, run.opt
+    o, r, c = cfg.optim, cfg.run, cfg.checkpoint
+    run.resume_from = resolve_resume(c.resume, run.out / "checkpoints")
+    seed_streams(run.pmodel, r.seed)  # per-rank dropout streams; a resume at this mesh restores them instead
+    offset = 0
+    if run.resume_from is not None:
+        if run.pmodel.router_stats is not None:  # the expert bias of aux-loss-free balancing
+            run.saved["moe"] = run.pmodel.router_stats
+        step = load_checkpoint(run.resume_from, run.pmodel, opt if c.load_optimizer else None, extra=run.saved)
+        run.start = step if c.load_step else 0
+        offset = run.start if not c.load_scheduler else 0  # a restarted schedule spans the steps left
+        if c.load_data_position and "data" in run.saved:
+            run.pipe.load_state_dict(run.saved["data"])
+    for group in opt.param_groups:  # the schedule's peak lr, whatever the checkpoint's groups held
+        group["lr"] = o.lr
+        group.pop("initial_lr", None)
+    if run.start > r.steps:
+        raise ValueError(
+            f"the run resumed from {run.resume_from} is already at step {run.start}, past run.steps={r.steps}: raise "
+            "run.steps to train further, or set checkpoint.resume: none to start over"
+        )
+    run.sched = build_lr_scheduler(opt, o, max(1, r.steps - offset))  # a complete run (start == steps) trains nothing
+    if run.resume_from is not None and c.load_scheduler and "scheduler" in run.saved:
+        run.sched.load_state_dict(run.saved["scheduler"])
+        run.schedule_change = _schedule_change(run)
+
+
+def _schedule_change(run: Run) -> str | None:
+    """One line when a resumed schedule's length differs from the one the checkpoint was trained under:
+    the schedule is rebuilt over the new run.steps at the same position, so the lr can move at once
+    (under cosine or linear it jumps; under WSD only the stable phase changes until the decay)."""
+    old, new = run.saved.get("run_steps"), run.cfg.run.steps
+    if old is None or old == new or run.start == new:
+        return None
+    before = run.saved.get("lr")
+    after = run.opt.param_groups[0]["lr"]
+    was = f"lr {before:.3g} at step {run.start}, " if before is not None else ""
+    return (
+        f"run.steps changed from {old} to {new} since the checkpoint: the {run.cfg.optim.schedule} schedule now "
+        f"spans {new} steps instead of {old}: {was}lr {after:.3g} at step {run.start + 1}"
+    )
+
+
+def announce(run: Run, derived: list[str], missing: list[str]) -> None:
+    """The output folder, the resolved config (printed and saved), the derived values, the trackers."""
+    from tqdm.auto import tqdm
+
+    cfg, c = run.cfg, run.cfg.checkpoint
+    say = tqdm.write
+    if run.rank0:
+        run.out.mkdir(parents=True, exist_ok=True)
+        resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+        files.write_file(run.out / "config.yaml", resolved, replace=True)
+        say("hf3d: resolved config (also in " + str(run.out / "config.yaml") + "):\n" + resolved.rstrip())
+        p = cfg.parallel
+        mesh = f"pp={p.pp} dp={run.pmodel.dp_size}" + (f" ep={p.ep}" if p.ep > 1 else "") + f" cp={p.cp} tp={p.tp}"
+        say(f"hf3d: mesh {mesh} on {dist.get_world_size()} processes")
+        if cfg.precision.fp8 != "off":
+            n = len(run.pmodel.fp8_projections)
+            say(
+                f"hf3d: fp8 {cfg.precision.fp8}: {n} projection(s) of this rank's layers in FP8 (torchao); the head, "
+                f"embeddings, norms, routers and experts in {cfg.model.dtype}"
+            )
+        for line in derived + run.pipe.summary():
+            say(f"hf3d: {line}")
+        if missing:
+            say(tracker_install_hint(missing))
+        if run.resume_from is not None:
+            parts = [k for k in ("optimizer", "scheduler", "step", "data_position") if getattr(c, f"load_{k}")]
+            restored = ", ".join(parts) or "weights only"
+            say(f"hf3d: resumed from {run.resume_from} at step {run.start} (restored: {restored})")
+            if run.schedule_change:
+                say(f"hf3d: {run.schedule_change}")
+        if run.start == cfg.run.steps:
+            say(f"hf3d: the run is complete at step {run.start} (run.steps); writing its final outputs again")
+    if run.trackers:
+        flat = {
+            f"{sec}.{k}": v if isinstance(v, int | float | str | bool) else str(v)
+            for sec, d in cfg.to_dict().items()
+            for k, v in d.items()
+        }
+        run.acc.init_trackers("hf3d", config=flat)

@@ -1,0 +1,181 @@
+"""One step of a run: the batch, train_step, the optimizer's one host read, the metrics record; the health of a
+step (non-finite, spikes), stop signals agreed over ranks, and evaluation."""
+
+from __future__ import annotations
+
+import collections
+import math
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.expert import load_imbalance
+from .build import Run
+from .config import RunConfig
+from .metrics import (
+    flops_per_token,
+    peak_memory_bytes,
+)
+from .metrics import throughput as throughput_metrics
+
+
+def evaluate(pmodel, batches: list[dict]) -> float:
+    """The token-mean cross-entropy over the held-out batches (all dp ranks' rows), on every rank."""
+    was_training = pmodel.training
+    pmodel.eval()
+    loss_sum = count = 0.0
+    for b in batches:
+        s, n = pmodel.eval_loss(b["input_ids"], shift_labels=b["shift_labels"], position_ids=b["position_ids"])
+        loss_sum, count = loss_sum + float(s), count + float(n)
+    pmodel.train(was_training)
+    return loss_sum / max(count, 1.0)
+
+
+def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[dict, int]:
+    """One optimizer step: batch, forward + backward, update, lr; returns its metrics record and the
+    stop signal the ranks agreed on (0: none). One host sync: the loss, the z-loss, the stop flag and
+    the out-of-vocabulary flag are read with the grad norm inside opt.step()."""
+    from tqdm.auto import tqdm
+
+    cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
+    run.rope.enter(step)  # a stage with other RoPE settings: the model's change in place
+    run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step), run.mlp_costs)
+    lr = opt.param_groups[0]["lr"]
+    t0 = time.perf_counter()
+    batch = pipe.next_batch(step)
+    data_s = time.perf_counter() - t0
+    loss = pmodel.train_step(
+        batch["input_ids"],
+        shift_labels=batch["shift_labels"],
+        position_ids=batch["position_ids"],
+        z_loss=cfg.optim.z_loss,
+    )
+    riders = {"loss": loss, "stop": stop.agree()}
+    if cfg.optim.z_loss:
+        riders["z_loss"] = pmodel.last_z_loss
+    if pmodel.last_aux_loss is not None:
+        riders["aux_loss"] = pmodel.last_aux_loss
+    load = pmodel.expert_load()
+    if load is not None:  # read in the step's one host sync, not one of its own
+        riders.update(load_imbalance(load, pmodel.router_stats.layers))
+    opt.read_with_step(**riders)
+    opt.step()
+    values = opt.last_values
+    run.sched.step()
+    opt.zero_grad()
+    elapsed = time.perf_counter() - t0
+    warning = health.check(step + 1, values["loss"], values["grad_norm"], opt)
+    if warning and run.rank0:
+        tqdm.write(f"hf3d: {warning}")
+    consumed = pipe.consumed_tokens
+    tokens_per_step = cfg.run.global_batch * pipe.seq_len(step)
+    record = {
+        "step": step + 1,
+        "loss": values["loss"],
+        "lr": lr,
+        "grad_norm": values["grad_norm"],
+        "tokens": sum(consumed.values()),
+        "consumed_tokens": sum(consumed.values()),
+        **{f"consumed_tokens/{name}": n for name, n in consumed.items()},
+        **throughput_metrics(tokens_per_step, elapsed, dist.get_world_size(), run.flops_per_token, run.peak_flops),
+        "step_time_s": elapsed,
+        "data_time_pct": 100.0 * data_s / elapsed,
+        "peak_mem_bytes": peak_memory_bytes(),
+        "skipped": opt.last_step_skipped,
+        "skipped_steps": health.skipped,
+    }
+    if cfg.optim.z_loss:
+        record["z_loss"] = values["z_loss"]
+    if "aux_loss" in values:
+        record["moe/aux_loss"] = values["aux_loss"]
+    if load is not None:
+        record["moe/dropped_tokens"] = 0  # dropless
+        record.update({k: v for k, v in values.items() if k.startswith("moe/load_imbalance")})
+    if len(pipe.stage_starts) > 1:
+        record["stage"] = pipe.stage_index(step)
+    return record, int(values["stop"])
+
+
+def log_line(record: dict, steps: int) -> str:
+    line = (
+        f"step {record['step']}/{steps}: loss {record['loss']:.4f} lr {record['lr']:.2e} "
+        f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_sec']:.0f}"
+    )
+    if "eval_loss" in record:
+        line += f" eval_loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
+    return line
+
+
+class StepHealth:
+    """Non-finite steps and loss spikes. A step whose gradient norm is inf/NaN was already left out by
+    the optimizer (no update); here it is counted, explained (the first parameter whose gradient was
+    non-finite), and turned into a stop by run.on_nonfinite=stop or after run.max_consecutive_skips in
+    a row. A loss above spike_factor x the recent mean gets a warning line. Every rank decides alike:
+    the loss and the norm are global values."""
+
+    WINDOW = 50
+
+    def __init__(self, run: RunConfig, skipped: int = 0):
+        self.run, self.skipped, self.in_a_row = run, skipped, 0
+        self.recent: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+
+    def check(self, step: int, loss: float, grad_norm: float, opt) -> str | None:
+        """A warning line, None, or a ValueError that stops the run (the last checkpoint stays)."""
+        if opt.last_step_skipped:
+            self.skipped += 1
+            self.in_a_row += 1
+            names = opt.nonfinite_parameters()  # collective: every rank skipped this step
+            where = (
+                f"first parameter with a non-finite gradient: {names[0]}"
+                if names
+                else "every gradient is finite, their norm overflowed"
+            )
+            what = f"step {step}: loss {loss:.6g}, grad norm {grad_norm:.6g} ({where})"
+            if self.run.on_nonfinite == "stop":
+                raise ValueError(
+                    f"non-finite {what}; stopped by run.on_nonfinite=stop. Resume from the last checkpoint "
+                    "with a lower optim.lr, or set run.on_nonfinite=skip"
+                )
+            if self.in_a_row >= self.run.max_consecutive_skips:
+                raise ValueError(
+                    f"{self.in_a_row} steps in a row had a non-finite gradient, the last {what}: the run diverges. "
+                    "Resume from the last checkpoint with a lower optim.lr (or raise run.max_consecutive_skips)"
+                )
+            return f"warning: non-finite {what}: update skipped ({self.skipped} skipped so far)"
+        self.in_a_row = 0
+        warning = None
+        if self.run.spike_factor and len(self.recent) >= 10 and math.isfinite(loss):
+            mean = sum(self.recent) / len(self.recent)
+            if loss > self.run.spike_factor * mean:
+                warning = (
+                    f"warning: loss spike at step {step}: {loss:.4f} > {self.run.spike_factor:g} x the mean of "
+                    f"the previous {len(self.recent)} steps ({mean:.4f})"
+                )
+        if math.isfinite(loss):
+            self.recent.append(loss)
+        return warning
+
+
+class StopSignal:
+    """SIGTERM and SIGINT (preemption, Ctrl-C, torchrun forwarding either) end the run cleanly: the
+    handler only records the signal; in each step, after the backward, the ranks agree (one max
+    all-reduce, so a signal that reached one rank stops all; its result is read in the step's one host
+    sync), then save a checkpoint of that step and exit with 128 + the signal number (143 for SIGTERM,
+    130 for SIGINT). A signal that comes later in a step stops the next one. `checkpoint.resume: auto`
+    then continues exactly."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.received = device, 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._record)
+
+    def _record(self, signum, frame) -> None:
+        self.received = signum
+
+    def agree(self) -> torch.Tensor:
+        """The largest signal number any rank received (0: none), as a device tensor: no host sync."""
+        flag = torch.full((), self.received, dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag

@@ -1,0 +1,134 @@
+"""`hf3d train`: a YAML config (hf3d/train/config.py) -> parallel model, data pipeline, ZeRO optimizer and
+lr schedule -> steps, evaluation, checkpoints, metrics -> an HF export, a loss curve and a model card.
+
+The order of a run: every check that needs no data or weights (check_run) -> model -> data (tokenised
+once per node, cached) -> optimizer -> resume (only the parts the checkpoint section asks for) ->
+the output directory is created, the resolved config printed and saved -> steps.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import NoReturn
+
+import torch
+
+from ..checkpoint.rotation import finish_save
+from ..checkpoint.save import prepare_async_save, save_checkpoint
+from ..parallel.mesh import on_rank0
+from ..utils.faults import RunState, is_communication_error, leave, root_cause
+from .build import Run, announce, build_run, report_memory, resume_run
+from .config import TrainConfig
+from .finish import finish_run, training_summary
+from .metrics import (
+    MetricsWriter,
+)
+from .step import StepHealth, StopSignal, evaluate, log_line, one_step
+
+__all__ = ["TrainConfig", "train"]
+
+
+def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
+    """Run training; returns the last step's metrics."""
+    from tqdm.auto import tqdm
+
+    state = state or RunState()
+    run, derived, missing = build_run(cfg, state)
+    resume_run(run)
+    announce(run, derived, missing)
+    r = cfg.run
+    metrics = MetricsWriter(run.out, enabled=run.rank0, resume_step=run.start if run.resume_from is not None else None)
+    eval_batches = run.pipe.eval_batches()
+    record: dict = {}
+    bar = tqdm(total=r.steps, initial=run.start, disable=not run.rank0, desc="train", unit="step", dynamic_ncols=True)
+    stop = StopSignal(run.pmodel.device)
+    health = StepHealth(r, skipped=int(run.saved.get("skipped_steps", 0)) if run.start else 0)
+    for step in range(run.start, r.steps):
+        state.step = step + 1
+        try:
+            record, signum = one_step(run, step, health, stop)
+            if step == run.start and cfg.checkpoint.async_ and cfg.checkpoint.every:
+                prepare_async_save(run.pmodel, run.opt)  # the optimizer's state exists: stage buffers now
+            if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
+                record["eval_loss"] = evaluate(run.pmodel, eval_batches)
+                record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
+            metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
+            _checkpoint_and_stop(run, step, record, health, signum)
+        except Exception as e:
+            _let_the_write_finish(run, e)
+            raise
+        if run.trackers:
+            run.acc.log(record, step=step + 1)
+        if step == run.start:  # optimizer state exists from the first step on
+            report_memory(run.opt, run.out, run.rank0, tqdm.write)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
+        bar.update(1)
+        if run.rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record):
+            tqdm.write(log_line(record, r.steps))
+    bar.close()
+    for tracker in run.acc.trackers:  # not acc.end_training(): it would also end torch.distributed
+        tracker.finish()
+    run.rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
+    finish_run(cfg, run.pmodel, run.out, metrics.path, record, run.rank0)
+    return record
+
+
+def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, signum: int) -> None:
+    """A checkpoint every checkpoint.every steps, at the last step and when a stop signal came; after a
+    signal, leave with 128 + its number."""
+    from tqdm.auto import tqdm
+
+    c = run.cfg.checkpoint
+    if signum or (c.every and ((step + 1) % c.every == 0 or step + 1 == run.cfg.run.steps)):
+        t1 = time.perf_counter()
+        extra = {"scheduler": run.sched, "data": run.pipe, "tokens": record["tokens"], "skipped_steps": health.skipped}
+        if run.pmodel.router_stats is not None:
+            extra["moe"] = run.pmodel.router_stats
+        # the schedule's length and this step's lr (a resume with another run.steps says how the lr moves),
+        # and the run's record so far, which `hf3d convert to-hf` writes beside the weights for the model card
+        extra.update(run_steps=run.cfg.run.steps, lr=record["lr"])
+        if run.rank0:  # extra.pt is written by rank 0, the only rank that writes metrics.jsonl
+            extra["training"] = training_summary(run.cfg, run.out / "metrics.jsonl", record)
+        path, root = run.out / "checkpoints" / f"step_{step + 1}", run.out / "checkpoints"
+        if c.async_:  # `latest` and keep_last follow the publication, in the background (rank 0)
+            last = signum or step + 1 == run.cfg.run.steps
+            run.pending = save_checkpoint(
+                path, run.pmodel, run.opt, step=step + 1, extra=extra, async_=True,
+                after_publish=lambda: finish_save(root, c.keep_last, path),
+            )  # fmt: skip
+            run.saved_to = run.pending.result() if last else path  # a stop or the end waits for the write
+            how = "saved" if last else "started (written in the background)"
+        else:
+            run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
+            on_rank0(lambda: finish_save(root, c.keep_last, path))
+            how = "saved"
+        if run.rank0:
+            tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")
+    if signum:
+        code = 128 + signum
+        if run.rank0:
+            tqdm.write(
+                f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {run.saved_to} "
+                f"(checkpoint.resume=auto); exit code {code}"
+            )
+        _leave(code, run.acc)
+
+
+def _let_the_write_finish(run: Run, e: Exception) -> None:
+    """A rank stopping with an error first lets a checkpoint being written in the background finish here
+    (its own part, no collective), so the last checkpoint is published; not when a peer is gone, as the
+    write needs every rank."""
+    if run.pending is not None and not run.pending.waited and not is_communication_error(root_cause(e)):
+        problem = run.pending.join()
+        if problem is not None and run.rank0:
+            print(f"hf3d: warning: the checkpoint {run.pending.path} was not written: {problem}", file=sys.stderr)
+
+
+def _leave(code: int, acc) -> NoReturn:
+    """End a stopped run at once with `code`, every rank alike, once its checkpoint is saved: trackers
+    closed, then faults.leave (all ranks arrive, output flushed, no interpreter teardown)."""
+    for tracker in acc.trackers:
+        tracker.finish()
+    leave(code)
