@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+from .utils.noise import quiet_known_noise  # noqa: E402 - logging only: no torch is imported
+
+quiet_known_noise()
+
 _SOURCES = {
     "FP8Config": ".parallel.fp8",
     "ParallelConfig": ".parallel.config",

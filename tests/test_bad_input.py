@@ -768,6 +768,13 @@ CASES: list[Case] = [
         ["precision.fp8 recipe must be one of off, tensorwise, rowwise, got 'fp4'"],
     ),
     _c(
+        "config-fp8-true",
+        CFG,
+        "`precision.fp8: on` (YAML reads on / yes / true as true; a bare off is fine)",
+        lambda fx: _set("precision.fp8=on"),
+        ["precision.fp8 must be off, tensorwise or rowwise, got true (YAML's on / yes / true)"],
+    ),
+    _c(
         "config-tp-zero",
         CFG,
         "`parallel.tp: 0`",
@@ -1168,9 +1175,11 @@ CASES: list[Case] = [
     _c(
         "launch-warmup-too-long",
         LAUNCH,
-        "`optim.warmup_steps` as long as the run",
-        lambda fx: _check_run("run.steps=10", "optim.warmup_steps=10"),
-        ["optim.warmup_steps (10) leaves no step of the 10-step run to decay over"],
+        "`optim.warmup_steps` as long as the run (a short try of a long run's config)",
+        lambda fx: next(line for line in _check_run("run.steps=10", "optim.warmup_steps=10") if "warm-up" in line),
+        ["optim.warmup_steps=10 does not fit the 10-step run, so it warms up over 1 step(s), a tenth of the run"],
+        error=False,
+        behaviour="the run warms up over a tenth of the run and says so in its derived values",
     ),
     _c(
         "launch-env-tp",

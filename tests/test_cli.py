@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -81,3 +82,62 @@ def test_bad_config_is_one_clear_error_and_nonzero_exit(tmp_path):
 
     proc = _run(["train", "missing.yaml"], tmp_path)
     assert proc.returncode == 1 and "config file 'missing.yaml' does not exist" in proc.stderr
+
+
+def test_every_value_the_readme_shows_parses():
+    """Each `key: a | b | c` of the README's section table, and every `--set` of its commands, parses as written
+    (YAML reads a bare off as false: `precision.fp8: off` is "off")."""
+    import re
+
+    from hf3d.train.config import TrainConfig
+
+    readme = (ROOT / "README.md").read_text()
+    stand_in = {"every_<k>": "every_2", "PATH": "some/checkpoints/step_20"}
+    wsd = ["optim.schedule=wsd", "optim.decay_steps=0.1"]  # what a wsd key needs beside it
+    tried = 0
+    for row in readme.splitlines():
+        head = re.match(r"\| `(\w+)` \|", row)
+        for key, values in re.findall(r"`(\w+): ([^`]+)`", row) if head else ():
+            for value in values.split(" \\| "):
+                value = stand_in.get(value, value)
+                context = wsd if key == "decay_shape" or value == "wsd" else []
+                cfg = TrainConfig.from_yaml(None, [*context, f"{head.group(1)}.{key}={value}", "model.path=x"])
+                got = getattr(getattr(cfg, head.group(1)), key)
+                assert str(got).lower() == value.lower(), (key, value, got)
+                tried += 1
+    assert tried >= 20, tried
+    for line in re.findall(r"--set ([^\n`]+)", readme):
+        sets = [s for s in line.split() if re.fullmatch(r"\w+(\.\w+)+=[^$]+", s)]
+        TrainConfig.from_yaml(str(ROOT / "examples/configs/tiny-smollm.yaml"), sets)
+
+
+def test_a_refusal_under_torchrun_ends_the_screen_with_hf3ds_line(tmp_path):
+    """torchrun ends a failed job with its summary of the workers' failures: the root cause there carries hf3d's one
+    line (written to torchelastic's error file), not a pointer to torch's docs, and no hf3d traceback is shown."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hf3d", "train"]
+    cmd += [str(ROOT / "examples/configs/tiny-smollm.yaml"), "--set", "run.stepz=3", f"run.output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not set(line.strip()) <= set("=-")]
+    assert lines[-1].strip().startswith("traceback : hf3d train: error: unknown key 'stepz' in run;"), lines[-8:]
+    assert "hf3d/" not in proc.stderr.split("ChildFailedError")[0].split("hf3d train: error")[0]  # no hf3d frames
+
+
+def test_a_run_without_fp8_prints_nothing_of_torchao():
+    """transformers imports torchao (when installed) with its model code; the CUDA-kernel and deprecation records
+    that come with it are not printed where they say nothing (hf3d/utils/noise.py)."""
+    code = "import hf3d, hf3d.parallelize, transformers.modeling_utils, hf3d.parallel.fp8"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
+
+
+def test_a_hub_model_on_the_wrong_world_size_is_refused_before_any_hub_lookup(tmp_path):
+    """The long-context recipe names a Hub model and 8 processes: on 1 process the world size is refused at once,
+    offline, before transformers looks the model up (it would retry the Hub first)."""
+    cmd = [sys.executable, "-m", "hf3d", "train", str(ROOT / "examples/configs/smollm3-long-context.yaml")]
+    cmd += ["--set", f"run.output_dir={tmp_path / 'out'}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("hf3d train: error: world size 1 is not tp·pp·dp·cp")
+    assert not (tmp_path / "hf-home").exists() and not (tmp_path / "out").exists()

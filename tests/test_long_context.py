@@ -27,6 +27,7 @@ from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "configs" / "smollm3-long-context.yaml"
+TINY_EXAMPLE = ROOT / "examples" / "configs" / "smollm3-long-context-tiny.yaml"
 MAX_POS, SEQ, THETA = 16, 32, 2.5e5  # the model's positions; the stage's rows (twice as long) and rope base
 LOGITS_ATOL, MOVED = 1e-5, 1e-4
 
@@ -121,22 +122,37 @@ def _hf3d(launcher: list[str], *args: str) -> subprocess.CompletedProcess:
 
 
 def _tiny_example(tmp: Path, model_path: Path, out: Path) -> Path:
-    """The shipped config with its model, data, mesh and length scaled to a CPU test; its stages kept."""
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    cfg["model"].update(path=str(model_path), dtype="float32")
-    cfg["parallel"] = {"tp": 1, "cp": 2, "num_microbatches": 2}  # each row split over 2 cp ranks, as the recipe does
-    data = cfg["data"]
-    data.update(seq_len=TINY["seq_len"], num_proc=1)
-    for stage, start in zip(data["stages"], (0, TINY["switch"])):
-        stage.update(start_step=start, seq_len=stage["seq_len"] // SCALE)
-        stage["max_position_embeddings"] //= SCALE
-        stage["sources"] = [{"path": "examples/data/shakespeare.jsonl", "name": "plays"}]
-    cfg["optim"].update(warmup_steps=1, decay_steps=1)
-    cfg["run"].update(steps=TINY["steps"], global_batch=TINY["rows"], output_dir=str(out), report_to=[], log_every=1)
-    cfg["checkpoint"].update(every=2, keep_last=0)
+    """The shipped tiny variant (examples/configs/smollm3-long-context-tiny.yaml), from `model_path`, into `out`."""
+    cfg = yaml.safe_load(TINY_EXAMPLE.read_text())
+    cfg["model"]["path"] = str(model_path)
+    cfg["run"].update(output_dir=str(out), report_to=[])
     path = tmp / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def test_the_tiny_variant_is_the_recipe_at_1_1024_of_its_rows():
+    """The small variant the README and the example's comments point to is the full recipe scaled: the same stages,
+    RoPE bases, schedule and recompute, rows and positions / 1024, cp=2 on 2 processes, local data only."""
+    big, tiny = yaml.safe_load(EXAMPLE.read_text()), yaml.safe_load(TINY_EXAMPLE.read_text())
+    pairs = list(zip(big["data"]["stages"], tiny["data"]["stages"]))
+    assert len(pairs) == 2 and [t["start_step"] for _, t in pairs] == [0, TINY["switch"]]
+    for b, t in pairs:
+        assert (t["name"], t["rope_theta"]) == (b["name"], b["rope_theta"])
+        assert (t["seq_len"], t["max_position_embeddings"]) == (
+            b["seq_len"] // SCALE,
+            b["max_position_embeddings"] // SCALE,
+        )
+        assert all(not Path(s["path"]).is_absolute() and (ROOT / s["path"]).is_file() for s in t["sources"])
+    assert (tiny["parallel"]["cp"], tiny["parallel"]["tp"], tiny["parallel"]["recompute"]) == (2, 1, "full")
+    assert {k: tiny["optim"][k] for k in ("schedule", "decay_shape")} == {
+        k: big["optim"][k] for k in ("schedule", "decay_shape")
+    }
+    assert (tiny["data"]["seq_len"], tiny["run"]["steps"], tiny["run"]["global_batch"]) == (
+        TINY["seq_len"],
+        TINY["steps"],
+        TINY["rows"],
+    )
 
 
 def _records(out: Path) -> list[dict]:

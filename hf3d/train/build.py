@@ -23,7 +23,7 @@ from ..parallel.mesh import device_type
 from ..parallel.rng import seed_streams
 from ..utils import files
 from ..utils.faults import RunState, store_barrier
-from .config import DTYPES, ModelConfig, TrainConfig, check_run
+from .config import DTYPES, ModelConfig, TrainConfig, check_launch, check_run
 from .lr_schedules import build_lr_scheduler
 from .metrics import (
     available_trackers,
@@ -129,6 +129,8 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
         torch.use_deterministic_algorithms(True)
     init_distributed(cfg.run.collective_timeout_s)
+    if not Path(cfg.model.path).exists():  # a Hub id: the checks that need no model config come before its lookup
+        check_launch(cfg, world_size=dist.get_world_size())
     base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
     # "auto" becomes what runs (the resolved config records it; the derived values say why)

@@ -224,9 +224,10 @@ class PrecisionConfig:
     """FP8 training of the decoder layers' projections (hf3d/parallel/fp8.py; needs torchao: pip install
     'hf3d[fp8]')."""
 
-    fp8: str = "off"
+    fp8: str | bool = "off"
     """off, tensorwise or rowwise (torchao's recipes). The output head, embeddings, norms and a MoE layer's
-    router and experts stay in model.dtype; checkpoints never hold fp8 tensors, so a resume may switch it."""
+    router and experts stay in model.dtype; checkpoints never hold fp8 tensors, so a resume may switch it.
+    YAML reads a bare `off` as false: that is "off" too."""
     fp8_keep: list[str] = field(default_factory=list)
     """Projections to keep in model.dtype: each entry a substring of the stock module name ("mlp.down_proj")."""
     fp8_auto_filter: bool = False
@@ -235,6 +236,10 @@ class PrecisionConfig:
     """torchao's emulated matmul instead of torch._scaled_mm (for checking numbers, not for speed)."""
 
     def __post_init__(self) -> None:
+        if self.fp8 is False:  # `fp8: off` in YAML (1.1 reads off as false)
+            self.fp8 = "off"
+        elif self.fp8 is True:
+            raise ValueError("precision.fp8 must be off, tensorwise or rowwise, got true (YAML's on / yes / true)")
         self.fp8_config()  # refuses an unknown recipe or a malformed keep list here, before anything loads
 
     def fp8_config(self):
@@ -319,12 +324,15 @@ RUN_FILES = ("metrics.jsonl", "config.yaml", "loss_curve.png", "sample.txt", "me
 """The files `hf3d train` writes (and replaces) in its output folder."""
 
 
-def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
-    """Checks across sections, before anything is loaded or written; returns the derived values to
-    print at start (tokens per step and in all, the lr decay window, data stages against it)."""
+def check_launch(cfg: TrainConfig, *, world_size: int) -> int:
+    """The checks that need neither the model's config nor any data, run first (before a Hub lookup of the model):
+    the launch against the mesh, the batch against dp and micro-batches, each stage's rows against cp, the output
+    folder. Returns dp."""
     p, r = cfg.parallel, cfg.run
     check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
-    _check_model_fits(cfg, model_config)
+    from ..utils.compat import check_pipeline_schedule
+
+    check_pipeline_schedule(p.pp_schedule, p.pp, key="parallel.pp_schedule")
     if r.save_final:  # the export at the end replaces only an earlier export there
         from ..hf.folders import check_output_dir, is_export_file
 
@@ -338,12 +346,23 @@ def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
             f"run.global_batch={r.global_batch} is not divisible by dp·num_microbatches = {dp}·{m} = {dp * m}: "
             f"use a multiple of {dp * m}"
         )
-    stages = cfg.data.resolved_stages()
-    for i, stage in enumerate(stages):
-        _check_stage_model(cfg, i, stage, model_config)
+    for i, stage in enumerate(cfg.data.resolved_stages()):
         if cfg.data.stages and cfg.data.stages[i].seq_len is not None:  # a stage's own length cuts over cp too
             sp = p.sequence_parallel
             check_cp_seq_len(stage.seq_len, cp=p.cp, tp=p.tp, sequence_parallel=sp, where=f"data.stages[{i}].seq_len")
+    return dp
+
+
+def check_run(cfg: TrainConfig, *, world_size: int, model_config) -> list[str]:
+    """Checks across sections, before anything is loaded or written; returns the derived values to
+    print at start (tokens per step and in all, the lr decay window, data stages against it)."""
+    p, r = cfg.parallel, cfg.run
+    _check_model_fits(cfg, model_config)  # first: no other number of processes would help
+    dp = check_launch(cfg, world_size=world_size)
+    m = p.num_microbatches
+    stages = cfg.data.resolved_stages()
+    for i, stage in enumerate(stages):
+        _check_stage_model(cfg, i, stage, model_config)
     seq = stages[0].seq_len
     ends = [s.start_step for s in stages[1:]] + [r.steps]
     total = sum(
@@ -375,9 +394,6 @@ def _check_model_fits(cfg: TrainConfig, model_config) -> None:
     """parallel.compile, tp and ep against the model, before the world size: launching another number of
     processes would not help."""
     p = cfg.parallel
-    from ..utils.compat import check_pipeline_schedule
-
-    check_pipeline_schedule(p.pp_schedule, p.pp, key="parallel.pp_schedule")
     if p.compile is True:
         from ..parallel.compile import check_compile
         from ..parallel.mesh import device_type

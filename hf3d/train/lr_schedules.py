@@ -103,21 +103,30 @@ def _steps(value: int | float, total_steps: int) -> int:
     return value if isinstance(value, int) else max(1, round(value * total_steps))
 
 
+def fitted_warmup(cfg: ScheduleConfig, total_steps: int) -> tuple[int, str | None]:
+    """The warm-up steps of a run of `total_steps`, and a line saying so where the configured warm-up did not fit
+    (None where it did). A cosine, linear or constant schedule whose warm-up leaves no step to decay over (a short
+    try of a config written for a long run) warms up over a tenth of the run instead; a wsd schedule keeps its
+    windows, checked against each other below."""
+    asked = _steps(cfg.warmup_steps, total_steps)
+    room = total_steps if cfg.schedule == "constant" else total_steps - 1
+    if cfg.schedule == "wsd" or asked <= room:
+        return asked, None
+    fitted = total_steps // 10
+    return fitted, (
+        f"lr warm-up: optim.warmup_steps={asked} does not fit the {total_steps}-step run, so it warms up over "
+        f"{fitted} step(s), a tenth of the run; set optim.warmup_steps to choose"
+    )
+
+
 def _window(cfg: ScheduleConfig, total_steps: int) -> tuple[int, int | None, int | None]:
     """(warmup steps, decay start, decay end) in step indices of the run; (w, None, None) for constant."""
     if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
         raise ValueError(f"the run's total steps must be an int >= 1, got {total_steps!r}")
-    warmup = _steps(cfg.warmup_steps, total_steps)
+    warmup, _ = fitted_warmup(cfg, total_steps)
     if cfg.schedule == "constant":
-        if warmup > total_steps:
-            raise ValueError(f"optim.warmup_steps ({warmup}) is longer than the run ({total_steps} steps)")
         return warmup, None, None
     if cfg.schedule in ("cosine", "linear"):
-        if warmup >= total_steps:
-            raise ValueError(
-                f"optim.warmup_steps ({warmup}) leaves no step of the {total_steps}-step run to decay over: "
-                "shorten the warm-up or run longer"
-            )
         return warmup, warmup, total_steps
     if cfg.decay_start is not None:
         start = _steps(cfg.decay_start, total_steps)
@@ -157,6 +166,9 @@ def describe_schedule(cfg: ScheduleConfig, total_steps: int) -> list[str]:
     shape = (cfg.decay_shape or "linear") if cfg.schedule == "wsd" else cfg.schedule
     min_lr = cfg.lr if cfg.schedule == "constant" else cfg.min_lr
     lines = [f"lr schedule: {cfg.schedule} over {total_steps} steps, peak lr {cfg.lr:g}, min lr {min_lr:g}"]
+    note = fitted_warmup(cfg, total_steps)[1]
+    if note is not None:
+        lines.append(note)
     if warmup:
         lines.append(f"lr warm-up: steps [0, {warmup}), linear from {cfg.lr / warmup:g} to {cfg.lr:g}")
     else:

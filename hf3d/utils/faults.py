@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import json
 import os
 import signal
 import sys
@@ -37,6 +38,8 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 import torch.distributed as dist
+
+from . import files
 
 EXIT_ERROR = 1
 EXIT_COMMUNICATION = 3
@@ -154,16 +157,33 @@ def fail(e: BaseException, state: RunState, command: str) -> int:
     communication = is_communication_error(e)
     code = EXIT_COMMUNICATION if communication else EXIT_ERROR
     first = _first_to_report() if peers else state.rank == 0
+    if state.coords is None and state.step == 0 and isinstance(e, USER_ERRORS):  # before any rank started
+        line = f"{command}: error: {' '.join(str(e).split())}"
+    else:
+        line = f"{command}: {state.where()}: {one_line(e)}"
+    _tell_the_launcher(line)
     if first:
         if not isinstance(e, USER_ERRORS) and not communication:
             traceback.print_exception(e, file=sys.stderr)
-        if state.coords is None and state.step == 0 and isinstance(e, USER_ERRORS):
-            print(f"{command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # before any rank started
-        else:
-            print(f"{command}: {state.where()}: {one_line(e)}", file=sys.stderr)
+        print(line, file=sys.stderr)
     if not group:
         return code
     _exit_now(code)
+
+
+def _tell_the_launcher(line: str) -> None:
+    """torchrun's summary of a failed job names each worker's error file as its root cause: this rank's line
+    goes there (TORCHELASTIC_ERROR_FILE, one per worker, as torch's own @record writes it), so the summary that
+    ends the screen carries hf3d's message instead of a pointer to torch's docs. The first rank to fail writes
+    first, and torchrun takes the earliest as the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": line, "timestamp": int(time.time())}
+    try:
+        files.write_file(path, json.dumps(record))
+    except OSError:  # one is there already (torch's own handler wrote it): it says what happened
+        pass
 
 
 def _exit_now(code: int) -> NoReturn:
