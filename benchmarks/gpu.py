@@ -98,12 +98,6 @@ def parse_args(argv=None):
     ap.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument(
-        "--alias-collectives",
-        action="store_true",
-        help="torch < 2.13 without hf3d's own shim: "
-        "dist.all_gather_single / reduce_scatter_single := all_gather_into_tensor / reduce_scatter_tensor",
-    )
     args = ap.parse_args(argv)
     args.quick = args.quick or args.cpu_smoke
     if args.quick:
@@ -471,13 +465,6 @@ def main(argv=None) -> int:
         return 0 if args.skip_without_gpu else 2
     import torch.distributed as dist
 
-    if args.alias_collectives:
-        for new, old in (
-            ("all_gather_single", "all_gather_into_tensor"),
-            ("reduce_scatter_single", "reduce_scatter_tensor"),
-        ):
-            if not hasattr(dist, new):
-                setattr(dist, new, getattr(dist, old))
     import hf3d.train.metrics
 
     t_start = time.perf_counter()
