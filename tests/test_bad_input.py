@@ -1182,6 +1182,16 @@ CASES: list[Case] = [
         behaviour="the run warms up over a tenth of the run and says so in its derived values",
     ),
     _c(
+        "launch-wsd-warmup-too-long",
+        LAUNCH,
+        "`optim.schedule: wsd` whose warm-up runs into its decay (20 warm-up steps, a 10-step try)",
+        lambda fx: _check_run("run.steps=10", "optim.warmup_steps=20", "optim.schedule=wsd", "optim.decay_steps=0.1"),
+        [
+            "optim.warmup_steps (20) + optim.decay_steps (1) do not fit in the run",
+            "set optim.warmup_steps to at most 9",
+        ],
+    ),
+    _c(
         "launch-env-tp",
         LAUNCH,
         "`HF3D_TP=two` in the environment",

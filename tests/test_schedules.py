@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -233,3 +234,28 @@ def test_a_warm_up_that_does_not_fit_a_short_run_takes_a_tenth_of_it_and_says_so
     assert describe_schedule(ScheduleConfig(lr=1e-3, warmup_steps=20, schedule=schedule), 200)[1].startswith(
         "lr warm-up: steps [0, 20)"
     )  # where it fits, nothing changes
+
+
+def test_a_short_run_that_would_not_warm_up_at_all_says_so():
+    """5 steps with 20 warm-up steps: a tenth of the run is no step, and the line says that, not '0 step(s)'."""
+    from hf3d.train.lr_schedules import describe_schedule
+
+    lines = describe_schedule(ScheduleConfig(lr=1e-3, warmup_steps=20, schedule="cosine"), 5)
+    assert "does not fit the 5-step run, so it does not warm up; set optim.warmup_steps" in lines[1], lines
+    assert lines[2] == "lr warm-up: none"
+
+
+@pytest.mark.parametrize(
+    "extra, fix",
+    [
+        (dict(decay_steps=0.1), "set optim.warmup_steps to at most 9 (a short try: --set optim.warmup_steps=0)"),
+        (dict(decay_start=0.5), "set optim.warmup_steps to at most 5 or start the decay later"),
+    ],
+)
+def test_a_wsd_warm_up_that_does_not_fit_is_refused_with_its_fix(extra, fix):
+    """wsd keeps the windows it was given (the decay's place is the user's choice): a warm-up that runs into the
+    decay is refused, and the same line names the largest warm-up that fits."""
+    from hf3d.train.lr_schedules import describe_schedule
+
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        describe_schedule(ScheduleConfig(lr=1e-3, warmup_steps=20, schedule="wsd", **extra), 10)

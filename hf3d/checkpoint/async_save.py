@@ -13,7 +13,7 @@ What holds the state still until it is read depends on where it lives:
   A copy took 0.09 of the 0.41-0.48 CPU s a save cost each rank at dp=2 (8 layers of SmolLM2-135M), on
   cores the training step already uses, and kept a host copy of the rank's state (324 MiB there) for the
   whole run. The price: the update waits for the write itself (its disk writes too) where the step left
-  it too little idle time to finish before (benchmarks/README.md, the eighth round).
+  it too little idle time to finish before (`bench_checkpoint.py` measures the stall).
 - On a GPU, and for a save without an optimizer (nothing to hold back), hf3d's `BoxStager` copies exactly
   the boxes this rank writes, in a thread, into host buffers kept from one save to the next (pinned
   memory on a GPU); the update (or the save itself, without an optimizer) waits for that copy only.

@@ -27,7 +27,7 @@ from torch import nn
 from .expert import aux_stats, close_forward
 
 SCHEDULES = {  # torch.distributed.pipelining's classes, imported when the first pipeline is built (pp > 1): a run
-    # at pp = 1 never loads that package (1.0 MiB less in a tp=3 rank's load peak here, benchmarks/README.md)
+    # at pp = 1 never loads that package (1.0 MiB less in a tp=3 rank's load peak, as bench_load_memory.py measured it)
     "afab": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved-1f1b": "ScheduleInterleaved1F1B",

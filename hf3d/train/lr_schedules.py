@@ -113,9 +113,10 @@ def fitted_warmup(cfg: ScheduleConfig, total_steps: int) -> tuple[int, str | Non
     if cfg.schedule == "wsd" or asked <= room:
         return asked, None
     fitted = total_steps // 10
+    how = f"it warms up over {fitted} step(s), a tenth of the run" if fitted else "it does not warm up"
     return fitted, (
-        f"lr warm-up: optim.warmup_steps={asked} does not fit the {total_steps}-step run, so it warms up over "
-        f"{fitted} step(s), a tenth of the run; set optim.warmup_steps to choose"
+        f"lr warm-up: optim.warmup_steps={asked} does not fit the {total_steps}-step run, so {how}; set "
+        "optim.warmup_steps to choose"
     )
 
 
@@ -147,9 +148,11 @@ def _window(cfg: ScheduleConfig, total_steps: int) -> tuple[int, int | None, int
     if warmup > start:
         raise ValueError(
             f"optim.warmup_steps ({warmup}) + optim.decay_steps ({length}) do not fit in the "
-            f"run: the decay would start at step {start}, before the warm-up ends at step {warmup}"
+            f"run: the decay would start at step {start}, before the warm-up ends at step {warmup}; set "
+            f"optim.warmup_steps to at most {start} (a short try: --set optim.warmup_steps=0) or run longer"
             if cfg.decay_start is None
-            else f"optim.decay_start ({start}) is before the end of the warm-up (optim.warmup_steps = {warmup})"
+            else f"optim.decay_start ({start}) is before the end of the warm-up (optim.warmup_steps = {warmup}): "
+            f"set optim.warmup_steps to at most {start} or start the decay later"
         )
     return warmup, start, start + length
 
