@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
 
+from hf3d.parallel.tensor import _ReduceFromTP  # noqa: E402
 from hf3d.utils import compat  # noqa: E402
 
 WATCHDOG_S = 180
@@ -136,20 +137,9 @@ def scatter_then_gather(x, group):
     return gather_seq(reduce_scatter_seq(x * 3.0, group).sin(), group)
 
 
-class _SumCopy(torch.autograd.Function):
-    """hf3d.parallel.tensor's _ReduceFromTP: forward all_reduce_copy, backward the identity."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return compat.all_reduce_copy(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 class _SumInPlace(torch.autograd.Function):
-    """The same with the in-place all-reduce of a clone that torch 2.11 compiles wrong."""
+    """hf3d.parallel.tensor's _ReduceFromTP (forward all_reduce_copy, backward the identity) with the in-place
+    all-reduce of a clone that torch 2.11 compiles wrong."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -163,7 +153,7 @@ class _SumInPlace(torch.autograd.Function):
 
 
 def summed_copy(x, group):
-    return _SumCopy.apply(x * 2.0, group).cos()
+    return _ReduceFromTP.apply(x * 2.0, group).cos()
 
 
 def summed_in_place(x, group):
