@@ -34,6 +34,7 @@ import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
 from hf3d.checkpoint import entries as ckpt_entries  # noqa: E402
 from hf3d.checkpoint import save  # noqa: E402
+from hf3d.checkpoint.writer import OneFileWriter  # noqa: E402
 
 BATCH, SEQ, SAVE_AT, STEPS = 4, 16, 2, 5
 MESHES = {"dp2": dict(), "pp2": dict(pp=2, num_microbatches=2)}
@@ -365,49 +366,178 @@ def test_a_replay_that_fails_is_raised_on_every_rank_and_publishes_nothing(repla
     assert replayed[0]["f"] == []
 
 
-# -- what the first async save finds ready, and where it plans -----------------------------------------------
+# -- saves that copy: the arena, the plan and the writer process, made before the first save ------------------
 def _prepared_world(model_dir: str, out: str) -> None:
-    """A save that copies (here: without an optimizer, as a GPU save copies) after prepare_async_save: the host
-    buffers it copies into are the ones prepared, one per box this rank writes; DCP plans the save on the
-    background thread, not the training thread; and the copy restores exactly."""
+    """Saves that copy (here: without an optimizer, as a GPU save copies) after prepare_async_save: they copy
+    into the arena made then, one page-aligned place per box this rank writes; the staging thread makes the
+    entries it copies, not the training thread; DCP plans on the background thread only, and only once (at
+    the prepare), not per save; the writer process writes every data file, this process none; and each save
+    restores exactly."""
     start_watchdog(120)
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
-    checkpoint.prepare_async_save(pm)
-    stager = pm._background_saver.stager
-    entries, _ = ckpt_entries.state_entries(pm, None)
-    reserved = {key: id(buf) for key, buf in stager.buffers.items()}
-    planned_on = []
-    plan = ckpt_entries.SavePlanner.create_local_plan
+    planned_on, written_here = [], []
+    plan, write_data, replay = (
+        ckpt_entries.SavePlanner.create_local_plan,
+        OneFileWriter.write_data,
+        OneFileWriter.replay,
+    )
 
-    def recording(self):
+    def planning(self):
         planned_on.append(threading.current_thread() is threading.main_thread())
         return plan(self)
 
-    ckpt_entries.SavePlanner.create_local_plan = recording
-    saved = {key: t.clone() for key, t in pm.state_dict().items()}
-    hf3d.save_checkpoint(Path(out) / "weights", pm, step=0, async_=True).result()
-    ckpt_entries.SavePlanner.create_local_plan = plan
-    res = {
-        "boxes": sum(len(e.boxes) for e in entries.values()),
-        "reserved": len(reserved),
-        "same_buffers": {key: id(buf) for key, buf in stager.buffers.items()} == reserved,
-        "planned_on_main_thread": planned_on,
-    }
+    def writing(self, *args):
+        if type(self) is OneFileWriter:  # a Rehearsal writes nothing
+            written_here.append(dist.get_rank())
+        return write_data(self, *args)
+
+    ckpt_entries.SavePlanner.create_local_plan, OneFileWriter.write_data = planning, writing
+    OneFileWriter.replay = lambda self, *a: (written_here.append(dist.get_rank()), replay(self, *a))[1]
+    entries_of, entries_on = save.entries_of, []
+    save.entries_of = lambda *a: (entries_on.append(threading.current_thread() is threading.main_thread()),
+                                  entries_of(*a))[1]  # fmt: skip
+    checkpoint.prepare_async_save(pm)
+    saver = pm._background_saver
+    arena, entries = saver.stager.arena, ckpt_entries.state_entries(pm, None)[0]
+    res = {"boxes": sum(len(e.boxes) for e in entries.values()), "places": len(saver.stager.places)}
+    res["child"] = saver.process.alive() and saver.process.child.pid != os.getpid()
     fresh = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
-    hf3d.load_checkpoint(Path(out) / "weights", fresh)
-    res["restored"] = all(torch.equal(t, saved[k]) for k, t in fresh.state_dict().items())
+    res["restored"], res["plans"] = [], []
+    for i in range(2):
+        with torch.no_grad():
+            for p in pm.parameters():
+                p.add_(1.0)
+        saved = {key: t.clone() for key, t in pm.state_dict().items()}
+        hf3d.save_checkpoint(Path(out) / f"weights{i}", pm, step=i, async_=True).result()
+        res["plans"].append(len(planned_on))
+        hf3d.load_checkpoint(Path(out) / f"weights{i}", fresh)
+        res["restored"].append(all(torch.equal(t, saved[k]) for k, t in fresh.state_dict().items()))
+    ckpt_entries.SavePlanner.create_local_plan, OneFileWriter.write_data = plan, write_data
+    OneFileWriter.replay, save.entries_of = replay, entries_of
+    res.update(
+        entries_on_main_thread=entries_on,
+        same_arena=saver.stager.arena is arena,
+        aligned=all(start % 4096 == 0 for start, _, _ in saver.stager.places.values()),
+        planned_on_main_thread=planned_on,
+        written_here=written_here,
+        child_writes=saver.process.writes,
+    )
     report(res, Path(out) / "res.pt")
 
 
-def test_the_first_async_save_copies_into_buffers_made_before_it_and_plans_in_the_background(tmp_path):
+def test_saves_that_copy_are_planned_once_and_written_by_another_process(tmp_path):
     model_dir = make_model_dir(tmp_path / "llama", "llama")
     spawn(_prepared_world, 2, str(model_dir), str(tmp_path))
     results = torch.load(tmp_path / "res.pt")
     assert results[0]["boxes"] > 0  # without an optimizer dp rank 0 writes every parameter, rank 1 none
     for res in results:
-        assert res["reserved"] == res["boxes"] and res["same_buffers"], res
-        assert res["planned_on_main_thread"] == [False], res
-        assert res["restored"]
+        assert res["places"] == res["boxes"] and res["same_arena"] and res["aligned"], res
+        assert res["child"] and res["child_writes"] == 2 and res["written_here"] == [], res
+        # the prepare's rehearsals (a second where the first recorded torch.save layouts); the saves plan nothing
+        assert res["plans"][0] in (1, 2) and res["plans"][1] == res["plans"][0], res
+        assert res["planned_on_main_thread"] == [False] * res["plans"][0], res
+        assert res["entries_on_main_thread"] == [False, False], res  # the staging thread makes them
+        assert res["restored"] == [True, True]
+
+
+def _copying_world(model_dir: str, out: str) -> None:
+    """Saves that copy with an optimizer, as on a GPU (here on a CPU, told to copy): the update waits only for
+    the copy, so training goes on while the writer process has not begun; the files are the synchronous save's,
+    byte for byte, and a resume from them continues bit for bit. A writer process killed mid-save fails that
+    save on every rank with nothing published, and the next save starts another. Where no process can be
+    started, a thread writes the same bytes, and says so once."""
+    from hf3d.checkpoint import async_save
+    from hf3d.checkpoint.writer_process import WriterProcess
+
+    start_watchdog(240)
+    save._copies = lambda pmodel, opt: True
+    data, res, rank, root = batches(STEPS, BATCH, SEQ, 101), {}, dist.get_rank(), Path(out)
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt = _opt(pm)
+    first = _train(pm, opt, data[:SAVE_AT])
+    checkpoint.prepare_async_save(pm, opt)
+    hf3d.save_checkpoint(root / "sync", pm, opt, step=SAVE_AT)
+    held, write = threading.Event(), WriterProcess.write
+    WriterProcess.write = _held_until(write, held)
+    pending = hf3d.save_checkpoint(root / "async", pm, opt, step=SAVE_AT, async_=True)
+    rest = _train(pm, opt, data[SAVE_AT:])  # every update waits for the copy only: the write is held
+    res["trained_before_the_write"] = not pending.done()
+    held.set()
+    pending.result()
+    files = [checkpoint.read_marker(root / d)["files"] for d in ("sync", "async")]
+    res["files"] = {k: (v, files[1].get(k)) for k, v in files[0].items() if k.endswith(".distcp")}
+    pm2 = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt2 = _opt(pm2)
+    step = hf3d.load_checkpoint(root / "async", pm2, opt2)
+    res["resumed"], res["uninterrupted"] = first + _train(pm2, opt2, data[step:]), first + rest
+
+    # rank 1's writer process killed once its save has chosen it: that save fails everywhere, the next one writes
+    saver, killed = pm._background_saver, []
+
+    def killing(self, *args):
+        if rank == 1:
+            self.child.kill()
+            killed.append(self.child.wait())
+        return write(self, *args)
+
+    WriterProcess.write = killing
+    pending = hf3d.save_checkpoint(root / "killed", pm, opt, step=STEPS, async_=True)
+    try:
+        pending.result()
+        res["killed"] = None
+    except ValueError as e:
+        res["killed"] = f"{type(e).__name__}: {e}"
+    WriterProcess.write = write
+    old = saver.process.child.pid
+    res["killed_left"] = sorted(p.name for p in root.iterdir() if p.name.startswith("killed"))
+    hf3d.save_checkpoint(root / "after", pm, opt, step=STEPS, async_=True).result()
+    res["after"] = (checkpoint.is_complete(root / "after"), saver.process.child.pid != old, killed)
+
+    # no process: a thread of this one writes the same bytes, and says why once
+    def cannot_start():
+        raise OSError(24, "Too many open files")
+
+    async_save.WriterProcess = cannot_start
+    pm3 = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt3 = _opt(pm3)
+    _train(pm3, opt3, data[:SAVE_AT])
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for name in ("thread", "thread2"):
+            hf3d.save_checkpoint(root / name, pm3, opt3, step=SAVE_AT, async_=True).result()
+    async_save.WriterProcess = WriterProcess
+    res["said"] = [str(w.message) for w in said if "hf3d" in str(w.message)]
+    thread = checkpoint.read_marker(root / "thread")["files"]
+    res["thread"] = {k: (v, thread.get(k)) for k, v in files[0].items() if k.endswith(".distcp")}
+    report(res, root / "res.pt")
+
+
+@pytest.fixture(scope="module")
+def copied(tmp_path_factory):
+    return _two_ranks(tmp_path_factory, "copied", _copying_world)
+
+
+def test_a_save_that_copies_writes_its_steps_state_from_another_process_while_training_goes_on(copied):
+    for r in copied:
+        assert r["trained_before_the_write"]
+        assert r["files"] and all(a == b for a, b in r["files"].values()), r["files"]
+        assert r["resumed"] == r["uninterrupted"]  # bit for bit
+
+
+def test_a_writer_process_that_dies_fails_its_save_everywhere_and_the_next_save_starts_another(copied):
+    messages = [r["killed"] for r in copied]
+    assert messages[0] is not None and messages[0] == messages[1], messages
+    assert "rank 1: the checkpoint writer process " in messages[0] and "ended with exit code -9" in messages[0]
+    assert copied[0]["killed_left"] == []
+    assert copied[0]["after"] == (True, False, []) and copied[1]["after"] == (True, True, [-9])  # rank 1: another
+
+
+def test_without_a_writer_process_a_thread_writes_the_same_bytes_and_says_why_once(copied):
+    for r in copied:
+        assert r["thread"] and all(a == b for a, b in r["thread"].values()), r["thread"]
+        assert len(r["said"]) == 1 and "could not start (" in r["said"][0] and "Too many open files" in r["said"][0]
 
 
 def _train_recording(out: str) -> None:

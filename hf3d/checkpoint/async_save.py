@@ -1,125 +1,52 @@
-"""DCP saves that return at once: the files are written in the background while training goes on.
+"""Checkpoint saves that return at once: the files are written in the background while training goes on.
 
-`torch.distributed.checkpoint.async_save` stages the state dict (gives the write a state the training step
-cannot change under it), then plans and writes it in a thread of its own, with collectives on the process
-group it is given. That group is a gloo group made for the checkpoints alone: the training step keeps the
-model's groups, so the two never queue behind each other (and nccl, which async_save refuses for the
-background collectives, is never asked).
+The background's collectives go over a gloo group made for the checkpoints alone: the training step keeps the
+model's groups, so the two never queue behind each other (and nccl is never asked to serve a second thread).
+What holds the state still until it is read depends on where it lives.
 
-What holds the state still until it is read depends on where it lives:
-- On a CPU, with an optimizer, nothing is copied: the write reads the live tensors, and the optimizer's
-  next update waits until this rank's write has read all of them (`OneFileWriter.read`, through
-  `ParallelOptimizer.wait_before_update`). The write runs beside the next step's forward and backward.
-  A copy took 0.09 of the 0.41-0.48 CPU s a save cost each rank at dp=2 (8 layers of SmolLM2-135M), on
-  cores the training step already uses, and kept a host copy of the rank's state (324 MiB there) for the
-  whole run. The price: the update waits for the write itself (its disk writes too) where the step left
-  it too little idle time to finish before (`bench_checkpoint.py` measures the stall).
-- On a GPU, and for a save without an optimizer (nothing to hold back), hf3d's `BoxStager` copies exactly
-  the boxes this rank writes, in a thread, into host buffers kept from one save to the next (pinned
-  memory on a GPU); the update (or the save itself, without an optimizer) waits for that copy only.
-  DCP's DefaultStager copies whole storages: at dp=2 under ZeRO-1 a rank's parameter shard is a view of
-  the whole flat buffer, so it copied 432 MiB per rank for 324 MiB written, before the save returned.
+Saves that copy (`BackgroundSaver.save_copied`): on a GPU, and any save without an optimizer (nothing to hold
+back). `BoxStager` makes the entries (views of the state) and copies exactly the boxes this rank writes into the
+arena (`arena.py`: made once, pinned on a GPU, shared with the writer process); the optimizer's next update (or
+the save itself, without an optimizer) waits for that copy only. The save is planned once, not per save: a
+`Rehearsal` (DCP's planning, collective, nothing written) gives this rank's writes as a program, and the writer
+process (`WriterProcess`) writes each save from it. A save whose boxes moved (new entries, another arena) is
+planned again first, in the background, every rank together. Where the arena cannot be shared (no memfd) or no
+process can be started, the same program is written by a thread of this process instead.
 
-The background threads (the staging copy, DCP's writer and hf3d's completion) run at the lowest CPU
-priority: the training step keeps its cores, and the background takes the time the step leaves idle
-(collective waits, data loading). What the update still waits for is finished with the cores the step
-leaves idle then.
+Saves that read the live state (`save_live`): on a CPU with an optimizer nothing is copied. The write reads
+the live tensors in a thread (DCP, or a replay of the last save's writes where nothing moved), and the
+optimizer's next update waits until this rank's write has read all of them (`OneFileWriter.read`, through
+`ParallelOptimizer.wait_before_update`); the write runs beside the next step's forward and backward. A copy
+took 0.09 of the 0.41-0.48 CPU s a save cost each rank at dp=2 (8 layers of SmolLM2-135M), on cores the
+training step already uses, and kept a host copy of the rank's state (324 MiB there) for the whole run; a
+process could read only memory it shares, which the live state is not.
 
-What comes after the files (hf3d's checksums, marker, rename, `latest`, pruning) is the caller's `then`,
-run on this rank once its own write has finished: on the coordinator (rank 0) that is after every rank's
-files are on disk, since DCP's save returns there only when all ranks have reported their writes.
+The background threads run at the lowest CPU priority (the writer process too): the training step keeps its
+cores, and the background takes the time the step leaves idle.
+
+What comes after the files (hf3d's checksums, marker, rename, `latest`, pruning) is the caller's `then`, run
+on this rank in the saver's thread once its own write has finished; it gathers every rank's file table, so
+rank 0 publishes only after every rank's files are on disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
-import threading
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from .writer import dcp_debug_records_off
-
-
-def lower_thread_priority() -> None:
-    """Give the calling (background) thread the lowest CPU priority, where the OS allows it per thread
-    (Linux: a thread id is a PRIO_PROCESS target). Elsewhere, or when refused, it keeps its priority."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
-
-
-class BoxStager(AsyncStager):
-    """Stages a state dict of hf3d's checkpoint entries (each with `copied(into)`: the same entry over copies of
-    its boxes) in a thread of its own, into buffers kept per (entry, box) from one save to the next; returns
-    the future of the staged dict. On a GPU the copies go to pinned memory on a stream of their own, after the
-    work already queued on the current stream (the last update of the parameters)."""
-
-    _synchronize_after_execute = False  # the caller waits on the future (the optimizer's next update)
-
-    def __init__(self):
-        self.on_gpu = torch.cuda.is_available()
-        self.stream = torch.cuda.Stream() if self.on_gpu else None
-        self.buffers: dict[tuple, torch.Tensor] = {}
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf3d-staging")
-
-    def reserve(self, state_dict: dict) -> None:
-        """The host buffers of every box of `state_dict` (entries as `stage` takes them), made now: the copy of
-        a later stage() of the same entries finds them (pinned memory takes seconds to make on a GPU)."""
-        for key, entry in state_dict.items():
-            for offsets, box in entry.boxes.items():
-                self.buffers[(key, offsets)] = torch.empty(box.shape, dtype=entry.dtype, pin_memory=self.on_gpu)
-
-    def stage(self, state_dict: dict) -> Future:
-        queued = None
-        if self.on_gpu:
-            queued = torch.cuda.Event()
-            queued.record()
-        return self.executor.submit(self._copy, state_dict, queued)
-
-    def _copy(self, state_dict: dict, queued) -> dict:
-        lower_thread_priority()
-        used: dict[tuple, torch.Tensor] = {}
-        boxes: list[torch.Tensor] = []
-
-        def into(key: str, offsets, box: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            buf = self.buffers.get((key, offsets))
-            if buf is None or buf.shape != box.shape or buf.dtype != dtype:
-                buf = torch.empty(box.shape, dtype=dtype, pin_memory=self.on_gpu)
-            used[(key, offsets)] = buf
-            boxes.append(box)
-            return buf
-
-        staged = {key: entry.copied(lambda *a, key=key: into(key, *a)) for key, entry in state_dict.items()}
-        with torch.no_grad(), torch.cuda.stream(self.stream) if self.on_gpu else nullcontext():
-            if queued is not None:
-                self.stream.wait_event(queued)
-            # one call for every box: the GIL is let go for all of the copies, not taken back between them
-            if boxes:  # a rank may write nothing (a save without an optimizer, at dp > 1), and take part all the same
-                torch._foreach_copy_(list(used.values()), boxes, non_blocking=self.on_gpu)
-            if self.on_gpu:
-                self.stream.synchronize()
-        self.buffers = used  # what this save did not use (another mesh's or a weights-only save's) is let go
-        return staged
-
-
-class _Unstaged(AsyncStager):
-    """The state dict as it is: the write reads the live tensors (the caller holds them still)."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict) -> Future:
-        same: Future = Future()
-        same.set_result(state_dict)
-        return same
+from .arena import BoxStager, lower_thread_priority
+from .entries import SavePlanner
+from .writer import OneFileWriter, Rehearsal, dcp_debug_records_off
+from .writer_process import WriterProcess
 
 
 @dataclasses.dataclass
@@ -137,44 +64,137 @@ _SAVERS = itertools.count()  # never reused in a process, unlike id(): DCP's cac
 
 
 class BackgroundSaver:
-    """One per model: the checkpoints' gloo group, the stager of the saves that copy (its host buffers are
-    reused from one save to the next, and kept for as long as the model lives: the memory such saves cost)
-    and the save in flight, if any. Made collectively: every rank, in the same order."""
+    """One per model: the checkpoints' gloo group, the stager of the saves that copy (its arena is reused from
+    one save to the next and kept for as long as the model lives: the memory such saves cost), their plan and
+    writer process, and the save in flight, if any. Made collectively: every rank, in the same order."""
 
     def __init__(self):
         self.group = dist.new_group(backend="gloo")
         self.plans_key = f"hf3d-{next(_SAVERS)}"  # DCP keeps this model's save plans under it
-        self.stager: BoxStager | None = None  # made by the first save that copies
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf3d-checkpoint")
-        self.pending: Future | None = None
-        self.replay: Replay | None = None  # the last save, where the next one may write as it did
-        self.replays = 0  # saves written by replay_save (tests read it)
+        self.pending: Future | None = None  # the last save's job
         self.checkpoint = None  # the caller's handle on the save in flight (a checkpoint.PendingCheckpoint)
+        self.replay: Replay | None = None  # saves of the live state: the last one, where the next may write as it did
+        self.replays = 0  # saves of the live state written by replay_save (tests read it)
+        self.stager: BoxStager | None = None  # saves that copy: made by the first one, or by prepare
+        self.plan: Replay | None = None  # their plan: what they write, over the arena
+        self.process: WriterProcess | None = None  # and who writes it
+        self.in_thread = False  # no process could be started: a thread of this process writes
 
-    def reserve(self, state: dict) -> None:
-        """Make the stager and its host buffers for `state` before the first save that copies (BoxStager.reserve)."""
+    # -- saves that copy ----------------------------------------------------------------------------------
+    def prepare(self, state: dict) -> None:
+        """What the saves of `state` that copy need, made now rather than by the first: the arena (on this
+        thread: pinning takes seconds), the writer process (its imports run meanwhile) and, in the background,
+        the plan (collective: every rank calls this)."""
         if self.stager is None:
             self.stager = BoxStager()
         self.stager.reserve(state)
+        self._writer()
+        staged = self.stager.staged(state)
 
-    def save(
-        self, state: dict, writer, planner, then: Callable[[], None] | None, *, copy: bool
-    ) -> tuple[Future, Future]:
-        """Write `state` with `writer` (hf3d's OneFileWriter for the checkpoint's folder), then run `then`, all in
-        the background; with `copy`, from a staged copy. Returns two futures: the first is done once nothing in
-        `state` is read any more (the staging copy taken, or without `copy` this rank's write having read every
-        tensor, or the save having failed before it); until then nothing in `state` may change. The second is
-        the whole save's (its exception is this rank's failure). The previous save must be finished."""
+        def plan() -> None:
+            lower_thread_priority()
+            self.plan = self._rehearse(staged)
+
+        self.executor.submit(plan)  # the first save's job comes after it, on the same thread
+
+    def save_copied(
+        self, state: Callable[[], dict], folder: Path, then: Callable[[Callable[[], dict]], None]
+    ) -> tuple[Future, ...]:
+        """Copy the state dict `state()` makes into the arena, then write the copy into `folder` and run `then`,
+        in the background (`state()` too, in the staging thread).
+        `then` gets what gives this rank's file table ({name: {"size", "crc32"}}) or raises its failure; it is
+        called on every rank, whatever failed. Returns the futures `save_live` returns: the first is the copy's."""
         assert self.pending is None or self.pending.done(), "two checkpoint saves may not overlap"
-        if copy and self.stager is None:
+        if self.stager is None:
             self.stager = BoxStager()
+        staging = self.stager.stage(state)
+
+        def job() -> None:
+            lower_thread_priority()
+            then(self._write_staged(staging, folder))
+
+        self.pending = self.executor.submit(job)
+        return staging, self.pending
+
+    def _write_staged(self, staging: Future, folder: Path) -> Callable[[], dict]:
+        """This rank's part of a save that copies, once its copy is taken: plan it again where its boxes moved
+        (every rank together), then write it. Returns what gives its file table, or raises its failure."""
+        staged, error = None, None
+        try:
+            staged = staging.result()
+        except Exception as e:
+            error = e
+        planned = staged is not None and self.plan is not None and self.plan.signature == signature(staged)
+        everyone_staged, everyone_planned = everywhere([staged is not None, planned], self.group)
+        if not everyone_staged:  # the save fails; a rank whose copy was taken tells nothing of its own
+            return _raising(error) if error is not None else dict
+        try:
+            if not everyone_planned:
+                self.plan = self._rehearse(staged)
+            table = self._write(folder, staged)
+        except Exception as e:
+            return _raising(e)
+        return lambda: table
+
+    def _rehearse(self, staged: dict) -> Replay:
+        """Plan a save of `staged` with DCP, writing nothing (collective); twice where the first recorded
+        torch.save layouts. A program that no rank may lack, or none on every rank."""
+        entries = signature(staged)
+        for _ in range(2):
+            writer = Rehearsal()
+            self._dcp_save(staged, writer)
+            if everywhere([writer.program is not None], self.group)[0]:
+                return Replay(entries, writer.program, writer.finished)
+        return Replay(entries, None, None)
+
+    def _dcp_save(self, staged: dict, writer) -> None:
+        """DCP's collective save of `staged` over the checkpoints' group, through `writer` (this model's plans
+        cached under its key)."""
+        planner = SavePlanner(background=True, plans_key=self.plans_key)
+        with dcp_debug_records_off():
+            dcp.save(staged, storage_writer=writer, planner=planner, process_group=self.group)
+
+    def _write(self, folder: Path, staged: dict) -> dict:
+        """This rank's file of `staged` in `folder`, as planned: by the writer process, or where there is none
+        by this thread; through DCP where the plan has no program (every rank alike)."""
+        writer = OneFileWriter(folder, direct=True)
+        if self.plan.program is None:
+            self._dcp_save(staged, writer)
+            return writer.file_table()
+        process = self._writer()
+        if process is not None:
+            return process.write(folder, self.stager.arena, self.plan)
+        writer.replay(self.plan.program, self.plan.finished)
+        return writer.file_table()
+
+    def _writer(self) -> WriterProcess | None:
+        """The writer process, started where none runs (the last one died: that save failed); None where the
+        arena is not shared or no process can be started (said once)."""
+        if self.in_thread or not self.stager.arena.shareable:
+            return None
+        if self.process is not None and not self.process.alive():
+            self.process = None
+        if self.process is None:
+            try:
+                self.process = WriterProcess()
+            except OSError as e:
+                warnings.warn(f"hf3d: async checkpoints are written by a thread of the training process: the "
+                              f"writer process could not start ({e})", stacklevel=2)  # fmt: skip
+                self.in_thread = True
+        return self.process
+
+    # -- saves of the live state --------------------------------------------------------------------------
+    def save_live(self, state: dict, writer, planner, then: Callable[[], None]) -> tuple[Future, Future]:
+        """Write `state` with `writer` (hf3d's OneFileWriter for the checkpoint's folder), then run `then`, all in
+        the background, reading the live tensors. Returns two futures: the first is done once nothing in
+        `state` is read any more (this rank's write has read every tensor, or the save failed before it);
+        until then nothing in `state` may change. The second is the whole save's (its exception is this rank's
+        failure). The previous save must be finished."""
+        assert self.pending is None or self.pending.done(), "two checkpoint saves may not overlap"
         with dcp_debug_records_off():  # the foreground part: the entries' state_dict() calls
             response = dcp.async_save(
-                state,
-                storage_writer=writer,
-                planner=planner,
-                process_group=self.group,
-                async_stager=self.stager if copy else _Unstaged(),
+                state, storage_writer=writer, planner=planner, process_group=self.group, async_stager=_Unstaged()
             )
 
         def complete() -> None:
@@ -184,15 +204,14 @@ class BackgroundSaver:
             finally:  # a save that failed before its write began (planning) releases the state too
                 if not writer.read.done():
                     writer.read.set_result(None)
-            if then is not None:
-                then()
+            then()
 
         self.pending = self.executor.submit(complete)
-        return (response.staging_completion if copy else writer.read), self.pending
+        return writer.read, self.pending
 
     def replay_save(self, writer, replay: Replay, then: Callable[[], None]) -> tuple[Future, Future]:
         """Write as the save `replay` recorded (`writer.replay`), in the background, then run `then`; returns
-        the futures `save` returns. Every rank must replay, or none (the caller agrees on it)."""
+        the futures `save_live` returns. Every rank must replay, or none (the caller agrees on it)."""
 
         def job() -> None:
             lower_thread_priority()
@@ -205,3 +224,38 @@ class BackgroundSaver:
         self.replays += 1
         self.pending = self.executor.submit(job)
         return writer.read, self.pending
+
+
+class _Unstaged(AsyncStager):
+    """The state dict as it is: the write reads the live tensors (the caller holds them still)."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> Future:
+        same: Future = Future()
+        same.set_result(state_dict)
+        return same
+
+
+def _raising(error: BaseException) -> Callable[[], dict]:
+    def raise_it() -> dict:
+        raise error
+
+    return raise_it
+
+
+def signature(entries: dict) -> tuple:
+    """What a replayed save assumes unchanged since the save it replays: every entry's name, dtype and size,
+    and each box's offsets, place in memory, shape and strides (the write reads the same memory, and every
+    byte around it, its padding included, is the same)."""
+    return tuple(
+        (key, e.dtype, e.size(), tuple((off, t.data_ptr(), t.shape, t.stride()) for off, t in e.boxes.items()))
+        for key, e in entries.items()
+    )
+
+
+def everywhere(flags: list[bool], group) -> list[bool]:
+    """Each of `flags`, true on every rank where it is true on every rank of `group` (collective)."""
+    t = torch.tensor([int(f) for f in flags])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v) for v in t.tolist()]

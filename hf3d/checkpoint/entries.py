@@ -99,7 +99,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
         if self.background:
-            from .async_save import lower_thread_priority
+            from .arena import lower_thread_priority
 
             lower_thread_priority()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
@@ -194,16 +194,30 @@ def optim_keys(opt) -> list[str]:
     return sorted(set().union(*everyone))
 
 
-def state_entries(pmodel, opt) -> tuple[dict[str, Boxes], dict | None]:
-    """The DCP entries this rank writes (views of the live tensors), and the optimizer's description."""
+def state_entries(pmodel, opt, keys: list[str] | None = None) -> tuple[dict[str, Boxes], dict | None]:
+    """The DCP entries this rank writes (views of the live tensors), and the optimizer's description. `keys`:
+    `optim_keys(opt)`, where the caller has them; without them this call is collective."""
+    if opt is not None and keys is None:
+        keys = optim_keys(opt)
+    return entries_of(pmodel, opt, keys), optim_description(opt, keys)
+
+
+def entries_of(pmodel, opt, keys: list[str] | None) -> dict[str, Boxes]:
+    """The DCP entries this rank writes (no collective: `keys` are `optim_keys(opt)`, None without `opt`)."""
     hf_shapes, entries = pmodel.hf_shapes, {}
     for p, a, b in write_ranges(pmodel, opt):
         for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, a, b, owned_only=True):
             get_entry(entries, model_key(name), hf_shapes, name, p.dtype).add(off, view)
     if opt is None:
-        return entries, None
-    keys = optim_keys(opt)
+        return entries
     mine = dict(create=False, master=not opt._aliased, owned_only=True, my_shard=True)
     for k, name, off, _, view in optim_state.state_boxes(opt, keys, **mine):
         get_entry(entries, optim_key(k, name), hf_shapes, name, torch.float32).add(off, view)
-    return entries, {"keys": keys, "step": optim_state.num_steps(opt), "param_groups": optim_state.group_settings(opt)}
+    return entries
+
+
+def optim_description(opt, keys: list[str] | None) -> dict | None:
+    """What a checkpoint's marker says of the optimizer: its state's names, its step, its groups' settings."""
+    if opt is None:
+        return None
+    return {"keys": keys, "step": optim_state.num_steps(opt), "param_groups": optim_state.group_settings(opt)}

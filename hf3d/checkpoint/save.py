@@ -4,6 +4,7 @@ publishes the folder atomically once every rank's files are on disk."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import random
 import threading
@@ -18,7 +19,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..parallel.mesh import on_rank0
 from ..utils import files as files_
-from .entries import DTYPE_NAMES, Boxes, SavePlanner, state_entries
+from .async_save import BackgroundSaver, Replay, everywhere, signature
+from .entries import DTYPE_NAMES, SavePlanner, entries_of, optim_description, optim_keys, state_entries
 from .failures import CheckpointWriteError, RankFailure, failure_line, must_see, on_every_rank, refuse_write
 from .marker import file_table, staging_dir, write_marker
 from .rotation import next_sequence
@@ -132,7 +134,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
 
     on_rank0(lambda: files_.make_dir(tmp, "checkpoint"))  # a leftover of hf3d's own is replaced
     on_every_rank(lambda: must_see(tmp))
-    entries, optim_meta = state_entries(pmodel, opt)
+    keys = None if opt is None else optim_keys(opt)
     meta = {
         "kind": "training" if opt is not None else "weights",
         "step": int(step),
@@ -140,7 +142,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         "model_type": pmodel.config.model_type,
         "parallel": dataclasses.asdict(pmodel.pcfg),
         "world_size": dist.get_world_size(),
-        "optim": optim_meta,
+        "optim": optim_description(opt, keys),
     }
 
     published = threading.Event()
@@ -153,11 +155,10 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         if after_publish is not None:
             after_publish()
 
-    # O_DIRECT, each rank's file checksummed as it is written; an async save on a CPU records its writes
-    writer = OneFileWriter(tmp, direct=True, record=async_ and opt is not None and pmodel.device.type == "cpu")
     if not async_:
+        writer = OneFileWriter(tmp, direct=True)  # O_DIRECT, each rank's file checksummed as it is written
         with dcp_debug_records_off():  # a failure on any rank raises on all
-            dcp.save(entries, storage_writer=writer, planner=SavePlanner())
+            dcp.save(entries_of(pmodel, opt, keys), storage_writer=writer, planner=SavePlanner())
 
         def own_files() -> dict:  # the data file on disk first (its write's error, if any, is the one told)
             table = writer.file_table()
@@ -167,41 +168,33 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
         tables = _gather_file_tables(own_files, group=None, everywhere=True)
         on_rank0(lambda: (_write_small_files(tmp, pmodel, extra), publish_now(tables)))
         return None
-    return _save_async(final, tmp, pmodel, opt, entries, writer, extra, publish_now, published)
+    # the entries of a save that copies are made by its staging thread: they are the same views every time,
+    # and a 360M model has 870 of them (13 of the 18 ms its save held the training thread here)
+    entries = functools.partial(entries_of, pmodel, opt, keys)
+    return _save_async(final, tmp, pmodel, opt, entries, extra, publish_now, published)
 
 
-def _save_async(final: Path, tmp: Path, pmodel, opt, entries, writer, extra, publish_now, published):
-    """_save's background half: the small files now, then the model and optimizer state (`entries`) by
-    `writer` in the model's BackgroundSaver, replaying its last save where nothing moved; rank 0 publishes
+def _save_async(final: Path, tmp: Path, pmodel, opt, entries, extra, publish_now, published):
+    """_save's background half: the small files now, then the model and optimizer state (`entries()` makes
+    them) in the model's BackgroundSaver (from a copy, or from the live state: `_copies`); rank 0 publishes
     (`publish_now`) once every rank's files are written. Returns the PendingCheckpoint."""
     rank = dist.get_rank()
     # the small files first, in the foreground (the RNG states, the data position and the config change
     # as soon as training goes on); the background then writes the model and optimizer state
     on_every_rank(lambda: _save_new(_rng_state(pmodel), tmp / f"rng_{rank}.pt"))
     on_rank0(lambda: _write_small_files(tmp, pmodel, extra))
-    from .async_save import Replay
-
     saver = _background_saver(pmodel)
     rng = f"rng_{rank}.pt"  # written above
-    copy = _copies(pmodel, opt)
-    signature = None if copy else _signature(entries)
-    last, saver.replay = saver.replay, None  # kept again only once this save is written
-    replay = not copy and _everywhere(last is not None and last.signature == signature, saver.group)
 
-    def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
-        tables = _gather_file_tables(lambda: {**writer.file_table(), **file_table(tmp, only=rng)}, saver.group)
-        if replay:
-            saver.replay = last
-        elif writer.program is not None:
-            saver.replay = Replay(signature, writer.program, writer.finished)
+    def publish(written: Callable[[], dict]) -> None:  # every rank, once its own file is written
+        tables = _gather_file_tables(lambda: {**written(), **file_table(tmp, only=rng)}, saver.group)
         if rank == 0:
             publish_now(tables)
 
-    if replay:
-        released, future = saver.replay_save(writer, last, then=complete)
+    if _copies(pmodel, opt):
+        released, future = saver.save_copied(entries, tmp, then=publish)
     else:
-        planner = SavePlanner(background=True, plans_key=saver.plans_key)
-        released, future = saver.save(entries, writer, planner, then=complete, copy=copy)
+        released, future = _save_live(saver, entries(), tmp, publish)
     if opt is not None:
         opt.wait_before_update(released)  # the write (or the copy) runs beside the next forward and backward
     else:
@@ -210,10 +203,29 @@ def _save_async(final: Path, tmp: Path, pmodel, opt, entries, writer, extra, pub
     return saver.checkpoint
 
 
-def _background_saver(pmodel):
-    """The model's BackgroundSaver, made (collectively) by its first async save or `prepare_async_save`."""
-    from .async_save import BackgroundSaver
+def _save_live(saver, entries, tmp: Path, publish) -> tuple[Future, Future]:
+    """An async save that reads the live state (a CPU's, with an optimizer) into `tmp`: through DCP, recording
+    its writes, or as the last one wrote where nothing moved since (every rank agreeing)."""
+    writer = OneFileWriter(tmp, direct=True, record=True)
+    now = signature(entries)
+    last, saver.replay = saver.replay, None  # kept again only once this save is written
+    replay = everywhere([last is not None and last.signature == now], saver.group)[0]
 
+    def complete() -> None:  # every rank, once every rank's files are written (DCP's save returned)
+        if replay:
+            saver.replay = last
+        elif writer.program is not None:
+            saver.replay = Replay(now, writer.program, writer.finished)
+        publish(writer.file_table)
+
+    if replay:
+        return saver.replay_save(writer, last, then=complete)
+    planner = SavePlanner(background=True, plans_key=saver.plans_key)
+    return saver.save_live(entries, writer, planner, then=complete)
+
+
+def _background_saver(pmodel) -> BackgroundSaver:
+    """The model's BackgroundSaver, made (collectively) by its first async save or `prepare_async_save`."""
     saver = getattr(pmodel, "_background_saver", None)
     if saver is None:
         saver = pmodel._background_saver = BackgroundSaver()
@@ -229,32 +241,15 @@ def _copies(pmodel, opt) -> bool:
 
 def prepare_async_save(pmodel, opt=None) -> None:
     """Collective: what the async saves of `pmodel` (and `opt`) need, made now rather than in the first save:
-    the checkpoints' process group and, where the saves copy (`_copies`), the host buffers of exactly the boxes
-    this rank writes (pinned memory on a GPU). Call it once the optimizer holds its state (after the first
-    step). On an H200 the first async save, which made them, stalled training 14-15 s, the later ones 0.2-1.4
-    steps; pinning GiBs of host memory takes seconds."""
+    the checkpoints' process group and, where the saves copy (`_copies`), the arena of exactly the boxes this
+    rank writes (pinned memory on a GPU), the writer process and the saves' plan. Call it once the optimizer
+    holds its state (after the first step). On an H200 the first async save, which made them, stalled training
+    14-15 s, the later ones 0.2-1.4 steps; pinning GiBs of host memory takes seconds."""
     wait_for_checkpoint(pmodel)
     saver = _background_saver(pmodel)
     if _copies(pmodel, opt):
         entries, _ = state_entries(pmodel, opt)
-        saver.reserve(entries)
-
-
-def _signature(entries: dict[str, Boxes]) -> tuple:
-    """What a replayed save assumes unchanged since the save it replays: every entry's name, dtype and size,
-    and each box's offsets, place in memory, shape and strides (the write reads the same memory, and every
-    byte around it, its padding included, is the same)."""
-    return tuple(
-        (key, e.dtype, e.size(), tuple((off, t.data_ptr(), t.shape, t.stride()) for off, t in e.boxes.items()))
-        for key, e in entries.items()
-    )
-
-
-def _everywhere(flag: bool, group) -> bool:
-    """True on every rank if `flag` is true on every rank of `group` (collective)."""
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
+        saver.prepare(entries)
 
 
 def _gather_file_tables(own_files: Callable[[], dict], group, *, everywhere: bool = False) -> dict | None:

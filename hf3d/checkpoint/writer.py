@@ -75,7 +75,7 @@ class OneFileWriter(FileSystemWriter):
 
     def write_data(self, plan, planner):
         name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
-        out = open_checksummed(Path(self.path) / name, direct=self.direct, sync=self.sync_files)
+        out = self._open(Path(self.path) / name)
         out = _Tape(out) if self.record else out
         results, recorded, replayed = [], _SAVED.recorded, _SAVED.replayed
         try:
@@ -104,6 +104,9 @@ class OneFileWriter(FileSystemWriter):
         done = torch.futures.Future()
         done.set_result(results)
         return done
+
+    def _open(self, path: Path):
+        return open_checksummed(path, direct=self.direct, sync=self.sync_files)
 
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
@@ -139,6 +142,58 @@ class OneFileWriter(FileSystemWriter):
         return {name: written.result() for name, written in self._written.items()}
 
 
+class Rehearsal(OneFileWriter):
+    """A save that writes nothing: DCP plans it over the entries given (every rank, collectively), and this
+    rank's `program` and, on the coordinator, `finished` come out as a real save's would, for `replay` to write
+    into any folder later. No folder is made or read. An entry whose torch.save layout was never seen in this
+    process is recorded, not replayed: the program is then None, and a second rehearsal gives it."""
+
+    def __init__(self):
+        super().__init__("rehearsal", direct=True, record=True)  # the path is never touched
+
+    def _open(self, path: Path):
+        return _Counter()
+
+    def prepare_local_plan(self, plan):
+        return plan  # FileSystemWriter's makes the folder and looks for a checkpoint in it
+
+    def finish(self, metadata, results) -> None:
+        self.finished = (metadata, results)
+
+
+class _Counter:
+    """What a DirectFile's writer sees of it (its position, the padding that puts a large write in phase with
+    its pages), with nothing written: a rehearsal's file."""
+
+    from_memory = DirectFile.from_memory
+    phase_padding = DirectFile.phase_padding
+
+    def __init__(self):
+        self._pos = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self._pos += n
+        return n
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        pass
+
+    def add(self) -> None:
+        pass
+
+    def finish(self) -> Future:
+        done: Future = Future()
+        done.set_result({"size": self._pos, "crc32": 0})
+        return done
+
+    def abandon(self) -> None:
+        pass
+
+
 def _save_tensor(t: torch.Tensor, out) -> int:
     """torch.save `t` into `out`; returns where the item starts. Into a DirectFile, a storage of `from_memory`
     bytes or more goes to the disk from its own memory: the item starts at the storage's offset in its page,
@@ -147,7 +202,7 @@ def _save_tensor(t: torch.Tensor, out) -> int:
     (5 records) and before the item: 2 MiB in a 324 MiB file of 8 layers of SmolLM2-135M. (torch's
     storage_alignment is process-wide: a torch.save elsewhere meanwhile pads its records too.)"""
     storage = t.untyped_storage()
-    direct = isinstance(getattr(out, "out", out), DirectFile)  # `out` may be a _Tape over the file
+    direct = hasattr(getattr(out, "out", out), "phase_padding")  # a DirectFile (or a rehearsal's); maybe taped
     if not direct or storage.device.type != "cpu" or storage.nbytes() < out.from_memory:
         start = out.tell()
         _SAVED.save(t, out)
