@@ -278,7 +278,7 @@ def test_a_failure_after_the_publication_says_the_checkpoint_is_there(results):
 
 def _boxes(pm, opt) -> dict:
     """Copies of every box this rank's checkpoint holds (the parameters and the optimizer's state)."""
-    entries, _ = ckpt_entries.state_entries(pm, opt)
+    entries = ckpt_entries.state_entries(pm, opt)
     return {(k, tuple(off)): t.clone() for k, e in entries.items() for off, t in e.boxes.items()}
 
 
@@ -398,7 +398,7 @@ def _prepared_world(model_dir: str, out: str) -> None:
                                   entries_of(*a))[1]  # fmt: skip
     checkpoint.prepare_async_save(pm)
     saver = pm._background_saver
-    arena, entries = saver.stager.arena, ckpt_entries.state_entries(pm, None)[0]
+    arena, entries = saver.stager.arena, ckpt_entries.state_entries(pm, None)
     res = {"boxes": sum(len(e.boxes) for e in entries.values()), "places": len(saver.stager.places)}
     res["child"] = saver.process.alive() and saver.process.child.pid != os.getpid()
     fresh = hf3d.parallelize(model_dir, hf3d.ParallelConfig())

@@ -89,20 +89,18 @@ class BoxStager:
         self.places: dict[tuple, tuple[int, torch.Size, torch.dtype]] = {}  # (key, offsets): (start, shape, dtype)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf3d-staging")
 
-    def reserve(self, state_dict: dict) -> bool:
-        """Make the arena for the boxes of `state_dict`, unless the one there fits them already; returns
-        whether it made one."""
+    def reserve(self, state_dict: dict) -> None:
+        """Make the arena for the boxes of `state_dict`, unless the one there fits them already."""
         places, end = {}, 0
         for key, entry in state_dict.items():
             for offsets, box in entry.boxes.items():
                 places[(key, offsets)] = (end, box.shape, entry.dtype)
                 end += -(-box.numel() * entry.dtype.itemsize // PAGE) * PAGE
         if self.arena is not None and places == self.places:
-            return False
+            return
         if self.arena is not None:
             self.arena.release()
         self.arena, self.places = Arena(end, pin=self.on_gpu), places
-        return True
 
     def staged(self, state_dict: dict) -> dict:
         """The entries of `state_dict` over their places in the arena (reserved for them)."""

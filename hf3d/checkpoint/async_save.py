@@ -94,7 +94,7 @@ class BackgroundSaver:
 
         def plan() -> None:
             lower_thread_priority()
-            self.plan = self._rehearse(staged)
+            self.plan = self._rehearse(staged, signature(staged))
 
         self.executor.submit(plan)  # the first save's job comes after it, on the same thread
 
@@ -125,28 +125,28 @@ class BackgroundSaver:
             staged = staging.result()
         except Exception as e:
             error = e
-        planned = staged is not None and self.plan is not None and self.plan.signature == signature(staged)
+        now = None if staged is None else signature(staged)
+        planned = now is not None and self.plan is not None and self.plan.signature == now
         everyone_staged, everyone_planned = everywhere([staged is not None, planned], self.group)
         if not everyone_staged:  # the save fails; a rank whose copy was taken tells nothing of its own
             return _raising(error) if error is not None else dict
         try:
             if not everyone_planned:
-                self.plan = self._rehearse(staged)
+                self.plan = self._rehearse(staged, now)
             table = self._write(folder, staged)
         except Exception as e:
             return _raising(e)
         return lambda: table
 
-    def _rehearse(self, staged: dict) -> Replay:
-        """Plan a save of `staged` with DCP, writing nothing (collective); twice where the first recorded
-        torch.save layouts. A program that no rank may lack, or none on every rank."""
-        entries = signature(staged)
+    def _rehearse(self, staged: dict, sig: tuple) -> Replay:
+        """Plan a save of `staged` (whose `signature` is `sig`) with DCP, writing nothing (collective); twice
+        where the first recorded torch.save layouts. A program that no rank may lack, or none on every rank."""
         for _ in range(2):
             writer = Rehearsal()
             self._dcp_save(staged, writer)
             if everywhere([writer.program is not None], self.group)[0]:
-                return Replay(entries, writer.program, writer.finished)
-        return Replay(entries, None, None)
+                return Replay(sig, writer.program, writer.finished)
+        return Replay(sig, None, None)
 
     def _dcp_save(self, staged: dict, writer) -> None:
         """DCP's collective save of `staged` over the checkpoints' group, through `writer` (this model's plans

@@ -194,12 +194,9 @@ def optim_keys(opt) -> list[str]:
     return sorted(set().union(*everyone))
 
 
-def state_entries(pmodel, opt, keys: list[str] | None = None) -> tuple[dict[str, Boxes], dict | None]:
-    """The DCP entries this rank writes (views of the live tensors), and the optimizer's description. `keys`:
-    `optim_keys(opt)`, where the caller has them; without them this call is collective."""
-    if opt is not None and keys is None:
-        keys = optim_keys(opt)
-    return entries_of(pmodel, opt, keys), optim_description(opt, keys)
+def state_entries(pmodel, opt) -> dict[str, Boxes]:
+    """The DCP entries this rank writes (views of the live tensors); collective with `opt` (`optim_keys`)."""
+    return entries_of(pmodel, opt, None if opt is None else optim_keys(opt))
 
 
 def entries_of(pmodel, opt, keys: list[str] | None) -> dict[str, Boxes]:

@@ -248,8 +248,7 @@ def prepare_async_save(pmodel, opt=None) -> None:
     wait_for_checkpoint(pmodel)
     saver = _background_saver(pmodel)
     if _copies(pmodel, opt):
-        entries, _ = state_entries(pmodel, opt)
-        saver.prepare(entries)
+        saver.prepare(state_entries(pmodel, opt))
 
 
 def _gather_file_tables(own_files: Callable[[], dict], group, *, everywhere: bool = False) -> dict | None:
