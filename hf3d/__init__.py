@@ -22,8 +22,10 @@ _SOURCES = {
     "ParallelConfig": ".parallel.config",
     "ParallelModel": ".model",
     "ParallelOptimizer": ".optim.zero",
+    "TaskEvalConfig": ".evaluation.config",
     "Trainer": ".integrations.transformers_trainer",
     "build_optimizer": ".optim.zero",
+    "evaluate_tasks": ".evaluation.evaluator",
     "finish": ".utils.faults",
     "load_checkpoint": ".checkpoint.load",
     "parallelize": ".parallelize",
@@ -36,8 +38,10 @@ __all__ = [
     "ParallelConfig",
     "ParallelModel",
     "ParallelOptimizer",
+    "TaskEvalConfig",
     "Trainer",
     "build_optimizer",
+    "evaluate_tasks",
     "finish",
     "load_checkpoint",
     "parallelize",
@@ -48,6 +52,8 @@ __all__ = [
 if TYPE_CHECKING:
     from .checkpoint.load import load_checkpoint
     from .checkpoint.save import save_checkpoint
+    from .evaluation.config import TaskEvalConfig
+    from .evaluation.evaluator import evaluate_tasks
     from .integrations.accelerate import prepare
     from .integrations.transformers_trainer import Trainer
     from .model import ParallelModel

@@ -38,6 +38,43 @@ def _train(args) -> int:
     leave(0)
 
 
+def _eval(args) -> int:
+    """`hf3d eval`: ends like `hf3d train` (faults.fail: one line for the whole job, no rank left waiting)."""
+    from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
+
+    if started_by_launcher():
+        die_with_parent()
+    state = RunState(steps=False)
+    try:
+        import torch
+
+        from .evaluation.command import parallel_config, run_eval
+        from .evaluation.config import TaskEvalConfig
+
+        cfg = TaskEvalConfig(
+            tasks=args.tasks,
+            limit=args.limit,
+            num_fewshot=args.num_fewshot,
+            fewshot_seed=args.fewshot_seed,
+            max_length=args.max_length,
+            batch_rows=args.batch_rows,
+            log_samples=args.log_samples,
+        )
+        pcfg = parallel_config(args.set or [])
+        run_eval(
+            args.model,
+            cfg,
+            output_dir=args.output_dir,
+            pcfg=pcfg,
+            dtype=getattr(torch, args.dtype),
+            attn_implementation=args.attn_implementation,
+            state=state,
+        )
+    except Exception as e:
+        return fail(e, state, "hf3d eval")
+    leave(0)
+
+
 def _generate(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,6 +128,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
     p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
     p.set_defaults(func=_train)
+    p = sub.add_parser(
+        "eval",
+        help="score multiple-choice tasks (cloze) at any mesh, from a checkpoint, an HF folder or a Hub id; "
+        "launch with torchrun for tp / pp / dp / cp / ep",
+    )
+    p.add_argument("model", help="hf3d checkpoint (saved at any mesh), HF model directory or Hub id")
+    p.add_argument(
+        "--tasks",
+        required=True,
+        help="comma-separated tasks: JSONL files of {query, choices, gold} rows, or names: shakespeare-next-line, "
+        "shakespeare-word (shipped), hellaswag, arc_easy, arc_challenge, piqa, mmlu, commonsense_qa, winogrande, "
+        "openbookqa, boolq (Hub datasets)",
+    )
+    p.add_argument("--output-dir", required=True, help="folder for results.json (and samples_<task>.jsonl)")
+    p.add_argument("--log-samples", action="store_true", help="also write samples_<task>.jsonl, a line per row")
+    p.add_argument("--limit", type=int, help="score only the first N rows of each task")
+    p.add_argument("--num-fewshot", type=int, default=0, help="rows of the same task before each query (default 0)")
+    p.add_argument("--fewshot-seed", type=int, default=1234, help="seed of the few-shot draws")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        help="tokens one choice may read, context cut from the left beyond (default: the model's "
+        "max_position_embeddings, at most 4096); also the length of the packed rows",
+    )
+    p.add_argument("--batch-rows", type=int, help="rows per forward (default: 8192 tokens' worth)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
+    p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
+    p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    p.set_defaults(func=_eval)
     p = sub.add_parser("generate", help="sample text from an HF model directory")
     p.add_argument("model_dir")
     p.add_argument("--prompt", required=True)

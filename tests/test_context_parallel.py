@@ -189,8 +189,8 @@ def _mutations(res, path, data, pos):
     res["mutation/chunk-order"] = loss()
     cpm.to_sequence_order = original_order
 
-    def skip_block(config, kind, position_ids, ctx, dtype):
-        m = original_masks(config, kind, position_ids, ctx, dtype)
+    def skip_block(config, kind, position_ids, ctx, dtype, segments=None):
+        m = original_masks(config, kind, position_ids, ctx, dtype, segments)
         for i, mask in zip(head_tail_chunks(ctx.size, ctx.rank), m.masks):
             if i > 0:  # sdpa: a bool mask; chunk 0's keys never reach a later query chunk
                 mask[..., : m.chunk] = False

@@ -15,7 +15,8 @@ calls `optimizer.zero_grad()`. This subclass changes exactly those places and ke
   the global norm inside `step()`, and the logged grad_norm is its pre-clip global norm;
 - `save_model` is a collective HF export; checkpoints hold hf3d's sharded checkpoint under `hf3d/` next to the
   stock files, and `resume_from_checkpoint` reads it at any mesh;
-- `evaluate()` reports the token-mean loss over the whole eval set (dp-reduced) and its perplexity.
+- `evaluate()` reports the token-mean loss over the whole eval set (dp-reduced) and its perplexity, and with
+  `eval_tasks` the downstream multiple-choice scores at the model's mesh (hf3d/evaluation).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from transformers.trainer_utils import EvalLoopOutput
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.marker import is_complete
 from ..checkpoint.save import save_checkpoint
+from ..evaluation.config import TaskEvalConfig
+from ..evaluation.evaluator import Evaluator, load_tasks
 from ..hf.folders import is_weights_file
 from ..model import IGNORE_INDEX, ParallelModel
 from ..optim.zero import ParallelOptimizer, build_optimizer
@@ -127,7 +130,18 @@ class Trainer(HFTrainer):
     optimizer from `hf3d.build_optimizer`. `compute_loss_func`, `compute_metrics` and label smoothing are
     refused: the loss is computed inside hf3d's pipeline schedule."""
 
-    def __init__(self, model: ParallelModel | None = None, args: TrainingArguments | None = None, *rest, **kwargs):
+    def __init__(
+        self,
+        model: ParallelModel | None = None,
+        args: TrainingArguments | None = None,
+        *rest,
+        eval_tasks: list[str] | TaskEvalConfig | None = None,
+        **kwargs,
+    ):
+        """eval_tasks: downstream multiple-choice tasks (names or JSONL files, or a TaskEvalConfig with the
+        limit, few-shot, ... options) that every `evaluate()` also scores at the model's mesh, reported as
+        `eval_downstream/<task>/<acc|acc_norm|acc_norm_token>` (and `.../average/...`); with them,
+        evaluate() needs no eval_dataset."""
         if not isinstance(model, ParallelModel):
             raise TypeError(
                 f"hf3d.Trainer trains the model hf3d.parallelize returns (no model_init), got {type(model).__name__}"
@@ -145,6 +159,11 @@ class Trainer(HFTrainer):
             )
         # the loss is already the exact global token mean; stock's num_items_in_batch path would rescale it
         self.model_accepts_loss_kwargs = False
+        if eval_tasks is not None and not isinstance(eval_tasks, TaskEvalConfig):
+            eval_tasks = TaskEvalConfig(tasks=list(eval_tasks))
+        self.eval_tasks = eval_tasks
+        self._tasks = load_tasks(eval_tasks) if eval_tasks is not None else None  # checked now, before training
+        self._evaluator = None
 
     # -- data ---------------------------------------------------------------------------------------
     def _get_dataloader(
@@ -256,6 +275,31 @@ class Trainer(HFTrainer):
         super()._maybe_log_save_evaluate(tr_loss, grad_norm if norm is None else norm, *rest, **kwargs)
 
     # -- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Stock's evaluate; with eval_tasks and no eval dataset, the downstream scores alone (logged, and
+        passed to the callbacks' on_evaluate, as stock does with its metrics)."""
+        if eval_dataset is None and self.eval_dataset is None and self.eval_tasks is not None:
+            metrics = self._task_metrics(metric_key_prefix)
+            self.log(metrics)
+            self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+            return metrics
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _task_metrics(self, prefix: str) -> dict[str, float]:
+        """The eval_tasks' scores at the model's mesh (collective), `{prefix}_downstream/<task>/<metric>`."""
+        if self.eval_tasks is None:
+            return {}
+        if self._evaluator is None:  # tokenised and packed once, at the first evaluation
+            tokenizer = self.processing_class
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                if self.model.tokenizer_dir is None:
+                    raise ValueError("eval_tasks needs a tokenizer: pass processing_class=tokenizer to hf3d.Trainer")
+                tokenizer = AutoTokenizer.from_pretrained(self.model.tokenizer_dir)
+            self._evaluator = Evaluator(self.model, self._tasks, tokenizer, self.eval_tasks)
+        return self._evaluator.run(progress=False).metrics(prefix=f"{prefix}_downstream")
+
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ) -> EvalLoopOutput:
@@ -287,6 +331,7 @@ class Trainer(HFTrainer):
         metrics = {
             f"{metric_key_prefix}_loss": loss,
             f"{metric_key_prefix}_perplexity": math.exp(loss) if loss < 700 else float("inf"),
+            **self._task_metrics(metric_key_prefix),
         }
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=int(num_rows))
 

@@ -34,16 +34,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
     and_masks,
-    causal_mask_function,
     find_packed_sequence_indices,
     packed_sequence_mask_function,
     remap_positions_for_packed_sequence,
-    sliding_window_causal_mask_function,
 )
 
 from ..utils import compat
+from .segments import Segments, interface_mask, layer_mask_function, tree_mask_function
 
 SEQ_DIM = 1  # tokens, targets, position ids and activations are [batch, seq, ...]
 # attention implementations that run a query chunk at an offset into the sequence: their mask interface
@@ -121,8 +119,10 @@ class CPContext:
         """The position ids of this rank's own tokens, as given (true positions, restarts kept)."""
         return self.split(position_ids)
 
-    def masks(self, config, kind: str, position_ids: torch.Tensor, dtype: torch.dtype) -> CPMask:
-        return build_masks(config, kind, position_ids, self, dtype)
+    def masks(
+        self, config, kind: str, position_ids: torch.Tensor, dtype: torch.dtype, segments: Segments | None = None
+    ) -> CPMask:
+        return build_masks(config, kind, position_ids, self, dtype, segments)
 
 
 @dataclass
@@ -136,45 +136,36 @@ class CPMask:
     masks: tuple  # one per query chunk: whatever the attention implementation's mask interface built
 
 
-def mask_function(config, kind: str, position_ids: torch.Tensor):
+def mask_function(config, kind: str, position_ids: torch.Tensor, segments: Segments | None = None):
     """Stock's mask function for a layer of `kind` over the full sequence (create_causal_mask and
     create_sliding_window_causal_mask compose the same one): causal or sliding window, and with packed
-    documents (position ids that restart) causal on positions within one document."""
-    if kind == "sliding_attention":
-        fn = sliding_window_causal_mask_function(config.sliding_window)
-    else:
-        fn = causal_mask_function
+    documents (position ids that restart) causal on positions within one document. With `segments`, the
+    rows' units share their contexts (hf3d.parallel.segments)."""
+    if segments is not None:
+        return tree_mask_function(config, kind, position_ids, segments)
+    fn = layer_mask_function(config, kind)
     documents = find_packed_sequence_indices(position_ids)  # [b, S] document index, None without restarts
     if documents is not None:
         fn = and_masks(remap_positions_for_packed_sequence(fn, position_ids), packed_sequence_mask_function(documents))
     return fn
 
 
-def build_masks(config, kind: str, position_ids: torch.Tensor, ctx: CPContext, dtype: torch.dtype) -> CPMask:
+def build_masks(
+    config, kind: str, position_ids: torch.Tensor, ctx: CPContext, dtype: torch.dtype, segments: Segments | None = None
+) -> CPMask:
     """position_ids: the FULL [b, S] position ids. Masks for this rank's two query chunks, each over keys
     [0, end of the chunk), from the attention implementation's own mask interface."""
     b, s = position_ids.shape
     c = s // (2 * ctx.size)
-    fn = mask_function(config, kind, position_ids)
-    interface = ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation]
-    window = config.sliding_window if kind == "sliding_attention" else None
+    fn = mask_function(config, kind, position_ids, segments)
     ends, masks = [], []
     for i in head_tail_chunks(ctx.size, ctx.rank):
         end = (i + 1) * c
-        mask = interface(
-            batch_size=b,
-            q_length=c,
-            kv_length=end,
-            q_offset=i * c,
-            kv_offset=0,
-            mask_function=fn,
-            attention_mask=None,
-            allow_is_causal_skip=False,  # sdpa's is_causal aligns top-left: wrong for a chunk at an offset
-            local_size=window,
-            dtype=dtype,
-            config=config,
+        # the interface never takes sdpa's is_causal shortcut: it aligns top-left, wrong for a chunk at an offset
+        mask = interface_mask(
+            config, kind, fn, batch_size=b, q_length=c, q_offset=i * c, kv_length=end, dtype=dtype,
             device=position_ids.device,
-        )
+        )  # fmt: skip
         ends.append(end)
         masks.append(mask)
     return CPMask(ctx, c, (ends[0], ends[1]), (masks[0], masks[1]))

@@ -21,6 +21,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from .attention import is_flash, varlen_kwargs
 from .context import CPContext
+from .segments import Segments, tree_masks
 
 
 class StageModule(nn.Module):
@@ -53,12 +54,15 @@ class StageModule(nn.Module):
         self.cp = cp if cp is not None and cp.active else None
         self.dropout_rng = dropout_rng  # when the layers draw dropout masks: recompute replays them
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, head: bool = True) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, head: bool = True, segments: Segments | None = None
+    ) -> torch.Tensor:
         """x: token ids [b, s] (first stage) or hidden states [b, s(/tp under SP), h].
 
         Returns hidden states, or [b, s, V/tp] logits on the last stage; head=False stops the last
         stage after its final norm (the caller runs the lm_head itself). Under cp, s is this rank's
-        S/cp tokens and position_ids are the FULL [b, S] ones (the masks need every token's)."""
+        S/cp tokens and position_ids are the FULL [b, S] ones (the masks need every token's).
+        segments: rows whose units share a context (hf3d.parallel.segments; scoring), over the full rows."""
         hidden = self.embed_tokens(x) if self.first else x
         if self.cp is not None:
             full_positions, position_ids = position_ids, self.cp.local_positions(position_ids)
@@ -66,8 +70,10 @@ class StageModule(nn.Module):
         shape_probe = hidden.new_empty((b, s, 1))  # the mask builders read batch, seq, dtype, device
         masks = {}
         for kind in set(self.layer_types) if self.cp is not None else ():
-            masks[kind] = self.cp.masks(self.config, kind, full_positions, hidden.dtype)
-        for kind in set(self.layer_types) if self.cp is None else ():
+            masks[kind] = self.cp.masks(self.config, kind, full_positions, hidden.dtype, segments)
+        if segments is not None and self.cp is None:
+            masks = tree_masks(self.config, set(self.layer_types), position_ids, segments, hidden.dtype)
+        for kind in set(self.layer_types) if self.cp is None and segments is None else ():
             build = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
             masks[kind] = build(
                 config=self.config,

@@ -16,6 +16,7 @@ from ..checkpoint.load import load_checkpoint
 from ..checkpoint.marker import is_complete
 from ..checkpoint.rotation import resolve_resume
 from ..checkpoint.save import PendingCheckpoint
+from ..evaluation.evaluator import Evaluator, load_tasks
 from ..models import get_adapter
 from ..parallel.attention import flash_attn_installed, resolve_attn_implementation
 from ..parallel.compile import resolve_compile
@@ -113,6 +114,7 @@ class Run:
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # of one device, when known (MFU)
     rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
+    evaluator: object = None  # evals: the downstream tasks, tokenised and packed once (hf3d/evaluation)
 
 
 def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[str]]:
@@ -135,6 +137,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
     # "auto" becomes what runs (the resolved config records it; the derived values say why)
     cfg.parallel.compile, _ = resolve_compile(cfg.parallel.compile, device_type(), base_config)
+    tasks = load_tasks(cfg.evals) if cfg.evals.active else []  # a bad task file ends the run before the model
     pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe, cfg.precision)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer
@@ -172,6 +175,10 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
     run.mlp_costs = get_adapter(pmodel.config.model_type).mlp_costs(pmodel.config)
     run.peak_flops = device_peak_flops()
     run.rope = StageRoPE(cfg, pmodel, pipe, base_config, tqdm.write if run.rank0 else None)
+    if tasks:  # scoring rows shaped as a training micro-batch: data.seq_len tokens, a micro-batch's rows
+        evals = dataclasses.replace(cfg.evals, max_length=cfg.evals.max_length or pipe.seq_len(0))
+        rows = cfg.run.global_batch // pmodel.dp_size // cfg.parallel.num_microbatches
+        run.evaluator = Evaluator(pmodel, tasks, tokenizer, evals, default_rows=rows)
     return run, derived, missing
 
 

@@ -9,6 +9,7 @@
     export       the final HF directory's Hub upload
     moe          mixture-of-experts models: how the expert load is balanced
     precision    FP8 matmuls with torchao (hf3d/parallel/fp8.py); the parameter dtype is model.dtype
+    evals        downstream multiple-choice tasks scored during the run (hf3d/evaluation)
 
 Checks that need more than one section (batch vs dp and micro-batches, seq_len vs the model's
 positions, data stages vs the run and its lr decay) live in `check_run`, which runs before anything
@@ -27,6 +28,7 @@ import torch
 import yaml
 
 from ..data import DataConfig
+from ..evaluation.config import TaskEvalConfig
 from ..parallel.config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
 from ..utils import files
 from ..utils.configfile import build_section, key_of
@@ -252,6 +254,28 @@ class PrecisionConfig:
 
 
 @dataclass
+class EvalsConfig(TaskEvalConfig):
+    """Downstream multiple-choice scores during the run, at the training mesh (hf3d/evaluation): in
+    metrics.jsonl as downstream/<task>/<acc|acc_norm|acc_norm_token> and downstream/average/..., on the log
+    line, in the trackers and in the loss curve's lower panel. Rows are data.seq_len tokens, batches a
+    training micro-batch's rows (compiled layers see the training shape)."""
+
+    every: int = 0
+    """Steps between evaluations; 0: only at the end (evals.at_end)."""
+    at_end: bool = True
+    """Also evaluate after the last step."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.every < 0:
+            raise ValueError(f"evals.every must be a number of steps >= 0 (0: only at the end), got {self.every}")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tasks) and (self.every > 0 or self.at_end)
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -262,6 +286,7 @@ class TrainConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    evals: EvalsConfig = field(default_factory=EvalsConfig)
 
     def __post_init__(self) -> None:
         if self.export.push_to_hub and not self.run.save_final:

@@ -90,6 +90,13 @@ def training_summary(cfg: TrainConfig, metrics_path: Path, last: dict) -> dict:
     }
     if evals:
         summary["final_eval_loss"] = evals[-1]
+    scored = [rec for rec in records if any(k.startswith("downstream/") for k in rec)]
+    if scored:  # the last downstream evaluation: {task: {metric: score}}, the macro average as "average"
+        summary["downstream"] = {"step": scored[-1]["step"]}
+        for key, value in scored[-1].items():
+            if key.startswith("downstream/"):
+                _, task, metric = key.split("/")
+                summary["downstream"].setdefault(task, {})[metric] = value
     return summary
 
 

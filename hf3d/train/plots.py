@@ -48,7 +48,8 @@ def plot_loss_curve(
     metrics_jsonl: Path, out_png: Path, *, title: str | None = None, stages: list[tuple[int, str]] = ()
 ) -> Path | None:
     """Draw train loss against step from a metrics.jsonl, with `eval_loss` points where records have
-    them (and a MoE run's expert load imbalance on a right axis), into `out_png`; returns its path, or None
+    them (and a MoE run's expert load imbalance on a right axis), and the downstream scores (acc_norm per task
+    and their average) in a lower panel when records have them, into `out_png`; returns its path, or None
     when matplotlib is not installed.
 
     stages: (start_step, name) of the data stages; each start after step 0 inside the plotted steps is
@@ -71,9 +72,14 @@ def plot_loss_curve(
     if not steps and not eval_steps:
         raise ValueError(f"{metrics_jsonl} has no finite `loss` or `eval_loss` to plot")
 
-    fig = Figure(figsize=(7, 4.2), dpi=120, layout="constrained")
+    scores = downstream_series(records)
+    fig = Figure(figsize=(7, 6.4 if scores else 4.2), dpi=120, layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
+    if scores:
+        ax, low = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
+        _downstream_panel(low, scores)
+    else:
+        ax = fig.add_subplot()
     if steps:
         smooth = len(steps) >= 50
         ax.plot(steps, losses, color="tab:blue", lw=0.8, alpha=0.35 if smooth else 1.0, label="train loss")
@@ -100,7 +106,8 @@ def plot_loss_curve(
             fontsize=8,
             color="tab:gray",
         )
-    ax.set_xlabel("step")
+    if not scores:
+        ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper right")
@@ -120,6 +127,26 @@ def plot_loss_curve(
     fig.savefig(png, format="png")
     files.write_file(out_png, png.getvalue(), replace=True)
     return out_png
+
+
+def downstream_series(records: list[dict], metric: str = "acc_norm") -> dict[str, tuple[list[float], list[float]]]:
+    """{task: (steps, scores)} of the downstream evaluations the records hold (`downstream/<task>/<metric>`), the
+    macro average last."""
+    prefix, suffix = "downstream/", f"/{metric}"
+    tasks = list(dict.fromkeys(k for r in records for k in r if k.startswith(prefix) and k.endswith(suffix)))
+    tasks.sort(key=lambda k: k == f"{prefix}average{suffix}")
+    return {k[len(prefix) : -len(suffix)]: _points(records, k) for k in tasks}
+
+
+def _downstream_panel(ax, scores: dict[str, tuple[list[float], list[float]]]) -> None:
+    """acc_norm of each downstream task against step, the average dashed."""
+    for task, (steps, values) in scores.items():
+        average = task == "average"
+        ax.plot(steps, values, "s--" if average else "o-", ms=4, lw=1.6 if average else 1, label=task)
+    ax.set_xlabel("step")
+    ax.set_ylabel("downstream acc_norm")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
 
 
 def stage_marks(stages: list[tuple[int, str]], steps: list[float]) -> list[tuple[float, str]]:

@@ -33,6 +33,25 @@ def evaluate(pmodel, batches: list[dict]) -> float:
     return loss_sum / max(count, 1.0)
 
 
+DOWNSTREAM = "downstream/average/acc_norm"  # a record with downstream scores has this key
+
+
+def downstream_due(evals, step: int, steps: int) -> bool:
+    """Whether the downstream tasks run after `step` (1-based): every `evals.every` steps and at the end."""
+    return bool(evals.every and step % evals.every == 0) or (evals.at_end and step == steps)
+
+
+def downstream(run: Run, step: int) -> dict:
+    """The downstream scores after `step`, as metrics.jsonl keys; rank 0 writes <output_dir>/evals/step_<N>/
+    results.json (and the samples with evals.log_samples), as `hf3d eval` writes them."""
+    from ..evaluation.command import write_results
+
+    results = run.evaluator.run(progress=False)
+    if run.rank0:
+        write_results(run.out / "evals" / f"step_{step}", results, run.evaluator.cfg, step=step)
+    return results.metrics()
+
+
 def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[dict, int]:
     """One optimizer step: batch, forward + backward, update, lr; returns its metrics record and the
     stop signal the ranks agreed on (0: none). One host sync: the loss, the z-loss, the stop flag and
@@ -105,6 +124,11 @@ def log_line(record: dict, steps: int) -> str:
     )
     if "eval_loss" in record:
         line += f" eval_loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
+    if DOWNSTREAM in record:
+        prefix, suffix = "downstream/", "/acc_norm"
+        tasks = [k[len(prefix) : -len(suffix)] for k in record if k.startswith(prefix) and k.endswith(suffix)]
+        scores = " ".join(f"{t} {record[prefix + t + suffix]:.3f}" for t in tasks if t != "average")
+        line += f" | acc_norm {scores} (average {record[DOWNSTREAM]:.3f})"
     return line
 
 

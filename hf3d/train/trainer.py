@@ -25,7 +25,7 @@ from .finish import finish_run, training_summary
 from .metrics import (
     MetricsWriter,
 )
-from .step import StepHealth, StopSignal, evaluate, log_line, one_step
+from .step import DOWNSTREAM, StepHealth, StopSignal, downstream, downstream_due, evaluate, log_line, one_step
 
 __all__ = ["TrainConfig", "train"]
 
@@ -54,6 +54,8 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
             if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
                 record["eval_loss"] = evaluate(run.pmodel, eval_batches)
                 record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
+            if run.evaluator is not None and downstream_due(cfg.evals, step + 1, r.steps):
+                record.update(downstream(run, step + 1))
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
             _checkpoint_and_stop(run, step, record, health, signum)
         except Exception as e:
@@ -65,7 +67,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
             report_memory(run.opt, run.out, run.rank0, tqdm.write)
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
         bar.update(1)
-        if run.rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record):
+        if run.rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record or DOWNSTREAM in record):
             tqdm.write(log_line(record, r.steps))
     bar.close()
     for tracker in run.acc.trackers:  # not acc.end_training(): it would also end torch.distributed

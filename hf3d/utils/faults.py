@@ -91,6 +91,8 @@ class RunState:
     """Mesh coordinates, {"pp": ., "dp": ., "cp": ., "tp": .}."""
     step: int = 0
     """The step being trained, counted from 1 as in metrics.jsonl; 0 before the first."""
+    steps: bool = True
+    """Whether the command trains in steps (a failure names its step); `hf3d eval` does not."""
 
     def locate(self, mesh) -> None:
         """Take the coordinates from the run's ("pp", "dp", "cp", "tp") DeviceMesh."""
@@ -107,8 +109,8 @@ class RunState:
 
     def where(self) -> str:
         coords = ", ".join(f"{k}={v}" for k, v in (self.coords or {}).items())
-        at = f"at step {self.step}" if self.step else "before the first step"
-        return f"rank {self.rank}" + (f" ({coords})" if coords else "") + f" failed {at}"
+        at = (f" at step {self.step}" if self.step else " before the first step") if self.steps else ""
+        return f"rank {self.rank}" + (f" ({coords})" if coords else "") + f" failed{at}"
 
 
 def is_communication_error(e: BaseException) -> bool:

@@ -1,0 +1,113 @@
+"""`hf3d eval MODEL --tasks a,b --output-dir DIR`: downstream scores of a checkpoint (any mesh), an HF folder or a
+Hub id, at the mesh the launch gives, with no export.
+
+The tasks are read and checked first (a bad file ends the run before any model work), then the model is built
+at this mesh and, for an hf3d checkpoint, its weights read from the checkpoint; the tokenizer is the model
+folder's (a checkpoint holds the one it was trained with). Rank 0 prints a table and writes
+`DIR/samples_<task>.jsonl` (with --log-samples), then `DIR/results.json`: a folder with a results.json holds
+every file of its run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.config import ParallelConfig
+from ..utils import files
+from ..utils.configfile import build_section
+from .config import TaskEvalConfig
+from .evaluator import EvalResults, Evaluator, load_tasks
+
+RESULTS_FILE = "results.json"
+
+
+def parallel_config(overrides: list[str]) -> ParallelConfig:
+    """The mesh from `--set parallel.KEY=VALUE ...` (dp: the processes left over, as in hf3d train)."""
+    import yaml
+
+    values = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, _, name = key.partition(".")
+        if not sep or section != "parallel" or not name:
+            raise ValueError(
+                f"--set expects parallel.KEY=VALUE (the mesh, e.g. parallel.tp=2), got {item!r}; the evaluation's "
+                "own options are flags (--limit, --num-fewshot, --max-length, ...)"
+            )
+        values[name] = yaml.safe_load(value)
+    return build_section(ParallelConfig, values, "parallel")
+
+
+def check_output_dir(output_dir: Path, tasks, log_samples: bool) -> None:
+    """The folder may exist (its results are replaced); nothing hf3d writes there may be a link."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output-dir {output_dir} is a file: give a folder for results.json")
+    names = [RESULTS_FILE] + ([f"samples_{t.name}.jsonl" for t in tasks] if log_samples else [])
+    for name in names:
+        files.refuse_link(output_dir / name)
+
+
+def load_model(path: str, pcfg: ParallelConfig, *, dtype: torch.dtype, attn_implementation: str):
+    """The model at this mesh: an HF folder or Hub id through parallelize; an hf3d checkpoint's weights read
+    into the model its config.json describes."""
+    from ..checkpoint.load import load_checkpoint
+    from ..checkpoint.marker import is_complete
+    from ..parallelize import parallelize
+
+    pmodel = parallelize(path, pcfg, dtype=dtype, attn_implementation=attn_implementation)
+    if is_complete(path):
+        load_checkpoint(path, pmodel)
+    return pmodel
+
+
+def run_eval(
+    model: str,
+    cfg: TaskEvalConfig,
+    *,
+    output_dir: str,
+    pcfg: ParallelConfig,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "auto",
+    state=None,
+) -> EvalResults:
+    """What `hf3d eval` does; collective over the launched processes. Returns the results (every rank)."""
+    from transformers import AutoTokenizer
+
+    out = Path(output_dir)
+    tasks = load_tasks(cfg)  # every file read and checked before the model is built
+    check_output_dir(out, tasks, cfg.log_samples)
+    if not Path(model).exists() and (model.startswith((".", "/", "~")) or model.count("/") > 1):
+        raise ValueError(f"model {model!r} does not exist: give an hf3d checkpoint, an HF model folder or a Hub id")
+    pmodel = load_model(model, pcfg, dtype=dtype, attn_implementation=attn_implementation)
+    if state is not None:
+        state.locate(pmodel.mesh)
+    tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or model)
+    t0 = time.perf_counter()
+    results = Evaluator(pmodel, tasks, tokenizer, cfg).run()
+    seconds = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        print(results.table())
+        write_results(out, results, cfg, model=model, mesh=_mesh(pmodel), seconds=seconds)
+        print(f"hf3d eval: wrote {out / RESULTS_FILE} ({seconds:.1f} s of scoring)")
+    return results
+
+
+def _mesh(pmodel) -> dict[str, int]:
+    p = pmodel.pcfg
+    return {"pp": p.pp, "dp": pmodel.dp_size, "cp": p.cp, "tp": p.tp, "ep": p.ep}
+
+
+def write_results(out: Path, results: EvalResults, cfg: TaskEvalConfig, **run) -> None:
+    """samples_<task>.jsonl (with log_samples), then results.json, each replaced whole."""
+    out.mkdir(parents=True, exist_ok=True)
+    for task in results.tasks if cfg.log_samples else ():
+        lines = "".join(json.dumps(sample) + "\n" for sample in task.samples)
+        files.write_file(out / f"samples_{task.name}.jsonl", lines, replace=True)
+    record = {**results.to_json(), **run, "config": dataclasses.asdict(cfg)}
+    files.write_file(out / RESULTS_FILE, json.dumps(record, indent=1) + "\n", replace=True)

@@ -1,0 +1,45 @@
+"""What a downstream evaluation runs: the options `hf3d eval`, the `evals:` section of `hf3d train`,
+`hf3d.Trainer(eval_tasks=...)` and `hf3d.evaluate_tasks` share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_LENGTH = 4096  # rows longer than this make dense [S, S] masks of hundreds of MB per row
+TOKENS_PER_FORWARD = 8192
+
+
+@dataclass
+class TaskEvalConfig:
+    """Multiple-choice tasks scored in the cloze formulation at the model's own mesh (hf3d/evaluation)."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Tasks: JSONL files of {query, choices, gold} rows, tasks hf3d ships (shakespeare-next-line,
+    shakespeare-word) or the Hub tasks of the SmolLM suite (hellaswag, arc_easy, arc_challenge, piqa, mmlu,
+    commonsense_qa, winogrande, openbookqa, boolq)."""
+    limit: int | None = None
+    """Score only the first N rows of each task."""
+    num_fewshot: int = 0
+    """Rows of the same task put before each query (its query and right choice each), drawn with fewshot_seed."""
+    fewshot_seed: int = 1234
+    max_length: int | None = None
+    """Tokens one choice may read (its context and continuation but the last token; longer contexts are cut from
+    the left) and the length of the packed scoring rows. Default: data.seq_len in hf3d train, else the model's
+    max_position_embeddings up to 4096."""
+    batch_rows: int | None = None
+    """Rows per forward. Default: the rows of a training micro-batch in hf3d train, else 8192 tokens' worth."""
+    log_samples: bool = False
+    """Also write samples_<task>.jsonl, one line per row: each choice's log-likelihood, tokens and characters,
+    the prediction and the gold index."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tasks, str):
+            self.tasks = [t for t in self.tasks.split(",") if t]
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"the evaluation's limit must be a number of rows >= 1, got {self.limit}")
+        if self.num_fewshot < 0:
+            raise ValueError(f"the evaluation's num_fewshot must be >= 0, got {self.num_fewshot}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"the evaluation's max_length must be at least 2 tokens, got {self.max_length}")
+        if self.batch_rows is not None and self.batch_rows < 1:
+            raise ValueError(f"the evaluation's batch_rows must be >= 1, got {self.batch_rows}")

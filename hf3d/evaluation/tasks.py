@@ -1,0 +1,132 @@
+"""Multiple-choice tasks: rows of {"query", "choices", "gold"}, from a JSONL file, a task hf3d ships, or a Hub
+dataset through its prompt mapping (hf3d/evaluation/hub_tasks.py).
+
+A row is read as it is: `query` is the context, each of `choices` a continuation of it (with its leading space,
+as lighteval's cloze formulation writes them: " Paris"), `gold` the index of the right one. Every row is checked
+when the task is read, so a bad file is refused before any model is loaded, in one line naming the file and
+the line.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "tasks"
+FEWSHOT_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class Row:
+    query: str
+    choices: tuple[str, ...]
+    gold: int
+
+
+@dataclass
+class Task:
+    """A named list of rows; `source` says where they came from (a path or a Hub dataset)."""
+
+    name: str
+    rows: list[Row]
+    source: str
+
+
+def shipped_tasks() -> dict[str, Path]:
+    """The tasks that come with hf3d, by name (their files under hf3d/evaluation/tasks/)."""
+    return {p.stem: p for p in sorted(SHIPPED_DIR.glob("*.jsonl"))}
+
+
+def known_task_names() -> list[str]:
+    from .hub_tasks import HUB_TASKS
+
+    return [*shipped_tasks(), *HUB_TASKS]
+
+
+def load_task(spec: str, *, limit: int | None = None) -> Task:
+    """A task from a JSONL path, a shipped task's name or a Hub task's name; its first `limit` rows."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"the limit per task must be a number of rows >= 1, got {limit}")
+    path = Path(spec)
+    if spec.endswith(".jsonl") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"task file {spec} does not exist: give a JSONL file of {{query, choices, gold}} rows")
+        task = Task(path.stem, read_rows(path), str(path))
+    elif spec in shipped_tasks():
+        task = Task(spec, read_rows(shipped_tasks()[spec]), f"hf3d (shipped: {shipped_tasks()[spec].name})")
+    else:
+        from .hub_tasks import HUB_TASKS, load_hub_task
+
+        if spec not in HUB_TASKS:
+            names = known_task_names()
+            near = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ValueError(
+                f"unknown task {spec!r}: {hint}give a JSONL file of {{query, choices, gold}} rows or one of: "
+                + ", ".join(names)
+            )
+        task = load_hub_task(spec)
+    if not task.rows:
+        raise ValueError(f"task {task.name!r} ({task.source}) has no rows")
+    if limit is not None:
+        task.rows = task.rows[:limit]
+    return task
+
+
+def read_rows(path: Path) -> list[Row]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {number} is not valid JSON: {e.msg}") from None
+            rows.append(check_row(value, f"{path} line {number}"))
+    return rows
+
+
+def check_row(value, where: str) -> Row:
+    """A Row from a parsed object, or one line saying what is wrong with it and where."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: a task row must be an object with query, choices and gold")
+    for key in ("query", "choices", "gold"):
+        if key not in value:
+            raise ValueError(f"{where}: the row has no {key!r} field (a row is {{query, choices, gold}})")
+    query, choices, gold = value["query"], value["choices"], value["gold"]
+    if not isinstance(query, str):
+        raise ValueError(f"{where}: 'query' must be a string, got {type(query).__name__}")
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise ValueError(f"{where}: 'choices' must be a list of strings")
+    if not choices:
+        raise ValueError(f"{where}: 'choices' is empty: a row needs at least one choice")
+    empty = [i for i, c in enumerate(choices) if not c]
+    if empty:
+        raise ValueError(f"{where}: choices[{empty[0]}] is an empty string: each choice needs at least one character")
+    if isinstance(gold, bool) or not isinstance(gold, int):
+        raise ValueError(f"{where}: 'gold' must be an integer index into choices, got {gold!r}")
+    if not 0 <= gold < len(choices):
+        raise ValueError(f"{where}: 'gold' {gold} is outside the {len(choices)} choices (0 to {len(choices) - 1})")
+    return Row(query, tuple(choices), gold)
+
+
+def context_of(task: Task, index: int, *, num_fewshot: int, seed: int) -> str:
+    """The context of row `index`: its query, after `num_fewshot` other rows of the task, each written as its
+    query followed by its right choice, separated by a blank line. The rows are drawn without replacement from
+    the rest of the task by a generator seeded with (seed, index), so every rank and every run draws the same."""
+    row = task.rows[index]
+    if num_fewshot == 0:
+        return row.query
+    others = len(task.rows) - 1
+    if num_fewshot > others:
+        raise ValueError(
+            f"num_fewshot={num_fewshot} but task {task.name!r} has only {others} other rows to draw examples from"
+        )
+    rng = random.Random(f"{seed}:{index}")
+    picks = rng.sample(range(others), num_fewshot)
+    shots = [task.rows[i if i < index else i + 1] for i in picks]  # every row but `index`
+    return FEWSHOT_SEPARATOR.join([*(s.query + s.choices[s.gold] for s in shots), row.query])

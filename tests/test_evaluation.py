@@ -1,0 +1,435 @@
+"""Downstream evaluation (hf3d/evaluation) against stock transformers, fp32, gloo.
+
+- Exactness: every choice's summed log-likelihood that hf3d's Evaluator computes at a mesh equals an
+  independent stock reference (the plain stock model on `context + continuation[:-1]` alone, log_softmax
+  gathered over the continuation tokens and summed) within SCORE_RTOL, and every prediction (acc, acc_norm,
+  acc_norm_token) is the reference's, on tiny Llama, Qwen3, SmolLM3 (sliding-window layers) and Qwen3-MoE at
+  tp2, tp2 + sequence parallel, pp2 under 1f1b and interleaved-1f1b, dp2, cp2, ep2, tp2 x pp2 (world 4), with
+  and without shared contexts, eager as well as sdpa, and from a checkpoint trained a step at tp2 and read at
+  pp2; `hf3d eval` under torchrun on that checkpoint at dp2 writes the same scores into its contract files.
+  The rows are a synthetic task of word tokens (queries up to 40 tokens, 2-5 choices of 1-6 tokens) scored
+  with a 24-token window: contexts are cut from the left, units split over rows and rows over batches.
+- The formulation, rule by rule against hand-computed values: the trailing space, `whole[len(context):]` and
+  lighteval's last-token rule, the left cut, the empty context, each normalisation, the few-shot context,
+  and the layout of a packed row.
+- The Hub mappings on rows written in each dataset's own fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist import report, spawn, start_watchdog
+from models import VOCAB, make_model_dir
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+import hf3d
+from hf3d.evaluation import hub_tasks
+from hf3d.evaluation.config import TaskEvalConfig
+from hf3d.evaluation.evaluator import Evaluator, load_tasks
+from hf3d.evaluation.metrics import predictions, task_result
+from hf3d.evaluation.packing import make_batches
+from hf3d.evaluation.requests import Unit, encode_examples, units_of
+from hf3d.evaluation.tasks import FEWSHOT_SEPARATOR, Row, Task, context_of
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = [f"w{i}" for i in range(2, VOCAB)]  # token ids 2..100; 0 is <eos>, 1 <unk>
+WINDOW = 24  # tokens one choice reads: most contexts are cut, the longest units split over rows
+ROWS = 30
+# ~10-20x the largest relative error measured over every job of this file (fp32, gloo, 2-core CPU)
+SCORE_RTOL = 2e-6  # summed log-likelihood of a choice, relative; measured 1.3e-7 (smollm3 tp2)
+WATCHDOG_S = 400
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per whitespace-separated word (w2 .. w100), no special tokens added: ids a test can write."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<eos>": 0, "<unk>": 1, **{w: i for i, w in enumerate(WORDS, start=2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+
+
+def synthetic_rows(n: int, seed: int) -> list[dict]:
+    g = random.Random(seed)
+    words = lambda lo, hi: " ".join(g.choice(WORDS) for _ in range(g.randint(lo, hi)))
+    rows = []
+    for i in range(n):
+        k = g.randint(2, 5)
+        query = "" if i == 3 else words(1, 40) + (" " if i % 5 == 0 else "")  # an empty context; trailing spaces
+        rows.append({"query": query, "choices": [" " + words(1, 6) for _ in range(k)], "gold": g.randrange(k)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """Model folders (with the word tokenizer saved beside the weights) and the task file."""
+    root = tmp_path_factory.mktemp("evaluation")
+    tok = word_tokenizer()
+    dirs = {}
+    for family, kw in (("llama", dict(num_hidden_layers=4)), ("qwen3", {}), ("smollm3", {}), ("qwen3-moe", {})):
+        dirs[family] = make_model_dir(root / family, family, **kw)
+        tok.save_pretrained(dirs[family])
+    task = root / "synthetic.jsonl"
+    task.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(ROWS, seed=0)))
+    return {"root": root, "dirs": dirs, "task": task}
+
+
+def _cfg(env, **kw) -> TaskEvalConfig:
+    return TaskEvalConfig(tasks=[str(env["task"])], max_length=WINDOW, batch_rows=3, log_samples=True, **kw)
+
+
+def _record(results) -> dict:
+    (r,) = results.tasks
+    return {
+        "n": r.n,
+        "cut": r.cut,
+        "logprobs": [s["choices_logprob"] for s in r.samples],
+        "preds": [(s["pred"], s["pred_norm"], s["pred_norm_token"]) for s in r.samples],
+        "scores": r.scores,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# worker side
+# ------------------------------------------------------------------------------------------------
+JOBS2 = {  # name -> (family, ParallelConfig kwargs, attention, shared contexts)
+    "llama/tp2": ("llama", dict(tp=2), "sdpa", True),
+    "llama/tp2-sp": ("llama", dict(tp=2, sequence_parallel=True), "sdpa", True),
+    "llama/pp2-1f1b": ("llama", dict(pp=2, pp_schedule="1f1b", num_microbatches=2), "sdpa", True),
+    "llama/pp2-interleaved": ("llama", dict(pp=2, pp_schedule="interleaved-1f1b", num_microbatches=2), "sdpa", True),
+    "llama/dp2": ("llama", dict(dp=2), "sdpa", True),
+    "llama/dp2-pairs": ("llama", dict(dp=2), "sdpa", False),
+    "llama/cp2": ("llama", dict(cp=2), "sdpa", True),
+    "llama/tp2-eager": ("llama", dict(tp=2), "eager", True),
+    "qwen3/tp2-sp": ("qwen3", dict(tp=2, sequence_parallel=True), "sdpa", True),
+    "qwen3/pp2-1f1b": ("qwen3", dict(pp=2, pp_schedule="1f1b", num_microbatches=2), "sdpa", True),
+    "qwen3/dp2": ("qwen3", dict(dp=2), "sdpa", True),
+    "qwen3/cp2": ("qwen3", dict(cp=2), "sdpa", True),
+    "smollm3/tp2": ("smollm3", dict(tp=2), "sdpa", True),
+    "smollm3/cp2-pairs": ("smollm3", dict(cp=2), "sdpa", False),
+    "qwen3-moe/dp2-ep2": ("qwen3-moe", dict(dp=2, ep=2), "sdpa", True),
+    "qwen3-moe/tp2": ("qwen3-moe", dict(tp=2), "sdpa", True),
+    "qwen3-moe/pp2-1f1b": ("qwen3-moe", dict(pp=2, pp_schedule="1f1b", num_microbatches=2), "sdpa", True),
+}
+JOBS4 = {"llama/tp2-pp2-sp": ("llama", dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2), "sdpa", True)}
+
+
+def _score(env, path, pcfg_kw: dict, attn: str, share: bool) -> dict:
+    pm = hf3d.parallelize(path, hf3d.ParallelConfig(**pcfg_kw), attn_implementation=attn)
+    evaluator = Evaluator(pm, load_tasks(_cfg(env)), word_tokenizer(), _cfg(env), share_context=share)
+    return _record(evaluator.run(progress=False))
+
+
+def _checkpoint_job(env) -> dict:
+    """A step of AdamW at tp2, saved as a checkpoint and exported; the checkpoint read at pp2 and scored."""
+    from hf3d.evaluation.command import load_model
+
+    root = env["root"]
+    pm = hf3d.parallelize(str(env["dirs"]["llama"]), hf3d.ParallelConfig(tp=2))
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=5e-2)
+    ids = torch.randint(2, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    pm.train_step(ids, ids)
+    opt.step()
+    hf3d.save_checkpoint(root / "ckpt", pm, opt, step=1)
+    pm.save_pretrained(root / "trained")
+    pm2 = load_model(str(root / "ckpt"), hf3d.ParallelConfig(pp=2), dtype=torch.float32, attn_implementation="sdpa")
+    return _record(Evaluator(pm2, load_tasks(_cfg(env)), word_tokenizer(), _cfg(env)).run(progress=False))
+
+
+def _world(env, jobs: dict, checkpoint: bool, out: str) -> None:
+    start_watchdog(WATCHDOG_S)
+    res = {name: _score(env, str(env["dirs"][f]), kw, attn, share) for name, (f, kw, attn, share) in jobs.items()}
+    if checkpoint:
+        res["llama/checkpoint-tp2-to-pp2"] = _checkpoint_job(env)
+    report(res, out)
+
+
+@pytest.fixture(scope="module")
+def world2(env) -> list[dict]:
+    out = env["root"] / "world2.pt"
+    spawn(_world, 2, env, JOBS2, True, str(out))
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def world4(env) -> list[dict]:
+    out = env["root"] / "world4.pt"
+    spawn(_world, 4, env, JOBS4, False, str(out))
+    return torch.load(out, weights_only=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# the oracle
+# ------------------------------------------------------------------------------------------------
+def stock_scores(model_dir: Path, env, attn: str = "sdpa") -> dict:
+    """Each choice's summed log-likelihood from stock transformers, every pair on its own, and the picks."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+    (task,) = load_tasks(_cfg(env))
+    examples = encode_examples(
+        word_tokenizer(), [r.query for r in task.rows], [r.choices for r in task.rows], window=WINDOW, where="ref"
+    )
+    logprobs, preds = [], []
+    for row, ex in zip(task.rows, examples):
+        sums = []
+        for ctx, cont in zip(ex.contexts, ex.continuations):
+            ids = torch.tensor([ctx + cont[:-1]])
+            with torch.no_grad():
+                lp = model(ids).logits[0].float().log_softmax(-1)
+            picked = lp[len(ctx) - 1 :].gather(-1, torch.tensor(cont).unsqueeze(-1))
+            sums.append(picked.sum().item())
+        logprobs.append(sums)
+        p = predictions(sums, [len(c) for c in ex.continuations], [len(c) for c in row.choices])
+        preds.append((p["acc"], p["acc_norm"], p["acc_norm_token"]))
+    return {"logprobs": logprobs, "preds": preds, "cut": sum(ex.cut for ex in examples)}
+
+
+@pytest.fixture(scope="module")
+def stock(env) -> dict:
+    refs = {family: stock_scores(path, env) for family, path in env["dirs"].items()}
+    refs["llama/eager"] = stock_scores(env["dirs"]["llama"], env, attn="eager")
+    return refs
+
+
+def _compare(got: dict, want: dict, what: str) -> float:
+    assert got["n"] == len(want["logprobs"]) == ROWS, f"{what}: {got['n']} examples scored, {ROWS} in the task"
+    worst = 0.0
+    for i, (g, w) in enumerate(zip(got["logprobs"], want["logprobs"])):
+        assert len(g) == len(w), f"{what} row {i}: {len(g)} choices scored, {len(w)} in the row"
+        for j, (a, b) in enumerate(zip(g, w)):
+            rel = abs(a - b) / abs(b)
+            worst = max(worst, rel)
+            assert rel <= SCORE_RTOL, f"{what} row {i} choice {j}: {a!r} vs stock {b!r} (relative {rel:.2e})"
+    assert got["preds"] == want["preds"], f"{what}: predictions differ from stock's"
+    assert got["cut"] == want["cut"] > 0, f"{what}: {got['cut']} contexts cut, stock's rule cuts {want['cut']}"
+    return worst
+
+
+@pytest.mark.parametrize("job", sorted(JOBS2))
+def test_scores_equal_stock_at_world2_meshes(world2, stock, job):
+    family, _, attn, _ = JOBS2[job]
+    want = stock["llama/eager"] if attn == "eager" else stock[family]
+    for rank, res in enumerate(world2):
+        _compare(res[job], want, f"{job} rank {rank}")
+
+
+def test_scores_equal_stock_at_tp2_pp2(world4, stock):
+    (job,) = JOBS4
+    for rank, res in enumerate(world4):
+        _compare(res[job], stock["llama"], f"{job} rank {rank}")
+
+
+def test_a_checkpoint_saved_at_tp2_scores_at_pp2_as_stock_does_on_its_export(world2, env):
+    want = stock_scores(env["root"] / "trained", env)
+    untrained = stock_scores(env["dirs"]["llama"], env)
+    assert want["logprobs"] != untrained["logprobs"]  # the step moved the weights: a stale read would show
+    for rank, res in enumerate(world2):
+        _compare(res["llama/checkpoint-tp2-to-pp2"], want, f"checkpoint rank {rank}")
+
+
+def test_hf3d_eval_under_torchrun_writes_the_contract_files(world2, env, tmp_path):
+    """`hf3d eval CKPT --tasks FILE,NAME --log-samples --set parallel.dp=2` at a third mesh: results.json's
+    fields per task, one samples line per row in the task's order, and the scores of stock on the export."""
+    out = tmp_path / "eval"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hf3d", "eval"]
+    cmd += [str(env["root"] / "ckpt"), "--tasks", f"{env['task']},shakespeare-word", "--limit", str(ROWS)]
+    cmd += ["--output-dir", str(out), "--log-samples", "--max-length", str(WINDOW), "--set", "parallel.dp=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "synthetic" in done.stdout and "average" in done.stdout  # the table
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["results"]) == {"synthetic", "shakespeare-word"}
+    for name, r in results["results"].items():
+        assert {"acc", "acc_norm", "acc_norm_token", "n"} <= set(r), name
+    assert results["results"]["synthetic"]["n"] == ROWS
+    assert results["average"]["acc"] == pytest.approx(sum(r["acc"] for r in results["results"].values()) / 2)
+    want = stock_scores(env["root"] / "trained", env)
+    lines = [json.loads(x) for x in (out / "samples_synthetic.jsonl").read_text().splitlines()]
+    assert [s["index"] for s in lines] == list(range(ROWS))
+    fields = {"choices_logprob", "choices_tokens", "choices_chars", "pred", "gold"}
+    assert all(fields <= set(s) for s in lines)
+    got = {
+        "n": len(lines),
+        "cut": results["results"]["synthetic"]["cut"],
+        "logprobs": [s["choices_logprob"] for s in lines],
+        "preds": [(s["pred"], s["pred_norm"], s["pred_norm_token"]) for s in lines],
+    }
+    _compare(got, want, "hf3d eval")
+    acc = sum(s["pred"] == s["gold"] for s in lines) / ROWS
+    assert results["results"]["synthetic"]["acc"] == pytest.approx(acc)
+    assert (out / "samples_shakespeare-word.jsonl").is_file()
+
+
+def _env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+# ------------------------------------------------------------------------------------------------
+# the formulation, by hand
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bpe():
+    return AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer")
+
+
+def _pair(tok, context: str, choice: str, window: int = 64):
+    (ex,) = encode_examples(tok, [context], [(choice,)], window=window, where="t")
+    return ex.contexts[0], ex.continuations[0]
+
+
+def test_a_trailing_space_of_the_context_moves_to_the_choice(bpe):
+    ctx, cont = _pair(bpe, "ROMEO: ", "hello")
+    assert ctx == bpe.encode("ROMEO:") == [581, 45, 37, 47, 26]
+    assert cont == bpe.encode("ROMEO: hello")[5:] == [1726, 79]
+
+
+def test_the_continuation_is_the_whole_pair_past_the_contexts_length(bpe):
+    # "the" is one token, "there" two others: the context is the pair's own first token, not encode("the")
+    assert bpe.encode("the") == [692] and bpe.encode("there") == [84, 476]
+    assert _pair(bpe, "the", "re") == ([84], [476])
+    # "hel" + "lo" encodes to as many tokens as "hel": lighteval scores the last one
+    assert bpe.encode("hel") == [258, 76] and bpe.encode("hello") == [258, 1744]
+    assert _pair(bpe, "hel", "lo") == ([258], [1744])
+
+
+def test_an_empty_context_starts_from_eos():
+    tok = word_tokenizer()
+    assert _pair(tok, "", " w7 w8") == ([0], [7, 8])
+    assert _pair(tok, "   ", "w7") == ([0], [7])
+
+
+def test_a_long_context_is_cut_from_the_left_and_a_long_choice_refused():
+    tok = word_tokenizer()
+    context = " ".join(f"w{i}" for i in range(2, 12))  # ids 2..11
+    (ex,) = encode_examples(tok, [context], [(" w50 w51 w52",)], window=8, where="t")
+    assert ex.contexts == [[6, 7, 8, 9, 10, 11]] and ex.continuations == [[50, 51, 52]] and ex.cut  # 8 + 1 - 3
+    (ex,) = encode_examples(tok, [context], [(" w50 w51 w52",)], window=3, where="t")
+    assert ex.contexts == [[11]]
+    (ex,) = encode_examples(tok, [context], [(" w50",)], window=11, where="t")
+    assert ex.contexts == [list(range(2, 12))] and not ex.cut  # 10 + 1 - 1 = 10 positions: fits
+    with pytest.raises(ValueError, match=r"^t row 0: choice 0 is 3 tokens, more than the window of 2 tokens"):
+        encode_examples(tok, [context], [(" w50 w51 w52",)], window=2, where="t")
+
+
+def test_each_normalisation_divides_by_its_own_length():
+    # " ab": 3 characters, 1 token, -3.0; " c": 2 characters, 2 tokens, -2.5; " dddddddd": 9 characters, 3 tokens
+    logprobs, tokens, chars = [-3.0, -2.5, -4.5], [1, 2, 3], [3, 2, 9]
+    # acc: -2.5 is highest; per character -1.0, -1.25, -0.5; per token -3.0, -1.25, -1.5
+    assert predictions(logprobs, tokens, chars) == {"acc": 1, "acc_norm": 2, "acc_norm_token": 1}
+    examples = [
+        {"choices_logprob": logprobs, "choices_tokens": [[1], [2, 3], [4, 5, 6]], "choices_chars": chars, "gold": 2},
+        {"choices_logprob": [-1.0, -1.0], "choices_tokens": [[1], [2]], "choices_chars": [2, 2], "gold": 0},  # a tie
+    ]
+    r = task_result("t", "s", examples, cut=0, num_fewshot=0)
+    assert r.scores == {"acc": 0.5, "acc_norm": 1.0, "acc_norm_token": 0.5}
+    assert [e["pred_norm"] for e in r.samples] == [2, 0]
+
+
+def test_fewshot_contexts_are_other_rows_with_their_answers_drawn_by_seed():
+    rows = [Row(f"q{i}", (" a", " b", " c"), i % 3) for i in range(6)]
+    task = Task("t", rows, "s")
+    ctx = context_of(task, 2, num_fewshot=2, seed=7)
+    shots = ctx.split(FEWSHOT_SEPARATOR)
+    assert len(shots) == 3 and shots[-1] == "q2"
+    answers = {f"q{i}" + rows[i].choices[rows[i].gold] for i in range(6) if i != 2}
+    assert set(shots[:2]) <= answers and shots[0] != shots[1]
+    assert context_of(task, 2, num_fewshot=2, seed=7) == ctx  # the same draw on every rank and run
+    assert {context_of(task, 2, num_fewshot=2, seed=s) for s in range(8)} != {ctx}  # the seed matters
+    assert context_of(task, 2, num_fewshot=0, seed=7) == "q2"
+    with pytest.raises(ValueError, match="num_fewshot=6 but task 't' has only 5 other rows"):
+        context_of(task, 0, num_fewshot=6, seed=7)
+
+
+def test_a_row_holds_units_as_trees_and_queries_read_the_right_columns():
+    """Two units in one row of 12: [c c c | a a | b] and [d d | e], then padding."""
+    first = Unit([5, 6, 7], [(0, [20, 21, 22]), (1, [30, 31])])
+    second = Unit([8, 9], [(2, [40, 41])])
+    (batch,) = make_batches([first, second], row_len=12, rows_per_batch=1, tree=True, pad_id=0, full_batches=False)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 20, 21, 30, 8, 9, 40, 0, 0, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 0, 1, 2, 0, 1, 2]]
+    assert batch.segments.doc.tolist() == [[1, 1, 1, 1, 1, 1, 2, 2, 2, 0, 0, 0]]
+    assert batch.segments.branch.tolist() == [[0, 0, 0, 1, 1, 2, 0, 0, 1, 0, 0, 0]]
+    queries = list(zip(batch.query_cols.tolist(), batch.query_targets.tolist(), batch.query_pairs.tolist()))
+    assert queries == [(2, 20, 0), (3, 21, 0), (4, 22, 0), (2, 30, 1), (5, 31, 1), (7, 40, 2), (8, 41, 2)]
+    assert batch.tokens == 9
+
+
+def test_units_share_a_context_only_within_the_window():
+    from hf3d.evaluation.requests import Example
+
+    ex = Example([[1, 2, 3]] * 3, [[4, 5, 6], [7, 8], [9]], cut=False)
+    assert [(u.context, [p for p, _ in u.branches]) for u in units_of(ex, 10, window=8, share=True)] == [
+        ([1, 2, 3], [10, 11, 12])  # 3 + 2 + 1 + 0 = 6 positions
+    ]
+    assert [[p for p, _ in u.branches] for u in units_of(ex, 10, window=5, share=True)] == [[10], [11, 12]]
+    assert [[p for p, _ in u.branches] for u in units_of(ex, 10, window=8, share=False)] == [[10], [11], [12]]
+
+
+# ------------------------------------------------------------------------------------------------
+# the Hub mappings
+# ------------------------------------------------------------------------------------------------
+HUB_LINES = {
+    "hellaswag": (
+        {
+            "activity_label": "Baking cookies",
+            "ctx_a": "A woman puts flour in a bowl. [header] She",
+            "ctx_b": "then",
+            "endings": ["adds eggs [title] Mix well.", "leaves."],
+            "label": "0",
+        },
+        {
+            "query": "Baking cookies: A woman puts flour in a bowl. She Then",
+            "choices": [" adds eggs. Mix well.", " leaves."],
+            "gold": 0,
+        },
+    ),
+    "arc_easy": (
+        {"question": "What melts ice?", "choices": {"text": ["Heat", "Cold"], "label": ["A", "B"]}, "answerKey": "A"},
+        {"query": "Question: What melts ice?\nAnswer:", "choices": [" Heat", " Cold"], "gold": 0},
+    ),
+    "piqa": (
+        {"goal": "Open a jar", "sol1": "Twist the lid", "sol2": "Shout at it", "label": 0},
+        {"query": "Question: Open a jar\nAnswer:", "choices": [" Twist the lid", " Shout at it"], "gold": 0},
+    ),
+    "mmlu": (
+        {"question": "2 + 2 =", "choices": ["3", "4", "5", "6"], "answer": 1, "subject": "math"},
+        {"query": "Question: 2 + 2 =\nAnswer:", "choices": [" 3", " 4", " 5", " 6"], "gold": 1},
+    ),
+    "commonsense_qa": (
+        {"question": "Where is salt?", "choices": {"label": ["A", "B"], "text": ["sea", "sky"]}, "answerKey": "A"},
+        {"query": "Question: Where is salt?\nAnswer:", "choices": [" sea", " sky"], "gold": 0},
+    ),
+    "winogrande": (
+        {"sentence": "The cup broke because _ was thin.", "option1": "the cup", "option2": "the table", "answer": "1"},
+        {"query": "The cup broke because ", "choices": ["the cup was thin.", "the table was thin."], "gold": 0},
+    ),
+    "openbookqa": (
+        {"question_stem": "Sun is a", "choices": {"text": ["star", "moon"], "label": ["A", "B"]}, "answerKey": "B"},
+        {"query": "Question: Sun is a\nAnswer:", "choices": [" star", " moon"], "gold": 1},
+    ),
+    "boolq": (
+        {"question": "is the sky blue", "passage": "The sky is blue.", "answer": True},
+        {"query": "The sky is blue.\nQuestion: is the sky blue?\nAnswer:", "choices": [" no", " yes"], "gold": 1},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HUB_LINES))
+def test_hub_mappings_write_the_cloze_rows(name):
+    line, want = HUB_LINES[name]
+    assert hub_tasks.HUB_TASKS[name].to_row(line) == want
+
+
+def test_every_hub_task_has_a_mapping_tested():
+    tested = set(HUB_LINES) | {"arc_challenge"}  # arc_challenge: arc_easy's mapping on another subset
+    assert set(hub_tasks.HUB_TASKS) == tested
