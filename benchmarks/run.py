@@ -3,7 +3,7 @@ from benchmarks/results/*.json (nothing in a table is typed by hand).
 
     python benchmarks/run.py                      # every benchmark, its command, and the state of its results
     python benchmarks/run.py step_time convert    # run these at full size, one after another, then the tables
-    python benchmarks/run.py --all                # every CPU benchmark (about 25 min on 2 cores), then the tables
+    python benchmarks/run.py --all                # every CPU benchmark (about 30 min on 2 cores), then the tables
     python benchmarks/run.py --quick step_time    # smoke sizes into results/quick/; no table is touched
     python benchmarks/run.py --report             # the tables only (--check: exit 1 if one is out of date;
                                                   #   --strict: exit 2, writing nothing, if a row is not current)
@@ -116,6 +116,16 @@ def _checkpoint(d: dict) -> str:
     return f"{d['params'] / 1e6:.1f}M params, fp32 + AdamW, 2 processes (slowest rank). " + "; ".join(parts)
 
 
+def _eval(d: dict) -> str:
+    parts = [f"{mesh} {m['ratio']:.2f}x (target ≤ 1.3x: {met(m['ratio'] <= 1.3)})" for mesh, m in d["meshes"].items()]
+    m = next(iter(d["meshes"].values()))
+    return (
+        f"{d['params'] / 1e6:.1f}M params, the two shipped tasks: scoring / a plain forward of the same unpadded "
+        f"tokens {', '.join(parts)}; shared contexts compute {m['tokens']:,} tokens where pairs would compute "
+        f"{m['pair_tokens'] / m['tokens']:.2f}x as many; {1 - m['tokens'] / m['computed']:.1%} of the rows is padding"
+    )
+
+
 def _gpu(d: dict) -> str:
     parts = [
         f"{r['what']} {r['ratio']:.3f}x (target ≥ {r['target']}x: {met(r['ratio'] >= r['target'])})"
@@ -171,6 +181,8 @@ BENCHMARKS = [
     Benchmark("checkpoint", "bench_checkpoint.py", [], "training checkpoint: the stall per save, sync and "
               "`checkpoint.async`, at dp=2 also the GPU's copying path (async-copy) on the CPU; save and load against "
               "raw I/O; dp=2 and pp=2", "10", _checkpoint),
+    Benchmark("eval", "bench_eval.py", [], "downstream scoring (hf3d/evaluation) / a plain forward of the same "
+              "tokens, at tp1, tp2 and pp2", "3", _eval),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
               "9 (GPU)", _gpu, gpu=True),
 ]  # fmt: skip

@@ -10,7 +10,7 @@ corpus (fixed seeds). Two tasks, 300 rows each:
 - shakespeare-next-line: a speaker and two lines of one speech; the choices are the speech's next line and
   three other lines of the same play (HellaSwag's shape: which continuation is the real one);
 - shakespeare-word: a line and the next one without its last word; the choices are that word and three other
-  words of the play (a LAMBADA-like cloze).
+  words of the play of the same length (a LAMBADA-like cloze).
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def word_rows(works: dict[str, str], rng: random.Random) -> list[dict]:
     rng.shuffle(rows)
     out = []
     for before, head, last, vocab in rows[:ROWS]:
-        others = rng.sample([w for w in vocab if w != last], 3)
+        same_length = [w for w in vocab if w != last and len(w) == len(last)]  # no choice wins by its length
+        others = rng.sample(same_length, 3)
         choices = [" " + w for w in [last, *others]]
         rng.shuffle(choices)
         out.append({"query": f"{before}\n{head}", "choices": choices, "gold": choices.index(" " + last)})

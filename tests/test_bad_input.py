@@ -60,6 +60,7 @@ CATEGORIES = (
     "dataset contents",
     "checkpoints",
     "Python API",
+    "evaluation",
 )
 WORDS = "the of and to a in that is was he for it with as his on be at by had not are but from or have".split()
 # one process, a tiny run: fails before its first step in every case below
@@ -157,6 +158,19 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     (d / "txt").mkdir()
     fx["bad_utf8_txt"] = str(d / "txt" / "notes.txt")
     Path(fx["bad_utf8_txt"]).write_bytes(b"a caf\xe9 and a cr\xe8me " + " ".join(docs).encode())
+    tasks = d / "tasks"
+    tasks.mkdir()
+    row = {"query": "Question: which?\nAnswer:", "choices": [" this", " that"], "gold": 0}
+    for name, bad in (
+        ("no_gold", {k: v for k, v in row.items() if k != "gold"}),
+        ("gold_out_of_range", {**row, "gold": 2}),
+        ("no_choices", {**row, "choices": []}),
+        ("empty_choice", {**row, "choices": [" this", ""]}),
+        ("long_choice", {**row, "choices": [" this", " and that," * 20]}),
+    ):
+        fx[f"task_{name}"] = _jsonl(tasks / f"{name}.jsonl", [row, row, bad])
+    fx["task_not_json"] = str(tasks / "not_json.jsonl")
+    Path(fx["task_not_json"]).write_text(json.dumps(row) + "\n{'query': 'single quotes'}\n")
     fx["csv"] = str(d / "table.csv")
     Path(fx["csv"]).write_text("text\nhello\n")
     (d / "mixed").mkdir()
@@ -289,6 +303,11 @@ def _yaml(fx, name: str, *overrides: str):
     from hf3d.train.config import TrainConfig
 
     return TrainConfig.from_yaml(fx[f"yaml_{name}"], list(overrides))
+
+
+def _eval(fx, tasks: str, *more: str) -> list[str]:
+    """An `hf3d eval` command line on the embedded tiny model (initialised from its config)."""
+    return ["eval", str(TINY_SMOLLM), "--tasks", tasks, "--output-dir", fx["tmp"] + "/eval-out", *more]
 
 
 def _set(*overrides: str):
@@ -617,7 +636,7 @@ def _c(id, category, bad, trigger, words, **kw) -> Case:
     return Case(id, category, bad, trigger, tuple(words), **kw)
 
 
-CFG, SET, LAUNCH, FILES, CONTENTS, CKPT, API = CATEGORIES
+CFG, SET, LAUNCH, FILES, CONTENTS, CKPT, API, EVAL = CATEGORIES
 CASES: list[Case] = [
     # --- config file -------------------------------------------------------------------------------
     _c(
@@ -1762,6 +1781,98 @@ CASES: list[Case] = [
         "`push_to_hub` to a repo id with a space",
         lambda fx: _push_local(fx, "me/my model"),
         ["'me/my model' is not a Hub repo id", "NAMESPACE/NAME"],
+    ),
+    # --- evaluation (hf3d eval, the evals: section) ---------------------------------------------------------
+    _c(
+        "eval-missing-field",
+        EVAL,
+        "a task row without `gold`",
+        lambda fx: _eval(fx, fx["task_no_gold"]),
+        ["hf3d eval: error: <tmp>/data/tasks/no_gold.jsonl line 3: the row has no 'gold' field"],
+        how="main",
+    ),
+    _c(
+        "eval-gold-range",
+        EVAL,
+        "`gold` 2 in a row of two choices",
+        lambda fx: _eval(fx, fx["task_gold_out_of_range"]),
+        ["gold_out_of_range.jsonl line 3: 'gold' 2 is outside the 2 choices (0 to 1)"],
+        how="main",
+    ),
+    _c(
+        "eval-empty-choices",
+        EVAL,
+        "a task row with an empty choice list",
+        lambda fx: _eval(fx, fx["task_no_choices"]),
+        ["no_choices.jsonl line 3: 'choices' is empty"],
+        how="main",
+    ),
+    _c(
+        "eval-empty-choice",
+        EVAL,
+        "a task row with an empty choice string",
+        lambda fx: _eval(fx, fx["task_empty_choice"]),
+        ["empty_choice.jsonl line 3: choices[1] is an empty string"],
+        how="main",
+    ),
+    _c(
+        "eval-not-json",
+        EVAL,
+        "a task line that is not JSON",
+        lambda fx: _eval(fx, fx["task_not_json"]),
+        ["not_json.jsonl line 2 is not valid JSON"],
+        how="main",
+    ),
+    _c(
+        "eval-task-file-missing",
+        EVAL,
+        "a task file that does not exist",
+        lambda fx: _eval(fx, fx["tmp"] + "/nope.jsonl"),
+        ["task file <tmp>/nope.jsonl does not exist"],
+        how="main",
+    ),
+    _c(
+        "eval-unknown-task",
+        EVAL,
+        "a misspelt task name (`hellaswagg`)",
+        lambda fx: _eval(fx, "hellaswagg"),
+        ["unknown task 'hellaswagg'", "did you mean 'hellaswag'?", "shakespeare-word"],
+        how="main",
+    ),
+    _c(
+        "eval-hub-offline",
+        EVAL,
+        "a Hub task (`hellaswag`) offline, not cached",
+        lambda fx: _eval(fx, "hellaswag"),
+        ["task 'hellaswag' reads the Hub dataset Rowan/hellaswag", "could not be loaded", "JSONL file"],
+        how="main",
+    ),
+    _c(
+        "eval-set-not-mesh",
+        EVAL,
+        "`hf3d eval --set run.steps=4` (only the mesh is set there)",
+        lambda fx: _eval(fx, "shakespeare-word", "--set", "run.steps=4"),
+        ["--set expects parallel.KEY=VALUE", "got 'run.steps=4'", "--limit"],
+        how="main",
+    ),
+    _c(
+        "eval-train-unknown-task",
+        EVAL,
+        "`evals.tasks` naming an unknown task in `hf3d train`",
+        lambda fx: _set("evals.tasks=[arc]"),
+        ["evals.tasks: unknown task 'arc'", "arc_easy"],
+    ),
+    _c(
+        "eval-window",
+        EVAL,
+        "a choice longer than the window the model reads (`--max-length 8`; real subprocess)",
+        lambda fx: (_eval(fx, fx["task_long_choice"], "--max-length", "8"), fx["tmp"] + "/eval-out"),
+        [
+            "rank 0 (pp=0, dp=0, cp=0, tp=0) failed",
+            "task 'long_choice' row 2: choice 1 is",
+            "more than the window of 8",
+        ],
+        how="subprocess",
     ),
 ]
 

@@ -45,6 +45,7 @@ WINDOW = 24  # tokens one choice reads: most contexts are cut, the longest units
 ROWS = 30
 # ~10-20x the largest relative error measured over every job of this file (fp32, gloo, 2-core CPU)
 SCORE_RTOL = 2e-6  # summed log-likelihood of a choice, relative; measured 1.3e-7 (smollm3 tp2)
+FP8_RTOL = 0.05  # fp8 (e4m3, tensorwise) scores against stock's fp32, relative; measured 3.6e-3 (fp8 rounding)
 WATCHDOG_S = 400
 
 
@@ -84,7 +85,9 @@ def env(tmp_path_factory) -> dict:
 
 
 def _cfg(env, **kw) -> TaskEvalConfig:
-    return TaskEvalConfig(tasks=[str(env["task"])], max_length=WINDOW, batch_rows=3, log_samples=True, **kw)
+    return TaskEvalConfig(
+        **{"tasks": [str(env["task"])], "max_length": WINDOW, "batch_rows": 3, "log_samples": True, **kw}
+    )
 
 
 def _record(results) -> dict:
@@ -145,11 +148,80 @@ def _checkpoint_job(env) -> dict:
     return _record(Evaluator(pm2, load_tasks(_cfg(env)), word_tokenizer(), _cfg(env)).run(progress=False))
 
 
-def _world(env, jobs: dict, checkpoint: bool, out: str) -> None:
+def _compiled_job(env) -> dict:
+    """Compiled layers (aot_eager: dynamo's guards without a C++ compile) at tp2, as `hf3d train` runs them:
+    scoring rows shaped as a training micro-batch, an evaluation before training and between steps. Returns
+    the first evaluation's scores and dynamo's graph count after each phase."""
+    import importlib
+
+    from torch._dynamo.utils import counters
+
+    par = importlib.import_module("hf3d.parallelize")  # the module (hf3d.parallelize is the function)
+    counters.clear()
+    compile_layers = par.compile_layers
+    par.compile_layers = lambda layers: [layer.compile(backend="aot_eager") for layer in layers]
+    try:
+        pm = hf3d.parallelize(str(env["dirs"]["llama"]), hf3d.ParallelConfig(tp=2, compile=True, num_microbatches=2))
+    finally:
+        par.compile_layers = compile_layers
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    rows = 3  # a micro-batch: 6 rows of WINDOW tokens in 2 micro-batches
+    evaluator = Evaluator(pm, load_tasks(_cfg(env)), word_tokenizer(), _cfg(env, batch_rows=None), default_rows=rows)
+    ids = torch.randint(2, VOCAB, (2 * rows, WINDOW), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(WINDOW).remainder(WINDOW // 2).expand(2 * rows, -1)  # packed: two documents a row
+
+    def step():
+        pm.train_step(ids, ids, position_ids=positions)
+        opt.step()
+        opt.zero_grad()
+
+    graphs = lambda: counters["stats"]["unique_graphs"]
+    first = _record(evaluator.run(progress=False))
+    after_first_eval = graphs()
+    step()
+    after_training = graphs()
+    evaluator.run(progress=False)
+    step()
+    evaluator.run(progress=False)
+    return {
+        **first,
+        "graphs": [after_first_eval, after_training, graphs()],
+        "breaks": sum(counters["graph_break"].values()),
+    }
+
+
+def _fp8_job(env) -> dict:
+    """FP8 (tensorwise, emulated) projections at tp2: scored through the FP8 layers."""
+    pm = hf3d.parallelize(
+        str(env["dirs"]["llama"]), hf3d.ParallelConfig(tp=2), fp8=hf3d.FP8Config("tensorwise", emulate=True)
+    )
+    return _record(Evaluator(pm, load_tasks(_cfg(env)), word_tokenizer(), _cfg(env)).run(progress=False))
+
+
+def _trainer_job(env) -> dict:
+    """hf3d.Trainer(eval_tasks=...).evaluate(), the accelerate path and evaluate_tasks on one model at tp2."""
+    from accelerate import Accelerator
+    from transformers import TrainingArguments
+
+    pm = hf3d.parallelize(str(env["dirs"]["llama"]), hf3d.ParallelConfig(tp=2))
+    args = TrainingArguments(output_dir=str(env["root"] / "trainer"), use_cpu=True, report_to="none", disable_tqdm=True)
+    trainer = hf3d.Trainer(model=pm, args=args, eval_tasks=_cfg(env), processing_class=word_tokenizer())
+    from_trainer = trainer.evaluate()
+    acc = Accelerator(cpu=True)
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    prepared, _ = hf3d.prepare(acc, pm, opt)
+    from_accelerate = hf3d.evaluate_tasks(prepared, _cfg(env), word_tokenizer(), progress=False).metrics()
+    return {"trainer": from_trainer, "accelerate": from_accelerate}
+
+
+def _world(env, jobs: dict, extras: bool, out: str) -> None:
     start_watchdog(WATCHDOG_S)
     res = {name: _score(env, str(env["dirs"][f]), kw, attn, share) for name, (f, kw, attn, share) in jobs.items()}
-    if checkpoint:
+    if extras:
         res["llama/checkpoint-tp2-to-pp2"] = _checkpoint_job(env)
+        res["llama/tp2-compiled"] = _compiled_job(env)
+        res["llama/tp2-fp8"] = _fp8_job(env)
+        res["trainer"] = _trainer_job(env)
     report(res, out)
 
 
@@ -233,6 +305,38 @@ def test_a_checkpoint_saved_at_tp2_scores_at_pp2_as_stock_does_on_its_export(wor
     assert want["logprobs"] != untrained["logprobs"]  # the step moved the weights: a stale read would show
     for rank, res in enumerate(world2):
         _compare(res["llama/checkpoint-tp2-to-pp2"], want, f"checkpoint rank {rank}")
+
+
+def test_compiled_layers_score_as_stock_and_evaluating_compiles_nothing_after_the_first_time(world2, stock):
+    """The first evaluation compiles the inference graph of the layers (no grad, eval mode); training after it,
+    and every later evaluation between steps, add no graph: no recompile."""
+    for rank, res in enumerate(world2):
+        job = res["llama/tp2-compiled"]
+        _compare(job, stock["llama"], f"compiled rank {rank}")
+        # one inference graph (both layers share it, every batch has the training micro-batch's shape), then
+        # one training graph, then none: neither training after an evaluation nor a later evaluation recompiles
+        assert job["graphs"] == [1, 2, 2], job["graphs"]
+        assert job["breaks"] == 0
+
+
+def test_fp8_layers_score_within_fp8_error_of_stock(world2, stock):
+    want = stock["llama"]["logprobs"]
+    for res in world2:
+        got = res["llama/tp2-fp8"]["logprobs"]
+        rel = max(abs(a - b) / abs(b) for g, w in zip(got, want) for a, b in zip(g, w))
+        assert 0 < rel <= FP8_RTOL, f"fp8 scores {rel:.2e} from stock's"
+
+
+def test_the_trainer_and_the_accelerate_path_report_the_same_scores(world2, stock):
+    ranks = [res["trainer"] for res in world2]
+    want = stock["llama"]
+    golds = [r["gold"] for r in synthetic_rows(ROWS, seed=0)]
+    for i, metric in enumerate(("acc", "acc_norm", "acc_norm_token")):
+        expected = sum(p[i] == g for p, g in zip(want["preds"], golds)) / ROWS
+        for r in ranks:
+            assert r["trainer"][f"eval_downstream/synthetic/{metric}"] == pytest.approx(expected, abs=1e-12)
+            assert r["accelerate"][f"downstream/synthetic/{metric}"] == pytest.approx(expected, abs=1e-12)
+            assert r["trainer"][f"eval_downstream/average/{metric}"] == r["accelerate"][f"downstream/average/{metric}"]
 
 
 def test_hf3d_eval_under_torchrun_writes_the_contract_files(world2, env, tmp_path):
@@ -433,3 +537,53 @@ def test_hub_mappings_write_the_cloze_rows(name):
 def test_every_hub_task_has_a_mapping_tested():
     tested = set(HUB_LINES) | {"arc_challenge"}  # arc_challenge: arc_easy's mapping on another subset
     assert set(hub_tasks.HUB_TASKS) == tested
+
+
+# ------------------------------------------------------------------------------------------------
+# hf3d train
+# ------------------------------------------------------------------------------------------------
+def test_hf3d_train_scores_during_the_run_as_hf3d_eval_scores_its_checkpoint(tmp_path):
+    """`evals:` every 2 steps at tp2: metrics.jsonl, the log line, evals/step_<N>/, the loss curve and the
+    export's record carry the scores; `hf3d eval` on the step-4 checkpoint at pp2 gives the same scores."""
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hf3d"]
+    sets = ["run.steps=4", "run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=2", "run.log_every=4"]
+    sets += ["checkpoint.every=2", "evals.tasks=[shakespeare-word]", "evals.every=2", "evals.limit=12"]
+    sets += ["evals.log_samples=true", f"run.output_dir={out}", "run.sample_prompt=null"]
+    done = subprocess.run(
+        [*torchrun, "train", "examples/configs/tiny-smollm.yaml", "--set", *sets],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scored = [r["step"] for r in records if "downstream/shakespeare-word/acc_norm" in r]
+    assert scored == [2, 4]
+    keys = {
+        f"downstream/{t}/{m}" for t in ("shakespeare-word", "average") for m in ("acc", "acc_norm", "acc_norm_token")
+    }
+    assert keys <= set(records[-1])
+    line = next(x for x in done.stdout.splitlines() + done.stderr.splitlines() if x.startswith("step 2/4"))
+    assert f"acc_norm shakespeare-word {records[1]['downstream/shakespeare-word/acc_norm']:.3f}" in line
+    record = json.loads((out / "final" / "hf3d_training.json").read_text())
+    assert record["downstream"]["step"] == 4
+    assert record["downstream"]["shakespeare-word"]["acc"] == records[-1]["downstream/shakespeare-word/acc"]
+    assert (out / "loss_curve.png").is_file()
+    during = [
+        json.loads(x) for x in (out / "evals" / "step_4" / "samples_shakespeare-word.jsonl").read_text().splitlines()
+    ]
+    assert len(during) == 12
+
+    after = tmp_path / "after"
+    cmd = [*torchrun, "eval", str(out / "checkpoints" / "step_4"), "--tasks", "shakespeare-word", "--limit", "12"]
+    cmd += ["--max-length", "32", "--output-dir", str(after), "--log-samples", "--set", "parallel.pp=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = [json.loads(x) for x in (after / "samples_shakespeare-word.jsonl").read_text().splitlines()]
+    for a, b in zip(during, again):
+        assert a["choices_tokens"] == b["choices_tokens"] and a["pred"] == b["pred"]
+        for x, y in zip(a["choices_logprob"], b["choices_logprob"]):
+            assert abs(x - y) <= SCORE_RTOL * abs(y), (a["index"], x, y)
+    assert (
+        json.loads((after / "results.json").read_text())["results"]["shakespeare-word"]["acc"]
+        == (records[-1]["downstream/shakespeare-word/acc"])
+    )

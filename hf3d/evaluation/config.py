@@ -35,6 +35,10 @@ class TaskEvalConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tasks, str):
             self.tasks = [t for t in self.tasks.split(",") if t]
+        from .tasks import check_spec
+
+        for spec in self.tasks:  # a misspelt name or a missing file is refused here, before any process starts
+            check_spec(spec)
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"the evaluation's limit must be a number of rows >= 1, got {self.limit}")
         if self.num_fewshot < 0:

@@ -46,28 +46,42 @@ def known_task_names() -> list[str]:
     return [*shipped_tasks(), *HUB_TASKS]
 
 
-def load_task(spec: str, *, limit: int | None = None) -> Task:
-    """A task from a JSONL path, a shipped task's name or a Hub task's name; its first `limit` rows."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"the limit per task must be a number of rows >= 1, got {limit}")
+def check_spec(spec: str) -> str:
+    """What `spec` names: "file", "shipped" or "hub"; one line when it names nothing (no file is read here)."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"a task is a JSONL path or a task name, got {spec!r}")
     path = Path(spec)
     if spec.endswith(".jsonl") or path.is_file():
         if not path.is_file():
             raise ValueError(f"task file {spec} does not exist: give a JSONL file of {{query, choices, gold}} rows")
-        task = Task(path.stem, read_rows(path), str(path))
-    elif spec in shipped_tasks():
+        return "file"
+    if spec in shipped_tasks():
+        return "shipped"
+    from .hub_tasks import HUB_TASKS
+
+    if spec in HUB_TASKS:
+        return "hub"
+    names = known_task_names()
+    near = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    raise ValueError(
+        f"unknown task {spec!r}: {hint}give a JSONL file of {{query, choices, gold}} rows or one of: "
+        + ", ".join(names)
+    )
+
+
+def load_task(spec: str, *, limit: int | None = None) -> Task:
+    """A task from a JSONL path, a shipped task's name or a Hub task's name; its first `limit` rows."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"the limit per task must be a number of rows >= 1, got {limit}")
+    kind = check_spec(spec)
+    if kind == "file":
+        task = Task(Path(spec).stem, read_rows(Path(spec)), spec)
+    elif kind == "shipped":
         task = Task(spec, read_rows(shipped_tasks()[spec]), f"hf3d (shipped: {shipped_tasks()[spec].name})")
     else:
-        from .hub_tasks import HUB_TASKS, load_hub_task
+        from .hub_tasks import load_hub_task
 
-        if spec not in HUB_TASKS:
-            names = known_task_names()
-            near = difflib.get_close_matches(spec, names, n=1, cutoff=0.6)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ValueError(
-                f"unknown task {spec!r}: {hint}give a JSONL file of {{query, choices, gold}} rows or one of: "
-                + ", ".join(names)
-            )
         task = load_hub_task(spec)
     if not task.rows:
         raise ValueError(f"task {task.name!r} ({task.source}) has no rows")

@@ -266,7 +266,13 @@ class EvalsConfig(TaskEvalConfig):
     """Also evaluate after the last step."""
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as e:  # the YAML key, not the command line's flag
+            msg = str(e)
+            raise ValueError(
+                msg.replace("the evaluation's ", "evals.") if "the evaluation's " in msg else f"evals.tasks: {msg}"
+            ) from None
         if self.every < 0:
             raise ValueError(f"evals.every must be a number of steps >= 0 (0: only at the end), got {self.every}")
 
