@@ -2,8 +2,9 @@
 
 Runs `torchrun --nproc-per-node 2 -m hf3d train examples/configs/tiny-smollm.yaml` from the repository
 root (into a temporary output dir, so `outputs/` is left alone) and records what a user sees: the wall
-time, the first and last training loss, the eval losses, the checkpoints and files written, the
-generated sample, and the loss curve (copied to results/default_run_loss_curve.png for the README).
+time, the first and last training loss, the eval losses, the downstream scores, the log lines, the
+checkpoints and files written, the generated sample, and the loss curve (copied to
+results/default_run_loss_curve.png for the README).
 
     python benchmarks/bench_default_run.py            # the full default run (200 steps)
     python benchmarks/bench_default_run.py --quick    # 10 steps; results/quick/
@@ -38,6 +39,14 @@ def main() -> None:
             sys.exit(f"the default run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         evals = [[r["step"], r["eval_loss"]] for r in records if "eval_loss" in r]
+        downstream = [  # [step, {task: acc_norm}] of each downstream evaluation, the average among the tasks
+            [
+                r["step"],
+                {k.split("/")[1]: v for k, v in r.items() if k.startswith("downstream/") and k.endswith("/acc_norm")},
+            ]
+            for r in records
+            if "downstream/average/acc_norm" in r
+        ]
         data = {
             "env": env,
             "command": "torchrun --nproc-per-node 2 -m hf3d train " + CONFIG,
@@ -48,6 +57,10 @@ def main() -> None:
             "last_loss": records[-1]["loss"],
             "min_loss": min(r["loss"] for r in records),
             "eval_losses": evals,
+            "downstream_acc_norm": downstream,
+            "log_lines": [
+                x.strip() for x in proc.stdout.splitlines() + proc.stderr.splitlines() if x.startswith("step ")
+            ],
             "tokens": records[-1]["consumed_tokens"],
             "median_tokens_per_sec": sorted(r["tokens_per_sec"] for r in records)[len(records) // 2],
             "checkpoints": sorted(p.name for p in (out / "checkpoints").glob("step_*")),

@@ -38,12 +38,19 @@ def met(ok: bool) -> str:
 
 # -- one line of results per results file ---------------------------------------------------------
 def _default_run(d: dict) -> str:
-    evals = d["eval_losses"]
-    return (
+    evals, scores = d["eval_losses"], d.get("downstream_acc_norm") or []
+    out = (
         f"{d['steps']} steps, {d['tokens']:,} tokens in {d['wall_s']:.0f} s wall on 2 processes (tp=2); loss "
         f"{d['first_loss']:.2f} → {d['last_loss']:.2f}, eval loss {evals[0][1]:.2f} (step {evals[0][0]}) → "
-        f"{evals[-1][1]:.2f} (step {evals[-1][0]}); checkpoints {', '.join(d['checkpoints'])}"
+        f"{evals[-1][1]:.2f} (step {evals[-1][0]})"
     )
+    if scores:
+        (first, a), (last, b) = scores[0], scores[-1]
+        tasks = ", ".join(f"{t} {a[t]:.3f} → {b[t]:.3f}" for t in b if t != "average")
+        out += (
+            f", downstream acc_norm {tasks} (average {a['average']:.3f} → {b['average']:.3f}, steps {first} → {last})"
+        )
+    return out + f"; checkpoints {', '.join(d['checkpoints'])}"
 
 
 def _step_time(d: dict) -> str:
@@ -251,6 +258,7 @@ def default_run_block(results: Path = RESULTS) -> str:
         "curve (`outputs/tiny-smollm/loss_curve.png`, train and eval):\n\n"
         "![loss curve of the default run](benchmarks/results/default_run_loss_curve.png)\n\n"
         f"and the sample it wrote (`outputs/tiny-smollm/sample.txt`, from the exported model): `{sample[:160]}`"
+        + (f". Its last log line:\n\n```\n{d['log_lines'][-1]}\n```" if d.get("log_lines") else "")
     )
 
 
