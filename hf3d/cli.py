@@ -121,13 +121,8 @@ def _push(args) -> None:
     print(f"pushed {args.model_dir} to {args.repo_id}: {url}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train from a YAML config; launch with torchrun or accelerate launch")
-    p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
-    p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
-    p.set_defaults(func=_train)
+def _eval_parser(sub) -> None:
+    """`hf3d eval`'s arguments."""
     p = sub.add_parser(
         "eval",
         help="score multiple-choice tasks (cloze) at any mesh, from a checkpoint, an HF folder or a Hub id; "
@@ -157,6 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
     p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
     p.set_defaults(func=_eval)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train from a YAML config; launch with torchrun or accelerate launch")
+    p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
+    p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
+    p.set_defaults(func=_train)
+    _eval_parser(sub)
     p = sub.add_parser("generate", help="sample text from an HF model directory")
     p.add_argument("model_dir")
     p.add_argument("--prompt", required=True)

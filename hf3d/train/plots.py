@@ -93,19 +93,7 @@ def plot_loss_curve(
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # 3, 4, 6 rather than 3x10^0
         if max(every) / min(every) < 10:  # within a decade the minor ticks are the only labels
             ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
-    for x, name in stage_marks(stages, steps + eval_steps):
-        ax.axvline(x, color="tab:gray", lw=1, ls=":")
-        ax.annotate(
-            name,
-            (x, 1),
-            xycoords=("data", "axes fraction"),
-            xytext=(3, -3),
-            textcoords="offset points",
-            rotation=90,
-            va="top",
-            fontsize=8,
-            color="tab:gray",
-        )
+    _mark_stages(ax, stage_marks(stages, steps + eval_steps))
     if not scores:
         ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -127,6 +115,23 @@ def plot_loss_curve(
     fig.savefig(png, format="png")
     files.write_file(out_png, png.getvalue(), replace=True)
     return out_png
+
+
+def _mark_stages(ax, marks: list[tuple[float, str]]) -> None:
+    """A dotted vertical line at each stage start, with the stage's name."""
+    for x, name in marks:
+        ax.axvline(x, color="tab:gray", lw=1, ls=":")
+        ax.annotate(
+            name,
+            (x, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3),
+            textcoords="offset points",
+            rotation=90,
+            va="top",
+            fontsize=8,
+            color="tab:gray",
+        )
 
 
 def downstream_series(records: list[dict], metric: str = "acc_norm") -> dict[str, tuple[list[float], list[float]]]:
