@@ -88,8 +88,12 @@ def run_eval(
     if state is not None:
         state.locate(pmodel.mesh)
     tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or model)
+    evaluator = Evaluator(pmodel, tasks, tokenizer, cfg)
+    if dist.get_rank() == 0:
+        for line in evaluator.summary():
+            print(f"hf3d: {line}")
     t0 = time.perf_counter()
-    results = Evaluator(pmodel, tasks, tokenizer, cfg).run()
+    results = evaluator.run()
     seconds = time.perf_counter() - t0
     if dist.get_rank() == 0:
         print(results.table())

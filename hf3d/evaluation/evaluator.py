@@ -151,6 +151,22 @@ class Evaluator:
                 for _ in range(most - len(p.batches))
             ]
 
+    def summary(self) -> list[str]:
+        """One line per task, as a run prints it at start: rows, tokens, padding, contexts cut from the left."""
+        lines = []
+        for p in self.prepared:
+            tokens = sum(b.tokens for b in p.batches)
+            room = sum(b.input_ids.numel() for b in p.batches)
+            cut = sum(ex.cut for ex in p.examples)
+            shared = "contexts shared by their choices" if self.tree else "each choice a document of its own"
+            lines.append(
+                f"eval task {p.task.name} ({p.task.source}): {len(p.task.rows)} rows, {p.num_pairs} choices on this "
+                f"replica in {tokens:,} tokens ({shared}), {room // self.row_len} rows of {self.row_len} in "
+                f"{len(p.batches)} batch(es) ({1 - tokens / max(room, 1):.0%} padding); {cut} context(s) cut from the "
+                f"left to fit {self.row_len} tokens"
+            )
+        return lines
+
     def run(self, *, progress: bool = True) -> EvalResults:
         """Score every task; the same results on every rank. Collective over the whole mesh."""
         pm = self.pmodel
@@ -170,10 +186,8 @@ class Evaluator:
         show = progress and dist.get_rank() == 0
         for batch in tqdm(p.batches, desc=f"eval {p.task.name}", unit="batch", leave=False, disable=not show):
             sums += pair_sums(query_logprobs(pm, batch), batch, p.num_pairs)
-        cut = sum(ex.cut for ex in p.examples[p.lo : p.hi])
-        parts = self._gather(torch.cat([sums, torch.tensor([float(cut)], dtype=torch.float64)]))
-        logprobs = [v for part in parts for v in part[:-1].tolist()]  # each replica's block, in dp order
-        return self._result(p, logprobs, cut=sum(int(part[-1]) for part in parts))
+        logprobs = [v for part in self._gather(sums) for v in part.tolist()]  # each replica's block, in dp order
+        return self._result(p, logprobs)
 
     def _gather(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Every replica's tensor (in dp order); the sizes differ by a few pairs."""
@@ -191,7 +205,7 @@ class Evaluator:
         dist.all_gather(parts, padded, group=group)
         return [part[: int(s)].cpu() for part, s in zip(parts, sizes)]
 
-    def _result(self, p: _Prepared, logprobs: list[float], *, cut: int) -> TaskResult:
+    def _result(self, p: _Prepared, logprobs: list[float]) -> TaskResult:
         examples, k = [], 0
         for i, (row, ex) in enumerate(zip(p.task.rows, p.examples)):
             m = len(row.choices)
@@ -207,6 +221,7 @@ class Evaluator:
             examples.append(sample)
             k += m
         assert k == len(logprobs), f"{p.task.name}: {len(logprobs)} scores for {k} choices"
+        cut = sum(ex.cut for ex in p.examples)  # every rank tokenised every row
         result = task_result(p.task.name, p.task.source, examples, cut=cut, num_fewshot=self.cfg.num_fewshot)
         if not self.cfg.log_samples:
             result.samples = []

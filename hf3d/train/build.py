@@ -179,6 +179,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
         evals = dataclasses.replace(cfg.evals, max_length=cfg.evals.max_length or pipe.seq_len(0))
         rows = cfg.run.global_batch // pmodel.dp_size // cfg.parallel.num_microbatches
         run.evaluator = Evaluator(pmodel, tasks, tokenizer, evals, default_rows=rows)
+        derived += run.evaluator.summary()
     return run, derived, missing
 
 
