@@ -151,14 +151,15 @@ def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss
 
 
 def relay_forward(
-    pmodel, input_ids: torch.Tensor, position_ids: torch.Tensor, *, head: bool = True, segments=None
+    pmodel, input_ids: torch.Tensor, position_ids: torch.Tensor, *, head: bool = True, segments=None, decode=None
 ) -> torch.Tensor | None:
     """Run the stages one after another (one micro-batch), passing activations over pp. Returns the last
     stage's local logits [b, s, V/tp] on the rank that runs it (its normed hidden states with head=False),
-    None on the others. segments: rows whose units share a context (hf3d.parallel.segments)."""
+    None on the others. segments: rows whose units share a context (hf3d.parallel.segments); decode: a step of
+    KV-cached decoding (hf3d.generation), which runs without sequence parallelism."""
     pp_group = pmodel.mesh.get_group("pp")
     b, s = input_ids.shape
-    s_local = s // pmodel.pcfg.tp if pmodel.pcfg.sequence_parallel else s
+    s_local = s // pmodel.pcfg.tp if pmodel.pcfg.sequence_parallel and decode is None else s
     by_index = {st.stage_index: st for st in pmodel.stages}
     x, me = input_ids, pmodel.pp_rank
     for idx, owner in enumerate(pmodel.stage_owners):
@@ -167,7 +168,7 @@ def relay_forward(
         if idx > 0 and pmodel.stage_owners[idx - 1] != me:
             x = torch.empty(b, s_local, pmodel.config.hidden_size, dtype=pmodel.param_dtype, device=pmodel.device)
             dist.recv(x, group=pp_group, group_src=pmodel.stage_owners[idx - 1])
-        x = by_index[idx](x, position_ids, head=head, segments=segments)
+        x = by_index[idx](x, position_ids, head=head, segments=segments, decode=decode)
         nxt = idx + 1
         if nxt < len(pmodel.stage_owners) and pmodel.stage_owners[nxt] != me:
             dist.send(x.contiguous(), group=pp_group, group_dst=pmodel.stage_owners[nxt])

@@ -55,38 +55,44 @@ class StageModule(nn.Module):
         self.dropout_rng = dropout_rng  # when the layers draw dropout masks: recompute replays them
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, head: bool = True, segments: Segments | None = None
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        head: bool = True,
+        segments: Segments | None = None,
+        decode=None,
     ) -> torch.Tensor:
         """x: token ids [b, s] (first stage) or hidden states [b, s(/tp under SP), h].
 
         Returns hidden states, or [b, s, V/tp] logits on the last stage; head=False stops the last
         stage after its final norm (the caller runs the lm_head itself). Under cp, s is this rank's
         S/cp tokens and position_ids are the FULL [b, S] ones (the masks need every token's).
-        segments: rows whose units share a context (hf3d.parallel.segments; scoring), over the full rows."""
+        segments: rows whose units share a context (hf3d.parallel.segments; scoring), over the full rows.
+        decode: a step of KV-cached decoding (hf3d.generation): `decode.cache` goes to the layers and
+        `decode.masks(stage, probe, position_ids)` builds their masks; whole rows on every cp rank."""
         hidden = self.embed_tokens(x) if self.first else x
-        if self.cp is not None:
-            full_positions, position_ids = position_ids, self.cp.local_positions(position_ids)
+        cp = self.cp if decode is None else None
+        full_positions = position_ids
+        if cp is not None:
+            position_ids = cp.local_positions(position_ids)
         b, s = position_ids.shape
         shape_probe = hidden.new_empty((b, s, 1))  # the mask builders read batch, seq, dtype, device
-        masks = {}
-        for kind in set(self.layer_types) if self.cp is not None else ():
-            masks[kind] = self.cp.masks(self.config, kind, full_positions, hidden.dtype, segments)
-        if segments is not None and self.cp is None:
-            masks = tree_masks(self.config, set(self.layer_types), position_ids, segments, hidden.dtype)
-        for kind in set(self.layer_types) if self.cp is None and segments is None else ():
-            build = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-            masks[kind] = build(
-                config=self.config,
-                inputs_embeds=shape_probe,
-                attention_mask=None,
-                cache=None,
-                position_ids=position_ids,
-            )
+        if decode is not None:
+            masks = decode.masks(self, shape_probe, position_ids)
+        elif cp is not None:
+            masks = {kind: cp.masks(self.config, kind, full_positions, hidden.dtype, segments) for kind in self.kinds}
+        elif segments is not None:
+            masks = tree_masks(self.config, self.kinds, position_ids, segments, hidden.dtype)
+        else:
+            masks = {kind: self._packed_mask(kind, shape_probe, position_ids) for kind in self.kinds}
         position_embeddings = self.rotary_emb(shape_probe, position_ids=position_ids)
         # flash builds no mask (masks are None): the documents reach the kernel as varlen boundaries
-        varlen = varlen_kwargs(position_ids) if is_flash(self.config._attn_implementation) else {}
+        packed = is_flash(self.config._attn_implementation) and decode is None
+        extra = varlen_kwargs(position_ids) if packed else {}
+        if decode is not None:
+            extra["cache"] = decode.cache
         for layer, kind, again in zip(self.layers, self.layer_types, self.recompute):
-            kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **varlen)
+            kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **extra)
             kwargs["position_embeddings"] = position_embeddings
             if again and torch.is_grad_enabled():
                 if self.dropout_rng is not None and layer.training:
@@ -98,6 +104,19 @@ class StageModule(nn.Module):
             hidden = self.norm(hidden)
             return self.lm_head(hidden) if head else hidden
         return hidden
+
+    @property
+    def kinds(self) -> set[str]:
+        """The attention kinds of this stage's layers (full_attention, sliding_attention)."""
+        return set(self.layer_types)
+
+    def _packed_mask(self, kind: str, shape_probe: torch.Tensor, position_ids: torch.Tensor):
+        """Stock's mask for a layer of `kind`: causal (or the sliding window), documents apart where the
+        position ids restart."""
+        build = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+        return build(
+            config=self.config, inputs_embeds=shape_probe, attention_mask=None, cache=None, position_ids=position_ids
+        )
 
 
 def layer_costs(config, mlp_costs: list[float] | None = None) -> tuple[float, list[float], float]:
