@@ -3,8 +3,8 @@
 Greedy decoding of a batch of prompts of different lengths (left-padded, 32 new tokens) must give stock's tokens
 exactly and stock's logits at every step within LOGITS_RTOL, on tiny Llama, Qwen3, SmolLM3 (NoPE and sliding-
 window layers) and Qwen3-MoE, at tp2, tp2 + sequence parallel, pp2 (1f1b; interleaved-1f1b: two stages a rank),
-dp2 (the rows split over the replicas), cp2, ep2, tp2 x pp2 (world 4), and from a checkpoint trained a step at
-tp2 and read at pp2. Every job generates twice, from two batches of prompts, on the same model: a cache kept
+dp2 (the rows split over the replicas), cp2 (the prefill split over cp, sliding-window layers included), ep2,
+tp2 x pp2 (world 4), and from a checkpoint trained a step at tp2 and read at pp2. Every job generates twice, from two batches of prompts, on the same model: a cache kept
 from the first call would show in the second. Seeded sampling (temperature, top-k, top-p) draws the same
 tokens at every mesh. `hf3d generate` under torchrun writes the contract file.
 """
@@ -64,6 +64,7 @@ JOBS2 = {  # name -> (family, ParallelConfig kwargs)
     "qwen3/pp2-1f1b": ("qwen3", dict(pp=2, pp_schedule="1f1b", num_microbatches=2)),
     "smollm3/tp2": ("smollm3", dict(tp=2)),
     "smollm3/pp2-1f1b": ("smollm3", dict(pp=2, pp_schedule="1f1b", num_microbatches=2)),
+    "smollm3/cp2": ("smollm3", dict(cp=2)),  # sliding-window layers filled from the split prefill
     "qwen3-moe/dp2-ep2": ("qwen3-moe", dict(dp=2, ep=2)),
     "qwen3-moe/tp2": ("qwen3-moe", dict(tp=2)),
 }

@@ -15,8 +15,9 @@ What transformers' `generate` does for a decoder-only model, run over hf3d's sta
   row's prompt (RowDraws), identical on every rank, mesh and batch. EOS, stop strings and the length end a row
   through stock's stopping criteria; a finished row is padded, and the call ends when every row has finished.
 - sequence parallelism splits a sequence over tp, which one new token cannot be: its modules run as plain tp
-  while decoding (the same weights, all-reduce instead of reduce-scatter + all-gather). Context parallelism:
-  every cp rank decodes the whole rows (the cache is not split over cp). Expert parallelism: the dp ranks of an
+  while decoding (the same weights, all-reduce instead of reduce-scatter + all-gather). Context parallelism
+  splits the prefill (SplitPrefill: each cp rank runs its chunks, the keys and values are gathered once into
+  every rank's cache); the steps then run the whole rows on every cp rank. Expert parallelism: the dp ranks of an
   expert group run their forwards together (the experts answer each other's tokens), so a rank whose rows
   have finished goes on with padding until the whole group has.
 """
@@ -56,6 +57,8 @@ class Step:
     """One decoding forward's cache and 2D attention mask [b, cached + new]: what StageModule.forward takes
     as `decode`."""
 
+    split_over_cp = False
+
     def __init__(self, cache, attention_mask: torch.Tensor):
         self.cache, self.attention_mask = cache, attention_mask
 
@@ -74,6 +77,28 @@ class Step:
         return out
 
 
+class SplitPrefill:
+    """The prefill under context parallelism: every cp rank runs its 2 of 2*cp chunks of the rows (the cp
+    masks keep the left padding apart: a pad's position never follows its neighbour's, so each pad is a
+    document of its own), and `cache` records each layer's keys and values of those chunks as they pass;
+    `fill` then gathers them over cp, in sequence order, into the real cache, whose layers keep them as
+    stock's cache would (a sliding-window layer its last window)."""
+
+    split_over_cp = True
+
+    def __init__(self):
+        self.cache = self
+        self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.recorded[layer_idx] = (keys, values)
+        return keys, values
+
+    def fill(self, cache, cp) -> None:
+        for layer_idx, (keys, values) in sorted(self.recorded.items()):  # [b, kv_heads_local, 2c, d]
+            cache.update(cp.gather(keys, dim=2), cp.gather(values, dim=2), layer_idx)
+
+
 @contextlib.contextmanager
 def plain_tensor_parallel(pmodel):
     """Sequence parallelism off while decoding (the modules' `sequence_parallel` flags), back on after."""
@@ -87,15 +112,19 @@ def plain_tensor_parallel(pmodel):
             m.sequence_parallel = True
 
 
-def next_logits(pmodel, ids: torch.Tensor, positions: torch.Tensor, step: Step) -> torch.Tensor:
+def next_logits(pmodel, ids: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
     """Full-vocabulary logits [b, V] (fp32) of the last position of `ids`, on every rank of the replica."""
+    split = step.split_over_cp
+    local_ids = pmodel.cp.split(ids) if split else ids
     if pmodel.pcfg.pp == 1:
-        hidden = pmodel.stages[0](ids, positions, head=False, decode=step)
+        hidden = pmodel.stages[0](local_ids, positions, head=False, decode=step)
     else:
-        hidden = relay_forward(pmodel, ids, positions, head=False, decode=step)
+        hidden = relay_forward(pmodel, local_ids, positions, head=False, decode=step)
     b = ids.shape[0]
     logits = torch.empty(b, pmodel.config.vocab_size, dtype=torch.float32, device=pmodel.device)
     if hidden is not None:
+        if split:  # the last position is in cp rank 0's second chunk: the rows put back together
+            hidden = pmodel.cp.gather(hidden)
         head = pmodel.lm_head
         logits = head.full_logits(head(hidden[:, -1:]))[:, 0].float().contiguous()  # the broadcast needs it whole
     if pmodel.pcfg.pp > 1:
@@ -205,8 +234,12 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
         )
     draws = RowDraws(input_ids, mask, seed) if gen.do_sample else None
     warpers = _warpers(gen) if gen.do_sample else None
-    stopping = _stopping(gen, tokenizer, input_ids.shape[1] + max_new)
     synced = pmodel.pcfg.ep > 1 and pmodel.dp_size > 1
+    extra = (-input_ids.shape[1]) % (2 * pmodel.cp.size) if pmodel.cp.active else 0  # the prefill cuts into 2*cp
+    if extra:  # more left padding, taken off again below
+        input_ids = torch.cat([input_ids.new_full((input_ids.shape[0], extra), gen.pad_token_id), input_ids], dim=1)
+        mask = torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
+    stopping = _stopping(gen, tokenizer, input_ids.shape[1] + max_new)
     was_training = pmodel.training
     pmodel.eval()
     try:
@@ -214,6 +247,7 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
             sequences, logits = _decode(pmodel, input_ids, mask, gen, warpers, stopping, draws, synced)
     finally:
         pmodel.train(was_training)
+    sequences = sequences[:, extra:]
     if not as_dict:
         return sequences
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -230,7 +264,12 @@ def _decode(pmodel, ids, mask, gen, warpers, stopping, draws, synced: bool):
     sequences, step_ids, all_logits = ids, ids, []
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
     while True:
-        logits = next_logits(pmodel, step_ids, positions, Step(cache, mask))
+        if step_ids is ids and pmodel.cp.active:
+            prefill = SplitPrefill()
+            logits = next_logits(pmodel, ids, positions, prefill)
+            prefill.fill(cache, pmodel.cp)
+        else:
+            logits = next_logits(pmodel, step_ids, positions, Step(cache, mask))
         if bool(unfinished.any()):  # a row group that has finished only keeps the expert group's pace
             all_logits.append(logits)
             if warpers is None:

@@ -69,15 +69,16 @@ class StageModule(nn.Module):
         S/cp tokens and position_ids are the FULL [b, S] ones (the masks need every token's).
         segments: rows whose units share a context (hf3d.parallel.segments; scoring), over the full rows.
         decode: a step of KV-cached decoding (hf3d.generation): `decode.cache` goes to the layers and
-        `decode.masks(stage, probe, position_ids)` builds their masks; whole rows on every cp rank."""
+        `decode.masks(stage, probe, position_ids)` builds their masks, whole rows on every cp rank; unless
+        `decode.split_over_cp` (a prefill), which runs this rank's cp share under the cp masks."""
         hidden = self.embed_tokens(x) if self.first else x
-        cp = self.cp if decode is None else None
+        cp = self.cp if decode is None or decode.split_over_cp else None
         full_positions = position_ids
         if cp is not None:
             position_ids = cp.local_positions(position_ids)
         b, s = position_ids.shape
         shape_probe = hidden.new_empty((b, s, 1))  # the mask builders read batch, seq, dtype, device
-        if decode is not None:
+        if decode is not None and cp is None:
             masks = decode.masks(self, shape_probe, position_ids)
         elif cp is not None:
             masks = {kind: cp.masks(self.config, kind, full_positions, hidden.dtype, segments) for kind in self.kinds}
