@@ -75,23 +75,62 @@ def _eval(args) -> int:
     leave(0)
 
 
-def _generate(args) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _generate(args) -> int:
+    """`hf3d generate`: ends like `hf3d train` and `hf3d eval` (one line for the whole job)."""
+    from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
 
-    tok = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    torch.manual_seed(args.seed)
-    ids = tok(args.prompt, return_tensors="pt").input_ids
-    out = model.generate(
-        ids,
-        max_new_tokens=args.max_new_tokens,
-        do_sample=True,
-        temperature=args.temperature,
-        top_k=50,
-        pad_token_id=tok.eos_token_id,
+    if started_by_launcher():
+        die_with_parent()
+    state = RunState(steps=False)
+    try:
+        import torch
+
+        from .evaluation.command import parallel_config
+        from .generation.command import read_prompts, run_generate, sampling_options
+
+        prompts = read_prompts(args.prompt, args.prompts)  # checked before any model work
+        options = sampling_options(args)
+        if args.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+        run_generate(
+            args.model,
+            prompts,
+            pcfg=parallel_config(args.set or []),
+            options=options,
+            max_new_tokens=args.max_new_tokens,
+            output=args.output,
+            dtype=getattr(torch, args.dtype),
+            attn=args.attn_implementation,
+            stop_strings=args.stop,
+            state=state,
+        )
+    except Exception as e:
+        return fail(e, state, "hf3d generate")
+    leave(0)
+
+
+def _generate_parser(sub) -> None:
+    """`hf3d generate`'s arguments."""
+    p = sub.add_parser(
+        "generate",
+        help="generate text at any mesh from a checkpoint, an HF folder or a Hub id (greedy unless a sampling "
+        "option is given); launch with torchrun for tp / pp / dp / cp / ep",
     )
-    print(tok.decode(out[0], skip_special_tokens=True))
+    p.add_argument("model", help="hf3d checkpoint (saved at any mesh), HF model directory or Hub id")
+    p.add_argument("--prompt", help="one prompt")
+    p.add_argument("--prompts", metavar="FILE", help='a JSONL file, one {"prompt": TEXT} per line')
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--output", metavar="OUT.jsonl", help='write {"prompt", "generated_ids", "text"} per prompt')
+    p.add_argument("--do-sample", action="store_true", help="sample (stock's defaults: temperature 1, top-k 50)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (implies --do-sample)")
+    p.add_argument("--top-k", type=int, help="sample among the k likeliest tokens (implies --do-sample)")
+    p.add_argument("--top-p", type=float, help="sample within top-p probability mass (implies --do-sample)")
+    p.add_argument("--seed", type=int, help="sampling seed: each prompt draws the same tokens at any mesh")
+    p.add_argument("--stop", nargs="*", metavar="TEXT", help="stop a prompt's generation once it has written TEXT")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
+    p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
+    p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    p.set_defaults(func=_generate)
 
 
 def _to_hf(args) -> None:
@@ -162,13 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
     p.set_defaults(func=_train)
     _eval_parser(sub)
-    p = sub.add_parser("generate", help="sample text from an HF model directory")
-    p.add_argument("model_dir")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_generate)
+    _generate_parser(sub)
     p = sub.add_parser("convert", help="hf3d checkpoint <-> HF directory, on one CPU process (no torchrun)")
     directions = p.add_subparsers(dest="direction", required=True)
     d = directions.add_parser("to-hf", help="hf3d checkpoint -> HF directory, on one CPU process")

@@ -4,13 +4,18 @@ Greedy decoding of a batch of prompts of different lengths (left-padded, 32 new 
 exactly and stock's logits at every step within LOGITS_RTOL, on tiny Llama, Qwen3, SmolLM3 (NoPE and sliding-
 window layers) and Qwen3-MoE, at tp2, tp2 + sequence parallel, pp2 (1f1b; interleaved-1f1b: two stages a rank),
 dp2 (the rows split over the replicas), cp2 (the prefill split over cp, sliding-window layers included), ep2,
-tp2 x pp2 (world 4), and from a checkpoint trained a step at tp2 and read at pp2. Every job generates twice, from two batches of prompts, on the same model: a cache kept
-from the first call would show in the second. Seeded sampling (temperature, top-k, top-p) draws the same
-tokens at every mesh. `hf3d generate` under torchrun writes the contract file.
+tp2 x pp2 (world 4), and from a checkpoint trained a step at tp2 and read at pp2. Every job generates twice,
+from two batches of prompts, on the same model: a cache kept from the first call would show in the second.
+Seeded sampling (temperature, top-k, top-p) draws the same tokens at every mesh. `hf3d generate` under
+torchrun writes the contract file.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,10 +48,14 @@ def prompts(seed: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
+    """Model folders with a word tokenizer beside the weights (a checkpoint carries it)."""
+    from test_evaluation import word_tokenizer
+
     root = tmp_path_factory.mktemp("generation")
     dirs = {}
     for family, kw in (("llama", dict(num_hidden_layers=4)), ("qwen3", {}), ("smollm3", {}), ("qwen3-moe", {})):
         dirs[family] = make_model_dir(root / family, family, **kw)
+        word_tokenizer().save_pretrained(dirs[family])
     return {"root": root, "dirs": dirs}
 
 
@@ -211,3 +220,32 @@ def test_seeded_sampling_draws_the_same_tokens_at_every_mesh(world2, world4):
     assert set(by_family["llama"]) == {0, 1, 2, 3}
     greedy = prompts(2)
     assert any(len(row) > greedy[0].shape[1] for row in by_family["llama"].values())
+
+
+def test_hf3d_generate_under_torchrun_writes_the_contract_file(world2, env, tmp_path):
+    """`hf3d generate CKPT --prompts FILE --output OUT --set parallel.dp=2` at a third mesh: one line per prompt
+    in the file's order, `generated_ids` the new tokens of stock's greedy generate on the export."""
+    from test_evaluation import WORDS
+
+    texts = [" ".join(WORDS[(7 * i + j) % len(WORDS)] for j in range(2 + 3 * i)) for i in range(5)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hf3d", "generate"]
+    cmd += [str(env["root"] / "ckpt"), "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "12"]
+    cmd += ["--output", str(out), "--set", "parallel.dp=2"]
+    env_vars = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_vars)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["prompt"] for x in lines] == texts and all(set(x) == {"prompt", "generated_ids", "text"} for x in lines)
+    from test_evaluation import word_tokenizer
+
+    tok = word_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(env["root"] / "trained", dtype=torch.float32).eval()
+    for x in lines:
+        ids = torch.tensor([tok.encode(x["prompt"])])
+        want = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+        eos = model.generation_config.eos_token_id
+        want = want[: want.index(eos) + 1] if eos in want else want
+        assert x["generated_ids"] == want, x["prompt"]
+        assert x["text"] == tok.decode(want, skip_special_tokens=True)
