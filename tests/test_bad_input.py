@@ -61,6 +61,7 @@ CATEGORIES = (
     "checkpoints",
     "Python API",
     "evaluation",
+    "generation",
 )
 WORDS = "the of and to a in that is was he for it with as his on be at by had not are but from or have".split()
 # one process, a tiny run: fails before its first step in every case below
@@ -169,6 +170,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
         ("long_choice", {**row, "choices": [" this", " and that," * 20]}),
     ):
         fx[f"task_{name}"] = _jsonl(tasks / f"{name}.jsonl", [row, row, bad])
+    fx["prompts_empty"] = _jsonl(tasks / "prompts_empty.jsonl", [{"prompt": "ROMEO:"}, {"prompt": ""}])
     fx["task_not_json"] = str(tasks / "not_json.jsonl")
     Path(fx["task_not_json"]).write_text(json.dumps(row) + "\n{'query': 'single quotes'}\n")
     fx["csv"] = str(d / "table.csv")
@@ -636,7 +638,7 @@ def _c(id, category, bad, trigger, words, **kw) -> Case:
     return Case(id, category, bad, trigger, tuple(words), **kw)
 
 
-CFG, SET, LAUNCH, FILES, CONTENTS, CKPT, API, EVAL = CATEGORIES
+CFG, SET, LAUNCH, FILES, CONTENTS, CKPT, API, EVAL, GEN = CATEGORIES
 CASES: list[Case] = [
     # --- config file -------------------------------------------------------------------------------
     _c(
@@ -1873,6 +1875,79 @@ CASES: list[Case] = [
             "more than the window of 8",
         ],
         how="subprocess",
+    ),
+    # --- generation (hf3d generate, ParallelModel.generate) ------------------------------------------------
+    _c(
+        "generate-empty-prompt",
+        GEN,
+        '`hf3d generate --prompt ""`',
+        lambda fx: ["generate", str(TINY_SMOLLM), "--prompt", ""],
+        ["hf3d generate: error: --prompt is empty"],
+        how="main",
+    ),
+    _c(
+        "generate-empty-prompt-in-file",
+        GEN,
+        "an empty prompt in `--prompts FILE`",
+        lambda fx: ["generate", str(TINY_SMOLLM), "--prompts", fx["prompts_empty"]],
+        ["prompts_empty.jsonl line 2: the prompt is empty"],
+        how="main",
+    ),
+    _c(
+        "generate-both-prompts",
+        GEN,
+        "`--prompt` and `--prompts` together",
+        lambda fx: ["generate", str(TINY_SMOLLM), "--prompt", "a", "--prompts", fx["prompts_empty"]],
+        ["give exactly one of --prompt TEXT and --prompts FILE"],
+        how="main",
+    ),
+    _c(
+        "generate-unknown-option",
+        GEN,
+        "`hf3d generate --num-beams 4` (an option it does not have; real subprocess)",
+        lambda fx: (["generate", str(TINY_SMOLLM), "--prompt", "a", "--num-beams", "4"], None),
+        ["hf3d: error: unrecognized arguments: --num-beams 4"],
+        how="subprocess",
+    ),
+    _c(
+        "generate-past-the-window",
+        GEN,
+        "`--max-new-tokens` past the model's window (real subprocess)",
+        lambda fx: (["generate", str(TINY_SMOLLM), "--prompt", "ROMEO:", "--max-new-tokens", "600"], None),
+        ["hf3d generate: rank 0", "600 new tokens after a prompt of", "window of 512 tokens", "at most"],
+        how="subprocess",
+    ),
+    _c(
+        "generate-long-prompt",
+        GEN,
+        "`ParallelModel.generate` on a prompt longer than the model's window",
+        lambda ctx: ctx["pm"].generate(torch.ones(1, 130, dtype=torch.long), max_new_tokens=4),
+        ["a prompt of 130 tokens pass(es) the model's window of 128 tokens", "shorten the prompt"],
+        how="dist",
+    ),
+    _c(
+        "generate-empty-row",
+        GEN,
+        "`ParallelModel.generate` on a row whose attention mask is all zeros",
+        lambda ctx: ctx["pm"].generate(torch.ones(2, 4, dtype=torch.long), torch.tensor([[1] * 4, [0] * 4])),
+        ["prompt 1 is empty: every prompt needs at least one token"],
+        how="dist",
+    ),
+    _c(
+        "generate-unknown-keyword",
+        GEN,
+        "`ParallelModel.generate(num_beams=4)`",
+        lambda ctx: ctx["pm"].generate(torch.ones(1, 4, dtype=torch.long), num_beams=4),
+        ["generate does not take num_beams", "it takes max_new_tokens"],
+        how="dist",
+    ),
+    _c(
+        "generate-sampling-without-seed",
+        GEN,
+        "`ParallelModel.generate(do_sample=True)` on 2 processes without a seed",
+        lambda ctx: ctx["pm"].generate(torch.ones(1, 4, dtype=torch.long), do_sample=True, max_new_tokens=2),
+        ["do_sample on several processes needs seed=", "every rank of a replica must draw the same tokens"],
+        how="dist2",
     ),
 ]
 
