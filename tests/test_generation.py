@@ -249,3 +249,30 @@ def test_hf3d_generate_under_torchrun_writes_the_contract_file(world2, env, tmp_
         want = want[: want.index(eos) + 1] if eos in want else want
         assert x["generated_ids"] == want, x["prompt"]
         assert x["text"] == tok.decode(want, skip_special_tokens=True)
+
+
+def test_hf3d_train_samples_at_its_mesh_as_hf3d_generate_does_from_its_checkpoint(tmp_path):
+    """`samples:` every 2 steps at tp2: samples.jsonl holds each step's text, the log says it; `hf3d generate`
+    on the step-4 checkpoint at pp2 writes the same tokens."""
+    out = tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "hf3d"]
+    sets = ["run.steps=4", "run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=1", "checkpoint.every=2"]
+    sets += ["samples.prompts=['ROMEO:', 'JULIET: O']", "samples.every=2", "samples.max_new_tokens=12"]
+    sets += [f"run.output_dir={out}", "run.sample_prompt=null", "evals.tasks=[]"]
+    env_vars = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [*torchrun, "train", "examples/configs/tiny-smollm.yaml", "--set", *sets],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=env_vars,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["prompt"]) for x in lines] == [(s, p) for s in (2, 4) for p in ("ROMEO:", "JULIET: O")]
+    assert all(len(x["generated_ids"]) == 12 or x["generated_ids"][-1] == 0 for x in lines)  # 12, or ended by EOS
+    assert "hf3d: sample 1 at step 4:" in done.stdout + done.stderr
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "ROMEO:"}\n{"prompt": "JULIET: O"}\n')
+    cmd = [*torchrun, "generate", str(out / "checkpoints" / "step_4"), "--prompts", str(tmp_path / "prompts.jsonl")]
+    cmd += ["--max-new-tokens", "12", "--output", str(tmp_path / "gen.jsonl"), "--set", "parallel.pp=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_vars)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = [json.loads(x) for x in (tmp_path / "gen.jsonl").read_text().splitlines()]
+    assert [x["generated_ids"] for x in again] == [x["generated_ids"] for x in lines[2:]]

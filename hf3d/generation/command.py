@@ -10,6 +10,7 @@ that ended them), "text" (those tokens decoded, special tokens skipped)}.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -63,7 +64,7 @@ def sampling_options(args) -> dict:
     return {"do_sample": sample, **options, **({"seed": args.seed} if args.seed is not None else {})}
 
 
-def new_tokens(row: torch.Tensor, eos, pad: int) -> list[int]:
+def new_tokens(row: torch.Tensor, eos) -> list[int]:
     """A row's generated ids up to and with its first EOS (the padding after it left out)."""
     ids = row.tolist()
     eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
@@ -71,6 +72,33 @@ def new_tokens(row: torch.Tensor, eos, pad: int) -> list[int]:
         if token in eos:
             return ids[: i + 1]
     return ids
+
+
+def generate_texts(pmodel, tokenizer, prompts: list[str], **options) -> list[dict]:
+    """Every prompt's {"prompt", "generated_ids", "text"}, in order, on every rank: the prompts split over dp in
+    contiguous blocks, each replica decoding its block padded on the left. Collective over the whole mesh."""
+    tok = copy.copy(tokenizer)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    d, dp = pmodel.dp_rank, pmodel.dp_size
+    lo, hi = d * len(prompts) // dp, (d + 1) * len(prompts) // dp
+    block = prompts[lo:hi] or (prompts[:1] if pmodel.pcfg.ep > 1 else [])  # an expert group decodes together
+    records = []
+    if block:
+        batch = tok(block, return_tensors="pt", padding=True)
+        out = pmodel.generate(
+            batch["input_ids"], batch["attention_mask"], pad_token_id=tok.pad_token_id, tokenizer=tok, **options
+        )
+        eos = pmodel.config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
+        for text, row in zip(prompts[lo:hi], out[:, batch["input_ids"].shape[1] :]):
+            ids = new_tokens(row, eos)
+            records.append({"prompt": text, "generated_ids": ids, "text": tok.decode(ids, skip_special_tokens=True)})
+    everyone = [records]
+    if dp > 1:
+        everyone = [None] * dp
+        dist.all_gather_object(everyone, records, group=pmodel.mesh.get_group("dp"))
+    return [r for part in everyone for r in part]
 
 
 def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new_tokens: int, output, dtype, attn,
@@ -85,29 +113,10 @@ def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new
     pmodel = load_model(model, pcfg, dtype=dtype, attn_implementation=attn)
     if state is not None:
         state.locate(pmodel.mesh)
-    tok = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or model, padding_side="left")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    d, dp = pmodel.dp_rank, pmodel.dp_size
-    lo, hi = d * len(prompts) // dp, (d + 1) * len(prompts) // dp
-    block = prompts[lo:hi] or (prompts[:1] if pmodel.pcfg.ep > 1 else [])  # an expert group decodes together
-    records = []
-    if block:
-        batch = tok(block, return_tensors="pt", padding=True)
-        out = pmodel.generate(
-            batch["input_ids"], batch["attention_mask"], max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id,
-            stop_strings=stop_strings or None, tokenizer=tok, **options,
-        )  # fmt: skip
-        eos = pmodel.config.eos_token_id if tok.eos_token_id is None else tok.eos_token_id
-        for text, row in zip(prompts[lo:hi], out[:, batch["input_ids"].shape[1] :]):
-            ids = new_tokens(row, eos, tok.pad_token_id)
-            records.append({"prompt": text, "generated_ids": ids, "text": tok.decode(ids, skip_special_tokens=True)})
-    everyone = [None] * dp
-    if dp > 1:
-        dist.all_gather_object(everyone, records, group=pmodel.mesh.get_group("dp"))
-    else:
-        everyone = [records]
-    records = [r for part in everyone for r in part]
+    tok = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or model)
+    records = generate_texts(
+        pmodel, tok, prompts, max_new_tokens=max_new_tokens, stop_strings=stop_strings or None, **options
+    )
     if dist.get_rank() == 0:
         for r in records:
             print(f"{r['prompt']}{r['text']}\n")

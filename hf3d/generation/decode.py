@@ -148,11 +148,15 @@ def _check_prompts(pmodel, input_ids: torch.Tensor, mask: torch.Tensor, max_new_
         raise ValueError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
     window = getattr(pmodel.config, "max_position_embeddings", None)
     longest = int(lengths.max())
-    if window is not None and longest + max_new_tokens > window:
-        what = "a prompt" if longest >= window else f"{max_new_tokens} new tokens after a prompt"
+    if window is not None and longest >= window:
         raise ValueError(
-            f"{what} of {longest} tokens pass(es) the model's window of {window} tokens (max_position_embeddings): "
-            f"shorten the prompt or lower max_new_tokens to at most {max(window - longest, 0)}"
+            f"a prompt of {longest} tokens leaves no room in the model's window of {window} tokens "
+            "(max_position_embeddings): shorten the prompt"
+        )
+    if window is not None and longest + max_new_tokens > window:
+        raise ValueError(
+            f"{max_new_tokens} new tokens after a prompt of {longest} tokens pass the model's window of {window} "
+            f"tokens (max_position_embeddings): lower max_new_tokens to at most {window - longest}"
         )
 
 

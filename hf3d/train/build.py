@@ -115,6 +115,7 @@ class Run:
     peak_flops: float | None = None  # of one device, when known (MFU)
     rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
     evaluator: object = None  # evals: the downstream tasks, tokenised and packed once (hf3d/evaluation)
+    tokenizer: object = None  # the model folder's (samples: text generated during the run)
 
 
 def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[str]]:
@@ -174,6 +175,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
     run = Run(cfg, pmodel, opt, pipe, acc, out, rank0=dist.get_rank() == 0, trackers=trackers)
     run.mlp_costs = get_adapter(pmodel.config.model_type).mlp_costs(pmodel.config)
     run.peak_flops = device_peak_flops()
+    run.tokenizer = tokenizer
     run.rope = StageRoPE(cfg, pmodel, pipe, base_config, tqdm.write if run.rank0 else None)
     if tasks:  # scoring rows shaped as a training micro-batch: data.seq_len tokens, a micro-batch's rows
         evals = dataclasses.replace(cfg.evals, max_length=cfg.evals.max_length or pipe.seq_len(0))

@@ -10,6 +10,7 @@
     moe          mixture-of-experts models: how the expert load is balanced
     precision    FP8 matmuls with torchao (hf3d/parallel/fp8.py); the parameter dtype is model.dtype
     evals        downstream multiple-choice tasks scored during the run (hf3d/evaluation)
+    samples      text generated at the training mesh from fixed prompts during the run (hf3d/generation)
 
 Checks that need more than one section (batch vs dp and micro-batches, seq_len vs the model's
 positions, data stages vs the run and its lr decay) live in `check_run`, which runs before anything
@@ -282,6 +283,43 @@ class EvalsConfig(TaskEvalConfig):
 
 
 @dataclass
+class SamplesConfig:
+    """Text generated at the training mesh from fixed prompts during the run (hf3d/generation): one line per
+    prompt in <output_dir>/samples.jsonl ({step, prompt, generated_ids, text}), on the log, in the trackers."""
+
+    prompts: list[str] = field(default_factory=list)
+    every: int = 0
+    """Steps between samples; 0: only at the end (samples.at_end)."""
+    at_end: bool = True
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    """Greedy unless true (or a temperature, top_k or top_p is set)."""
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    """Sampling seed: a prompt draws the same tokens at any mesh."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.prompts, str):
+            self.prompts = [self.prompts]
+        if any(not isinstance(p, str) or not p for p in self.prompts):
+            raise ValueError("samples.prompts must be non-empty strings")
+        if self.every < 0 or self.max_new_tokens < 1:
+            raise ValueError("samples.every must be >= 0 (0: only at the end) and samples.max_new_tokens >= 1")
+
+    def due(self, step: int, steps: int) -> bool:
+        """Whether the prompts are sampled after `step` (1-based)."""
+        return bool(self.prompts) and (bool(self.every and step % self.every == 0) or (self.at_end and step == steps))
+
+    def options(self) -> dict:
+        """ParallelModel.generate's options."""
+        warpers = {k: getattr(self, k) for k in ("temperature", "top_k", "top_p") if getattr(self, k) is not None}
+        sample = self.do_sample or bool(warpers)
+        return {"max_new_tokens": self.max_new_tokens, "do_sample": sample, **warpers, "seed": self.seed}
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -293,6 +331,7 @@ class TrainConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     evals: EvalsConfig = field(default_factory=EvalsConfig)
+    samples: SamplesConfig = field(default_factory=SamplesConfig)
 
     def __post_init__(self) -> None:
         if self.export.push_to_hub and not self.run.save_final:
@@ -351,7 +390,15 @@ class TrainConfig:
         }
 
 
-RUN_FILES = ("metrics.jsonl", "config.yaml", "loss_curve.png", "sample.txt", "memory.json", "checkpoints/latest")
+RUN_FILES = (
+    "metrics.jsonl",
+    "samples.jsonl",
+    "config.yaml",
+    "loss_curve.png",
+    "sample.txt",
+    "memory.json",
+    "checkpoints/latest",
+)
 """The files `hf3d train` writes (and replaces) in its output folder."""
 
 

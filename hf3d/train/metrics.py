@@ -116,15 +116,15 @@ def tracker_install_hint(missing: list[str]) -> str:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to <output_dir>/metrics.jsonl (main process only), flushed
-    (the file closed) after every step.
+    """Appends JSON objects with a `step` to <output_dir>/metrics.jsonl (or `name`: samples.jsonl) on the main
+    process, the file closed after every write.
 
     A fresh run empties the file. A run resumed at step N keeps the records of steps 1..N and drops
     later ones (steps the interrupted run did after its last checkpoint, which are trained again)."""
 
-    def __init__(self, output_dir: Path, enabled: bool, resume_step: int | None = None):
+    def __init__(self, output_dir: Path, enabled: bool, resume_step: int | None = None, name: str = "metrics.jsonl"):
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / name
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,16 @@ def downstream(run: Run, step: int) -> dict:
     return results.metrics()
 
 
+def samples(run: Run, step: int) -> list[dict]:
+    """Text from the samples.prompts at the training mesh after `step`: {step, prompt, generated_ids, text}
+    each, in the prompts' order, on every rank."""
+    from ..generation.command import generate_texts
+
+    cfg = run.cfg.samples
+    records = generate_texts(run.pmodel, run.tokenizer, cfg.prompts, **cfg.options())
+    return [{"step": step, **r} for r in records]
+
+
 def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[dict, int]:
     """One optimizer step: batch, forward + backward, update, lr; returns its metrics record and the
     stop signal the ranks agreed on (0: none). One host sync: the loss, the z-loss, the stop flag and

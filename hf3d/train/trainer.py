@@ -8,6 +8,7 @@ the output directory is created, the resolved config printed and saved -> steps.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -25,7 +26,17 @@ from .finish import finish_run, training_summary
 from .metrics import (
     MetricsWriter,
 )
-from .step import DOWNSTREAM, StepHealth, StopSignal, downstream, downstream_due, evaluate, log_line, one_step
+from .step import (
+    DOWNSTREAM,
+    StepHealth,
+    StopSignal,
+    downstream,
+    downstream_due,
+    evaluate,
+    log_line,
+    one_step,
+    samples,
+)
 
 __all__ = ["TrainConfig", "train"]
 
@@ -39,7 +50,10 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     resume_run(run)
     announce(run, derived, missing)
     r = cfg.run
-    metrics = MetricsWriter(run.out, enabled=run.rank0, resume_step=run.start if run.resume_from is not None else None)
+    resumed_at = run.start if run.resume_from is not None else None
+    metrics = MetricsWriter(run.out, enabled=run.rank0, resume_step=resumed_at)
+    texts = MetricsWriter(run.out, enabled=run.rank0 and bool(cfg.samples.prompts), resume_step=resumed_at,
+                          name="samples.jsonl")  # fmt: skip
     eval_batches = run.pipe.eval_batches()
     record: dict = {}
     bar = tqdm(total=r.steps, initial=run.start, disable=not run.rank0, desc="train", unit="step", dynamic_ncols=True)
@@ -61,8 +75,15 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         except Exception as e:
             _let_the_write_finish(run, e)
             raise
+        drawn = samples(run, step + 1) if cfg.samples.due(step + 1, r.steps) else []
+        for i, sample in enumerate(drawn):
+            texts.write(sample)
+            if run.rank0:
+                tqdm.write(f"hf3d: sample {i} at step {step + 1}: {json.dumps(sample['prompt'] + sample['text'])}")
         if run.trackers:
-            run.acc.log(record, step=step + 1)
+            run.acc.log(
+                {**record, **{f"samples/{i}": s["prompt"] + s["text"] for i, s in enumerate(drawn)}}, step=step + 1
+            )
         if step == run.start:  # optimizer state exists from the first step on
             report_memory(run.opt, run.out, run.rank0, tqdm.write)
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
