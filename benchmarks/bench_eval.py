@@ -42,12 +42,12 @@ def worker(model_dir: str, mesh: str, rounds: int, limit: int, out: str) -> None
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = TaskEvalConfig(tasks=TASKS, limit=limit, max_length=ROW_LEN, batch_rows=ROWS)
     evaluator = Evaluator(pm, load_tasks(cfg), tok, cfg)
-    batches = [b for p in evaluator.prepared for b in p.batches]
+    batches = [b for p in evaluator.prepared.values() for b in p.batches]
     tokens = sum(b.tokens for b in batches)
     computed = sum(b.input_ids.numel() for b in batches)
     pair_tokens = sum(  # every choice with its own copy of its context
         u.length
-        for p in evaluator.prepared
+        for p in evaluator.prepared.values()
         for ex in p.examples[p.lo : p.hi]
         for u in units_of(ex, 0, window=ROW_LEN, share=False)
     )

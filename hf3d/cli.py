@@ -58,6 +58,8 @@ def _eval(args) -> int:
             fewshot_seed=args.fewshot_seed,
             max_length=args.max_length,
             batch_rows=args.batch_rows,
+            max_new_tokens=args.max_new_tokens,
+            stop=list(args.stop),
             log_samples=args.log_samples,
         )
         pcfg = parallel_config(args.set or [])
@@ -187,6 +189,10 @@ def _eval_parser(sub) -> None:
         "max_position_embeddings, at most 4096); also the length of the packed rows",
     )
     p.add_argument("--batch-rows", type=int, help="rows per forward (default: 8192 tokens' worth)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="generative tasks: tokens per answer (256)")
+    p.add_argument(
+        "--stop", nargs="*", default=["\n\n", "Question:"], metavar="TEXT", help="generative tasks: stop strings"
+    )
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
     p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(2, VOCAB)]  # token ids 2..100; 0 is <eos>, 1 <unk>
 WINDOW = 24  # tokens one choice reads: most contexts are cut, the longest units split over rows
 ROWS = 30
+GEN_ROWS, GEN_NEW, GEN_STOP = 7, 8, "w7"  # generative rows, tokens per answer, a stop string (it cuts "w76 ...")
 # ~10-20x the largest relative error measured over every job of this file (fp32, gloo, 2-core CPU)
 SCORE_RTOL = 2e-6  # summed log-likelihood of a choice, relative; measured 1.3e-7 (smollm3 tp2)
 FP8_RTOL = 0.05  # fp8 (e4m3, tensorwise) scores against stock's fp32, relative; measured 3.6e-3 (fp8 rounding)
@@ -81,7 +82,10 @@ def env(tmp_path_factory) -> dict:
         tok.save_pretrained(dirs[family])
     task = root / "synthetic.jsonl"
     task.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(ROWS, seed=0)))
-    return {"root": root, "dirs": dirs, "task": task}
+    answers = root / "answers.jsonl"  # a generative task: {query, answer}
+    rows = [{"query": r["query"], "answer": r["choices"][r["gold"]]} for r in synthetic_rows(GEN_ROWS, seed=3)]
+    answers.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"root": root, "dirs": dirs, "task": task, "answers": answers}
 
 
 def _cfg(env, **kw) -> TaskEvalConfig:
@@ -123,6 +127,7 @@ JOBS2 = {  # name -> (family, ParallelConfig kwargs, attention, shared contexts)
     "qwen3-moe/tp2": ("qwen3-moe", dict(tp=2), "sdpa", True),
     "qwen3-moe/pp2-1f1b": ("qwen3-moe", dict(pp=2, pp_schedule="1f1b", num_microbatches=2), "sdpa", True),
 }
+GENERATIVE_MESHES = {"tp2": dict(tp=2), "dp2": dict(dp=2), "pp2": dict(pp=2, num_microbatches=2), "cp2": dict(cp=2)}
 JOBS4 = {"llama/tp2-pp2-sp": ("llama", dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2), "sdpa", True)}
 
 
@@ -198,6 +203,21 @@ def _fp8_job(env) -> dict:
     return _record(Evaluator(pm, load_tasks(_cfg(env)), word_tokenizer(), _cfg(env)).run(progress=False))
 
 
+def _generative_job(env, pcfg_kw: dict) -> list[str]:
+    """The generative task's answers (num_fewshot 1) at a mesh."""
+    pm = hf3d.parallelize(str(env["dirs"]["llama"]), hf3d.ParallelConfig(**pcfg_kw))
+    cfg = _gen_cfg(env)
+    (result,) = Evaluator(pm, load_tasks(cfg), word_tokenizer(), cfg).run(progress=False).tasks
+    return [s["generated"] for s in result.samples]
+
+
+def _gen_cfg(env) -> TaskEvalConfig:
+    return TaskEvalConfig(
+        tasks=[str(env["answers"])], num_fewshot=1, max_length=WINDOW * 2, batch_rows=3, max_new_tokens=GEN_NEW,
+        stop=[GEN_STOP], log_samples=True,
+    )  # fmt: skip
+
+
 def _trainer_job(env) -> dict:
     """hf3d.Trainer(eval_tasks=...).evaluate(), the accelerate path and evaluate_tasks on one model at tp2."""
     from accelerate import Accelerator
@@ -222,6 +242,7 @@ def _world(env, jobs: dict, extras: bool, out: str) -> None:
         res["llama/tp2-compiled"] = _compiled_job(env)
         res["llama/tp2-fp8"] = _fp8_job(env)
         res["trainer"] = _trainer_job(env)
+        res["generative"] = {mesh: _generative_job(env, kw) for mesh, kw in GENERATIVE_MESHES.items()}
     report(res, out)
 
 
@@ -337,6 +358,36 @@ def test_the_trainer_and_the_accelerate_path_report_the_same_scores(world2, stoc
             assert r["trainer"][f"eval_downstream/synthetic/{metric}"] == pytest.approx(expected, abs=1e-12)
             assert r["accelerate"][f"downstream/synthetic/{metric}"] == pytest.approx(expected, abs=1e-12)
             assert r["trainer"][f"eval_downstream/average/{metric}"] == r["accelerate"][f"downstream/average/{metric}"]
+
+
+def test_generative_answers_are_stock_generates_at_every_mesh(world2, env):
+    """Greedy answers after a few-shot context, cut at the stop string, equal stock's generate on each row alone."""
+    from hf3d.evaluation.generative import cut_at_stop
+
+    cfg, tok = _gen_cfg(env), word_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(env["dirs"]["llama"], dtype=torch.float32).eval()
+    (task,) = load_tasks(cfg)
+    raw, eos = [], model.generation_config.eos_token_id
+    for i in range(len(task.rows)):
+        ids = torch.tensor([tok(context_of(task, i, num_fewshot=1, seed=cfg.fewshot_seed))["input_ids"]])
+        out = model.generate(ids, max_new_tokens=GEN_NEW, do_sample=False, pad_token_id=0)[0, ids.shape[1] :].tolist()
+        raw.append(tok.decode(out[: out.index(eos) + 1] if eos in out else out, skip_special_tokens=True))
+    want = [cut_at_stop(text, [GEN_STOP]) for text in raw]
+    assert any(GEN_STOP in text for text in raw) and any(want), raw  # the stop string cuts some answers, not all
+    for rank, res in enumerate(world2):
+        for mesh, got in res["generative"].items():
+            assert got == want, f"{mesh} rank {rank}: answers differ from stock's"
+
+
+def test_the_final_number_and_the_stop_strings():
+    from hf3d.evaluation.generative import cut_at_stop, final_number
+
+    assert final_number("He pays $1,234.50 in all.") == "1234.5"
+    assert final_number("Natalia sold 48/2 = 24 clips in May.\n#### 72") == "72"
+    assert final_number("12 apples, then 3.0") == "3"
+    assert final_number("-5 degrees") == "-5" and final_number("no number") is None
+    assert cut_at_stop("a b\n\nQuestion: c", ["\n\n", "Question:"]) == "a b"
+    assert cut_at_stop("a b", ["\n\n"]) == "a b"
 
 
 def test_hf3d_eval_under_torchrun_writes_the_contract_files(world2, env, tmp_path):
@@ -520,6 +571,10 @@ HUB_LINES = {
     "openbookqa": (
         {"question_stem": "Sun is a", "choices": {"text": ["star", "moon"], "label": ["A", "B"]}, "answerKey": "B"},
         {"query": "Question: Sun is a\nAnswer:", "choices": [" star", " moon"], "gold": 1},
+    ),
+    "gsm8k": (
+        {"question": "Tom has 3 apples and buys 2. How many?", "answer": "3 + 2 = 5\n#### 5"},
+        {"query": "Question: Tom has 3 apples and buys 2. How many?\nAnswer:", "answer": " 3 + 2 = 5\n#### 5"},
     ),
     "boolq": (
         {"question": "is the sky blue", "passage": "The sky is blue.", "answer": True},

@@ -16,7 +16,8 @@ class TaskEvalConfig:
     tasks: list[str] = field(default_factory=list)
     """Tasks: JSONL files of {query, choices, gold} rows, tasks hf3d ships (shakespeare-next-line,
     shakespeare-word) or the Hub tasks of the SmolLM suite (hellaswag, arc_easy, arc_challenge, piqa, mmlu,
-    commonsense_qa, winogrande, openbookqa, boolq)."""
+    commonsense_qa, winogrande, openbookqa, boolq; gsm8k, generative). A file of {query, answer} rows is a
+    generative task: greedy generation, exact match on the final number."""
     limit: int | None = None
     """Score only the first N rows of each task."""
     num_fewshot: int = 0
@@ -28,6 +29,10 @@ class TaskEvalConfig:
     max_position_embeddings up to 4096."""
     batch_rows: int | None = None
     """Rows per forward. Default: the rows of a training micro-batch in hf3d train, else 8192 tokens' worth."""
+    max_new_tokens: int = 256
+    """Generative tasks ({query, answer} rows, gsm8k): tokens generated per row at most (greedy)."""
+    stop: list[str] = field(default_factory=lambda: ["\n\n", "Question:"])
+    """Generative tasks: the generation of a row ends at the first of these (and the text is cut there)."""
     log_samples: bool = False
     """Also write samples_<task>.jsonl, one line per row: each choice's log-likelihood, tokens and characters,
     the prediction and the gold index."""
@@ -45,5 +50,7 @@ class TaskEvalConfig:
             raise ValueError(f"the evaluation's num_fewshot must be >= 0, got {self.num_fewshot}")
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"the evaluation's max_length must be at least 2 tokens, got {self.max_length}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"the evaluation's max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_rows is not None and self.batch_rows < 1:
             raise ValueError(f"the evaluation's batch_rows must be >= 1, got {self.batch_rows}")

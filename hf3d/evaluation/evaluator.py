@@ -60,13 +60,11 @@ class EvalResults:
         return {"results": {r.name: r.to_json() for r in self.tasks}, "average": self.average}
 
     def table(self) -> str:
-        rows = [
-            (r.name, f"{r.n}", *(f"{r.scores[k]:.4f}" for k in ("acc", "acc_norm", "acc_norm_token")))
-            for r in self.tasks
-        ]
-        avg = self.average
-        rows.append(("average", "", *(f"{avg[k]:.4f}" for k in ("acc", "acc_norm", "acc_norm_token"))))
-        head = ("task", "n", "acc", "acc_norm", "acc_norm_token")
+        metrics = [k for k in ("acc", "acc_norm", "acc_norm_token", "exact_match") if k in self.average]
+        cell = lambda scores, k: f"{scores[k]:.4f}" if k in scores else "-"
+        rows = [(r.name, f"{r.n}", *(cell(r.scores, k) for k in metrics)) for r in self.tasks]
+        rows.append(("average", "", *(cell(self.average, k) for k in metrics)))
+        head = ("task", "n", *metrics)
         widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
         line = lambda cells: "  ".join(
             str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
@@ -120,13 +118,19 @@ class Evaluator:
         layers = [layer for stage in pmodel.stages for layer in stage.layers]
         self.full_batches = pmodel.pcfg.ep > 1 or any(compiled(layer) for layer in layers)
         self.pad_id = 0
-        self.prepared = [self._prepare(task, tokenizer) for task in tasks]
+        self.tasks, self.tokenizer = tasks, tokenizer
+        self.prepared = {i: self._prepare(t, tokenizer) for i, t in enumerate(tasks) if not t.generative}
+        self.contexts = {i: self._contexts(t) for i, t in enumerate(tasks) if t.generative}
         if pmodel.pcfg.ep > 1:  # every rank of an expert group runs every forward of the group
             self._same_number_of_batches()
 
+    def _contexts(self, task: Task) -> list[str]:
+        cfg = self.cfg
+        return [context_of(task, i, num_fewshot=cfg.num_fewshot, seed=cfg.fewshot_seed) for i in range(len(task.rows))]
+
     def _prepare(self, task: Task, tokenizer) -> _Prepared:
-        cfg, n = self.cfg, len(task.rows)
-        contexts = [context_of(task, i, num_fewshot=cfg.num_fewshot, seed=cfg.fewshot_seed) for i in range(n)]
+        n = len(task.rows)
+        contexts = self._contexts(task)
         where = f"task {task.name!r}"
         choices = [row.choices for row in task.rows]
         examples = encode_examples(tokenizer, contexts, choices, window=self.row_len, where=where)
@@ -143,9 +147,9 @@ class Evaluator:
         return _Prepared(task, contexts, examples, lo, hi, batches, pairs)
 
     def _same_number_of_batches(self) -> None:
-        counts = torch.tensor([len(p.batches) for p in self.prepared], device=self.pmodel.device)
+        counts = torch.tensor([len(p.batches) for p in self.prepared.values()], device=self.pmodel.device)
         dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.pmodel.mesh.get_group("dp"))
-        for p, most in zip(self.prepared, counts.tolist()):
+        for p, most in zip(self.prepared.values(), counts.tolist()):
             p.batches += [
                 empty_batch(row_len=self.row_len, rows=self.rows, tree=self.tree, pad_id=self.pad_id)
                 for _ in range(most - len(p.batches))
@@ -153,8 +157,12 @@ class Evaluator:
 
     def summary(self) -> list[str]:
         """One line per task, as a run prints it at start: rows, tokens, padding, contexts cut from the left."""
-        lines = []
-        for p in self.prepared:
+        lines = [
+            f"eval task {self.tasks[i].name} ({self.tasks[i].source}): {len(c)} rows, generative: greedy, at most "
+            f"{self.cfg.max_new_tokens} new tokens, stopped at {self.cfg.stop!r}, exact match on the final number"
+            for i, c in self.contexts.items()
+        ]
+        for p in self.prepared.values():
             tokens = sum(b.tokens for b in p.batches)
             room = sum(b.input_ids.numel() for b in p.batches)
             cut = sum(ex.cut for ex in p.examples)
@@ -173,10 +181,17 @@ class Evaluator:
         was_training = pm.training
         pm.eval()
         try:
-            results = [self._score(p, progress) for p in self.prepared]
+            results = [self._run_task(i, progress) for i in range(len(self.tasks))]
         finally:
             pm.train(was_training)
         return EvalResults(results, macro_average(results))
+
+    def _run_task(self, i: int, progress: bool) -> TaskResult:
+        if i in self.prepared:
+            return self._score(self.prepared[i], progress)
+        from .generative import score_generative
+
+        return score_generative(self.pmodel, self.tokenizer, self.tasks[i], self.contexts[i], self.cfg, self.row_len)
 
     def _score(self, p: _Prepared, progress: bool) -> TaskResult:
         from tqdm.auto import tqdm
@@ -184,7 +199,7 @@ class Evaluator:
         pm = self.pmodel
         sums = torch.zeros(p.num_pairs, dtype=torch.float64)
         show = progress and dist.get_rank() == 0
-        for batch in tqdm(p.batches, desc=f"eval {p.task.name}", unit="batch", leave=False, disable=not show):
+        for batch in tqdm(p.batches, desc=f"eval {p.task.name}", unit="batch", disable=not show):
             sums += pair_sums(query_logprobs(pm, batch), batch, p.num_pairs)
         logprobs = [v for part in self._gather(sums) for v in part.tolist()]  # each replica's block, in dp order
         return self._result(p, logprobs)

@@ -5,8 +5,8 @@ Each mapping follows the prompt lighteval's cloze tasks build: HellaSwag's activ
 each ending as a continuation (LM Evaluation Harness's preprocessing of the WikiHow artifacts), "Question:
 ...\\nAnswer:" with each answer text after a space for ARC, PIQA, MMLU, CommonsenseQA and OpenBookQA,
 Winogrande's sentence cut at its blank with each option completing it, BoolQ's passage and question
-answered " yes" / " no". lighteval's templates also normalise capitalisation and end punctuation of a few
-fields; these mappings do not.
+answered " yes" / " no"; and GSM8K as a generative task (exact match on the final number). lighteval's templates
+also normalise capitalisation and end punctuation of a few fields; these mappings do not.
 
 The datasets come through `datasets.load_dataset` (the HF cache; offline, only what is cached).
 """
@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .tasks import Row, Task, check_row
+from .tasks import Row, Task, check_answer_row, check_row
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class HubTask:
     subset: str | None
     split: str
     to_row: Callable[[dict], dict]
+    generative: bool = False
 
 
 def _harness_preprocess(text: str) -> str:
@@ -82,6 +83,12 @@ def boolq(line: dict) -> dict:
     }
 
 
+def gsm8k(line: dict) -> dict:
+    """GSM8K as SmolLM's base suites score it: "Question: ...\nAnswer:", the reference solution (ending in
+    "#### <number>") as the few-shot answer, exact match on the final number."""
+    return {"query": f"Question: {line['question']}\nAnswer:", "answer": " " + line["answer"]}
+
+
 HUB_TASKS = {
     "hellaswag": HubTask("Rowan/hellaswag", None, "validation", hellaswag),
     "arc_easy": HubTask("allenai/ai2_arc", "ARC-Easy", "test", lambda line: lettered(line, "question")),
@@ -92,6 +99,7 @@ HUB_TASKS = {
     "winogrande": HubTask("allenai/winogrande", "winogrande_xl", "validation", winogrande),
     "openbookqa": HubTask("allenai/openbookqa", "main", "test", lambda line: lettered(line, "question_stem")),
     "boolq": HubTask("google/boolq", None, "validation", boolq),
+    "gsm8k": HubTask("openai/gsm8k", "main", "test", gsm8k, generative=True),
 }
 
 
@@ -108,13 +116,14 @@ def load_hub_task(name: str) -> Task:
             f"task {name!r} reads the Hub dataset {where}, which could not be loaded ({first[:200]}): run once "
             "where the Hub is reachable to cache it, or pass the task as a JSONL file of {query, choices, gold} rows"
         ) from None
-    return Task(name, [as_row(spec.to_row, line, f"{where} row {i}") for i, line in enumerate(rows)], where)
+    rows = [as_row(spec, line, f"{where} row {i}") for i, line in enumerate(rows)]
+    return Task(name, rows, where, spec.generative)
 
 
-def as_row(to_row: Callable[[dict], dict], line: dict, where: str) -> Row:
+def as_row(spec: HubTask, line: dict, where: str) -> Row:
     try:
-        value = to_row(line)
+        value = spec.to_row(line)
     except (KeyError, ValueError, TypeError, AttributeError) as e:
         what = f"{type(e).__name__}: {e}"
         raise ValueError(f"{where}: the row does not have the fields its mapping reads ({what})") from None
-    return check_row(value, where)
+    return check_answer_row(value, where) if spec.generative else check_row(value, where)

@@ -6,7 +6,8 @@
     acc_norm_token  each sum divided by its continuation's number of tokens (lighteval's LogProbTokenNorm)
 
 A tie goes to the first of the tied choices. A task's score is the mean over its examples; the average is the
-mean over tasks (a macro average: every task counts alike, whatever its size).
+mean over tasks (a macro average: every task counts alike, whatever its size), each metric over the tasks that
+have it (generative tasks score exact_match, hf3d/evaluation/generative.py).
 """
 
 from __future__ import annotations
@@ -64,4 +65,11 @@ def task_result(name: str, source: str, examples: list[dict], *, cut: int, num_f
 
 
 def macro_average(results: list[TaskResult]) -> dict[str, float]:
-    return {metric: sum(r.scores[metric] for r in results) / len(results) for metric in METRICS}
+    """Each metric's mean over the tasks that have it (multiple-choice: acc, acc_norm, acc_norm_token;
+    generative: exact_match)."""
+    out = {}
+    for metric in (*METRICS, "exact_match"):
+        scores = [r.scores[metric] for r in results if metric in r.scores]
+        if scores:
+            out[metric] = sum(scores) / len(scores)
+    return out

@@ -28,11 +28,13 @@ class Row:
 
 @dataclass
 class Task:
-    """A named list of rows; `source` says where they came from (a path or a Hub dataset)."""
+    """A named list of rows; `source` says where they came from (a path or a Hub dataset). A generative task's
+    rows hold their answer as their one choice (hf3d/evaluation/generative.py)."""
 
     name: str
     rows: list[Row]
     source: str
+    generative: bool = False
 
 
 def shipped_tasks() -> dict[str, Path]:
@@ -76,9 +78,11 @@ def load_task(spec: str, *, limit: int | None = None) -> Task:
         raise ValueError(f"the limit per task must be a number of rows >= 1, got {limit}")
     kind = check_spec(spec)
     if kind == "file":
-        task = Task(Path(spec).stem, read_rows(Path(spec)), spec)
+        rows, generative = read_rows(Path(spec))
+        task = Task(Path(spec).stem, rows, spec, generative)
     elif kind == "shipped":
-        task = Task(spec, read_rows(shipped_tasks()[spec]), f"hf3d (shipped: {shipped_tasks()[spec].name})")
+        rows, generative = read_rows(shipped_tasks()[spec])
+        task = Task(spec, rows, f"hf3d (shipped: {shipped_tasks()[spec].name})", generative)
     else:
         from .hub_tasks import load_hub_task
 
@@ -90,8 +94,10 @@ def load_task(spec: str, *, limit: int | None = None) -> Task:
     return task
 
 
-def read_rows(path: Path) -> list[Row]:
-    rows = []
+def read_rows(path: Path) -> tuple[list[Row], bool]:
+    """The rows of a task file and whether they are generative ({query, answer}) rather than multiple-choice
+    ({query, choices, gold}); a file holds one kind."""
+    rows, kinds = [], set()
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -100,8 +106,27 @@ def read_rows(path: Path) -> list[Row]:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {number} is not valid JSON: {e.msg}") from None
-            rows.append(check_row(value, f"{path} line {number}"))
-    return rows
+            generative = isinstance(value, dict) and "answer" in value and "choices" not in value
+            rows.append(
+                check_answer_row(value, f"{path} line {number}")
+                if generative
+                else check_row(value, f"{path} line {number}")
+            )
+            kinds.add(generative)
+            if len(kinds) > 1:
+                raise ValueError(
+                    f"{path} line {number}: the file mixes multiple-choice rows {{query, choices, gold}} and "
+                    "generative rows {query, answer}: one kind a file"
+                )
+    return rows, kinds == {True}
+
+
+def check_answer_row(value: dict, where: str) -> Row:
+    """A generative row {query, answer}: its answer kept as its one choice."""
+    query, answer = value.get("query"), value["answer"]
+    if not isinstance(query, str) or not isinstance(answer, str):
+        raise ValueError(f"{where}: a generative row is {{query, answer}}, both strings")
+    return Row(query, (answer,), 0)
 
 
 def check_row(value, where: str) -> Row:

@@ -13,7 +13,8 @@ What transformers' `generate` does for a decoder-only model, run over hf3d's sta
   the replica picks the same token: argmax, or with do_sample stock's warpers (`TemperatureLogitsWarper`,
   `TopKLogitsWarper`, `TopPLogitsWarper`) and one draw per row from a CPU generator seeded with `seed` and the
   row's prompt (RowDraws), identical on every rank, mesh and batch. EOS, stop strings and the length end a row
-  through stock's stopping criteria; a finished row is padded, and the call ends when every row has finished.
+  through stock's stopping criteria (the stop strings looked for in the decoded new text: StopText); a finished
+  row is padded, and the call ends when every row has finished.
 - sequence parallelism splits a sequence over tp, which one new token cannot be: its modules run as plain tp
   while decoding (the same weights, all-reduce instead of reduce-scatter + all-gather). Context parallelism
   splits the prefill (SplitPrefill: each cp rank runs its chunks, the keys and values are gathered once into
@@ -160,12 +161,11 @@ def _check_prompts(pmodel, input_ids: torch.Tensor, mask: torch.Tensor, max_new_
         )
 
 
-def _stopping(gen, tokenizer, max_length: int):
+def _stopping(gen, tokenizer, prompt_length: int, max_length: int):
     from transformers.generation.stopping_criteria import (
         EosTokenCriteria,
         MaxLengthCriteria,
         StoppingCriteriaList,
-        StopStringCriteria,
     )
 
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=max_length)])
@@ -174,8 +174,22 @@ def _stopping(gen, tokenizer, max_length: int):
     if gen.stop_strings:
         if tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: pass tokenizer= to generate")
-        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=gen.stop_strings))
+        criteria.append(StopText(tokenizer, gen.stop_strings, prompt_length))
     return criteria
+
+
+class StopText:
+    """A row is done once the text of its new tokens holds one of the stop strings (stock's StopStringCriteria
+    matches token pieces against the text's end, which assumes a tokenizer whose pieces it can clean; this
+    decodes, so it takes any tokenizer)."""
+
+    def __init__(self, tokenizer, stop_strings, prompt_length: int):
+        self.tokenizer, self.prompt_length = tokenizer, prompt_length
+        self.stops = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_length :], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
 
 
 def _warpers(gen):
@@ -243,7 +257,7 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
     if extra:  # more left padding, taken off again below
         input_ids = torch.cat([input_ids.new_full((input_ids.shape[0], extra), gen.pad_token_id), input_ids], dim=1)
         mask = torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=1)
-    stopping = _stopping(gen, tokenizer, input_ids.shape[1] + max_new)
+    stopping = _stopping(gen, tokenizer, input_ids.shape[1], input_ids.shape[1] + max_new)
     was_training = pmodel.training
     pmodel.eval()
     try:
