@@ -138,7 +138,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
     # "auto" becomes what runs (the resolved config records it; the derived values say why)
     cfg.parallel.compile, _ = resolve_compile(cfg.parallel.compile, device_type(), base_config)
-    tasks = load_tasks(cfg.evals) if cfg.evals.active else []  # a bad task file ends the run before the model
+    tasks = load_tasks(cfg.evals) if cfg.evals.active(cfg.run.steps) else []  # a bad file: before the model
     pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe, cfg.precision)
     state.locate(pmodel.mesh)
     from transformers import AutoTokenizer

@@ -277,9 +277,9 @@ class EvalsConfig(TaskEvalConfig):
         if self.every < 0:
             raise ValueError(f"evals.every must be a number of steps >= 0 (0: only at the end), got {self.every}")
 
-    @property
-    def active(self) -> bool:
-        return bool(self.tasks) and (self.every > 0 or self.at_end)
+    def active(self, steps: int) -> bool:
+        """Whether a run of `steps` steps scores the tasks at all (every N <= steps, or at the end)."""
+        return bool(self.tasks) and (0 < self.every <= steps or self.at_end)
 
 
 @dataclass
