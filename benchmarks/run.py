@@ -133,6 +133,16 @@ def _eval(d: dict) -> str:
     )
 
 
+def _generate(d: dict) -> str:
+    r = d["ratios"]
+    return (
+        f"greedy decoding, tp1: hf3d / stock generate {r['tp1_over_stock']:.3f}x per token (target ≤ 1.2x: "
+        f"{met(r['tp1_over_stock'] <= 1.2)}); hidden 2048: tp2 / tp1 {r['tp2_over_tp1']:.3f}x (target < 1.0x: "
+        f"{met(r['tp2_over_tp1'] < 1.0)}); prefill of a {d['rows']['prefill']['prompt']}-token prompt: cp2 / cp1 "
+        f"{r['cp2_over_cp1_prefill']:.3f}x per token (target ≤ 1.0x: {met(r['cp2_over_cp1_prefill'] <= 1.0)})"
+    )
+
+
 def _gpu(d: dict) -> str:
     parts = [
         f"{r['what']} {r['ratio']:.3f}x (target ≥ {r['target']}x: {met(r['ratio'] >= r['target'])})"
@@ -190,6 +200,8 @@ BENCHMARKS = [
               "raw I/O; dp=2 and pp=2", "10", _checkpoint),
     Benchmark("eval", "bench_eval.py", [], "downstream scoring (hf3d/evaluation) / a plain forward of the same "
               "tokens, at tp1, tp2 and pp2", "3", _eval),
+    Benchmark("generate", "bench_generate.py", [], "generation at the mesh (`ParallelModel.generate`): tp1 / stock "
+              "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
               "9 (GPU)", _gpu, gpu=True),
 ]  # fmt: skip
