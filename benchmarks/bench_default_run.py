@@ -67,6 +67,7 @@ def main() -> None:
             "outputs": sorted(p.name for p in out.iterdir()),
             "final_files": sorted(p.name for p in (out / "final").iterdir()),
             "sample": (out / "sample.txt").read_text().strip(),
+            "mesh_samples": [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()],
             "progress_bar_shown": "train: 100%" in proc.stderr,
         }
         results_dir = C.RESULTS / "quick" if args.quick else C.RESULTS

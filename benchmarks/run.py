@@ -271,7 +271,17 @@ def default_run_block(results: Path = RESULTS) -> str:
         "![loss curve of the default run](benchmarks/results/default_run_loss_curve.png)\n\n"
         f"and the sample it wrote (`outputs/tiny-smollm/sample.txt`, from the exported model): `{sample[:160]}`"
         + (f". Its last log line:\n\n```\n{d['log_lines'][-1]}\n```" if d.get("log_lines") else "")
+        + _mesh_sample(d)
     )
+
+
+def _mesh_sample(d: dict) -> str:
+    """The last sample the run generated at its training mesh (samples.jsonl), as the README quotes it."""
+    if not d.get("mesh_samples"):
+        return ""
+    s = d["mesh_samples"][-1]
+    text = (s["prompt"] + s["text"]).replace("\n", " / ").strip()
+    return f"\n\nand its sample at step {s['step']}, generated at the training mesh (`samples.jsonl`): `{text[:160]}`"
 
 
 def replace_block(text: str, name: str, body: str) -> str:
