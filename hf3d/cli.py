@@ -13,18 +13,28 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _train(args) -> int:
-    """Every rank of `hf3d train` ends the same way: 0, or the code of faults.fail (one line for the
-    whole job, no rank left waiting on a dead peer); a signal ends it with 128 + N (trainer.StopSignal).
-    A run that got as far as its process group leaves through faults.leave (or faults.fail), under a
-    launcher or not: no interpreter teardown, which with gloo's threads up can abort and turn 0 into 134
-    (it did so in a one-process run, its process group destroyed first)."""
+def _collective(command: str, body, *, steps: bool) -> int:
+    """Run `body(state)` as a command of every rank: it ends with 0, or the code of faults.fail (one line for
+    the whole job, no rank left waiting on a dead peer). A command that got as far as its process group leaves
+    through faults.leave (or faults.fail), under a launcher or not: no interpreter teardown, which with gloo's
+    threads up can abort and turn 0 into 134 (it did so in a one-process run, its process group destroyed
+    first). steps: the command trains in steps (a failure names its step)."""
     from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
 
     if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
         die_with_parent()
-    state = RunState()
+    state = RunState(steps=steps)
     try:
+        body(state)
+    except Exception as e:
+        return fail(e, state, command)  # it returns only before the process group
+    leave(0)
+
+
+def _train(args) -> int:
+    """`hf3d train`; a signal ends it with 128 + N (trainer.StopSignal)."""
+
+    def body(state) -> None:
         from .train.config import TrainConfig
 
         cfg = TrainConfig.from_yaml(args.config, args.set or [])  # a bad config fails before the slow imports
@@ -33,19 +43,12 @@ def _train(args) -> int:
         from .train.trainer import train
 
         train(cfg, state=state)
-    except Exception as e:
-        return fail(e, state, "hf3d train")  # it returns only before the process group
-    leave(0)
+
+    return _collective("hf3d train", body, steps=True)
 
 
 def _eval(args) -> int:
-    """`hf3d eval`: ends like `hf3d train` (faults.fail: one line for the whole job, no rank left waiting)."""
-    from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
-
-    if started_by_launcher():
-        die_with_parent()
-    state = RunState(steps=False)
-    try:
+    def body(state) -> None:
         import torch
 
         from .evaluation.command import parallel_config, run_eval
@@ -62,29 +65,21 @@ def _eval(args) -> int:
             stop=list(args.stop),
             log_samples=args.log_samples,
         )
-        pcfg = parallel_config(args.set or [])
         run_eval(
             args.model,
             cfg,
             output_dir=args.output_dir,
-            pcfg=pcfg,
+            pcfg=parallel_config(args.set or []),
             dtype=getattr(torch, args.dtype),
             attn_implementation=args.attn_implementation,
             state=state,
         )
-    except Exception as e:
-        return fail(e, state, "hf3d eval")
-    leave(0)
+
+    return _collective("hf3d eval", body, steps=False)
 
 
 def _generate(args) -> int:
-    """`hf3d generate`: ends like `hf3d train` and `hf3d eval` (one line for the whole job)."""
-    from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
-
-    if started_by_launcher():
-        die_with_parent()
-    state = RunState(steps=False)
-    try:
+    def body(state) -> None:
         import torch
 
         from .evaluation.command import parallel_config
@@ -106,9 +101,8 @@ def _generate(args) -> int:
             stop_strings=args.stop,
             state=state,
         )
-    except Exception as e:
-        return fail(e, state, "hf3d generate")
-    leave(0)
+
+    return _collective("hf3d generate", body, steps=False)
 
 
 def _generate_parser(sub) -> None:

@@ -300,16 +300,10 @@ class ParallelModel(nn.Module):
         return train_step(self, input_ids, labels, position_ids, shift_labels=shift_labels, z_loss=z_loss)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **options):
-        """KV-cached decoding at this mesh, as transformers' `generate` decodes (hf3d/generation/decode.py).
-
-        input_ids / attention_mask: this dp replica's prompts, left-padded (every tp/pp/cp rank of a replica
-        passes the same rows). Options, with stock's names and defaults (from the model folder's
-        generation_config.json or its config): max_new_tokens, do_sample, temperature, top_k, top_p,
-        eos_token_id, pad_token_id, stop_strings (with tokenizer=), generation_config, output_logits,
-        return_dict_in_generate; and seed, the sampling seed (needed on several processes: every rank draws
-        the same tokens). Greedy unless do_sample. Returns the sequences [b, prompt + new] (a finished row padded
-        with pad_token_id), or with return_dict_in_generate a GenerateDecoderOnlyOutput (sequences, logits).
-        Collective over the replica's ranks (over the expert group's dp ranks too under ep)."""
+        """KV-cached decoding at this mesh as transformers' `generate` decodes, on this dp replica's left-padded
+        prompts, with stock's option names (max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+        pad_token_id, stop_strings + tokenizer, output_logits, return_dict_in_generate) and `seed`; collective
+        over the replica (hf3d/generation/decode.py)."""
         from .generation.decode import generate
 
         return generate(self, input_ids, attention_mask, **options)

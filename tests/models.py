@@ -109,3 +109,17 @@ def make_model_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path:
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return path
+
+
+def trained_checkpoint(model_dir, root: Path) -> None:
+    """Collective, at tp=2 on 2 ranks: one AdamW step of the model in `model_dir`, saved as the checkpoint
+    root/ckpt and exported as root/trained (the reference a stock model loads)."""
+    import hf3d
+
+    pm = hf3d.parallelize(str(model_dir), hf3d.ParallelConfig(tp=2))
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=5e-2)
+    ids = torch.randint(3, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    pm.train_step(ids, ids)
+    opt.step()
+    hf3d.save_checkpoint(root / "ckpt", pm, opt, step=1)
+    pm.save_pretrained(root / "trained")

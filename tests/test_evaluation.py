@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import report, spawn, start_watchdog
-from models import VOCAB, make_model_dir
+from models import VOCAB, make_model_dir, trained_checkpoint
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import hf3d
@@ -141,15 +141,10 @@ def _checkpoint_job(env) -> dict:
     """A step of AdamW at tp2, saved as a checkpoint and exported; the checkpoint read at pp2 and scored."""
     from hf3d.evaluation.command import load_model
 
-    root = env["root"]
-    pm = hf3d.parallelize(str(env["dirs"]["llama"]), hf3d.ParallelConfig(tp=2))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=5e-2)
-    ids = torch.randint(2, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    pm.train_step(ids, ids)
-    opt.step()
-    hf3d.save_checkpoint(root / "ckpt", pm, opt, step=1)
-    pm.save_pretrained(root / "trained")
-    pm2 = load_model(str(root / "ckpt"), hf3d.ParallelConfig(pp=2), dtype=torch.float32, attn_implementation="sdpa")
+    trained_checkpoint(env["dirs"]["llama"], env["root"])
+    pm2 = load_model(
+        str(env["root"] / "ckpt"), hf3d.ParallelConfig(pp=2), dtype=torch.float32, attn_implementation="sdpa"
+    )
     return _record(Evaluator(pm2, load_tasks(_cfg(env)), word_tokenizer(), _cfg(env)).run(progress=False))
 
 

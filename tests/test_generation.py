@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist import report, spawn, start_watchdog
-from models import VOCAB, make_model_dir
+from models import VOCAB, make_model_dir, trained_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf3d
@@ -105,15 +105,10 @@ def _generate(pm) -> dict:
 def _checkpoint_job(env) -> dict:
     from hf3d.evaluation.command import load_model
 
-    root = env["root"]
-    pm = hf3d.parallelize(str(env["dirs"]["llama"]), hf3d.ParallelConfig(tp=2))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=5e-2)
-    ids = torch.randint(3, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
-    pm.train_step(ids, ids)
-    opt.step()
-    hf3d.save_checkpoint(root / "ckpt", pm, opt, step=1)
-    pm.save_pretrained(root / "trained")
-    pm2 = load_model(str(root / "ckpt"), hf3d.ParallelConfig(pp=2), dtype=torch.float32, attn_implementation="sdpa")
+    trained_checkpoint(env["dirs"]["llama"], env["root"])
+    pm2 = load_model(
+        str(env["root"] / "ckpt"), hf3d.ParallelConfig(pp=2), dtype=torch.float32, attn_implementation="sdpa"
+    )
     return _generate(pm2)
 
 

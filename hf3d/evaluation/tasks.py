@@ -10,10 +10,11 @@ the line.
 from __future__ import annotations
 
 import difflib
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..utils.jsonl import json_lines
 
 SHIPPED_DIR = Path(__file__).resolve().parent / "tasks"
 FEWSHOT_SEPARATOR = "\n\n"
@@ -98,26 +99,16 @@ def read_rows(path: Path) -> tuple[list[Row], bool]:
     """The rows of a task file and whether they are generative ({query, answer}) rather than multiple-choice
     ({query, choices, gold}); a file holds one kind."""
     rows, kinds = [], set()
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {number} is not valid JSON: {e.msg}") from None
-            generative = isinstance(value, dict) and "answer" in value and "choices" not in value
-            rows.append(
-                check_answer_row(value, f"{path} line {number}")
-                if generative
-                else check_row(value, f"{path} line {number}")
+    for number, value in json_lines(path):
+        where = f"{path} line {number}"
+        generative = isinstance(value, dict) and "answer" in value and "choices" not in value
+        rows.append(check_answer_row(value, where) if generative else check_row(value, where))
+        kinds.add(generative)
+        if len(kinds) > 1:
+            raise ValueError(
+                f"{where}: the file mixes multiple-choice rows {{query, choices, gold}} and generative rows "
+                "{query, answer}: one kind a file"
             )
-            kinds.add(generative)
-            if len(kinds) > 1:
-                raise ValueError(
-                    f"{path} line {number}: the file mixes multiple-choice rows {{query, choices, gold}} and "
-                    "generative rows {query, answer}: one kind a file"
-                )
     return rows, kinds == {True}
 
 

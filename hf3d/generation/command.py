@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils import files
+from ..utils.jsonl import json_lines
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p")
 
@@ -35,13 +36,7 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     if not path.is_file():
         raise ValueError(f'--prompts {prompts_file} does not exist: give a JSONL file with a "prompt" per line')
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {number} is not valid JSON: {e.msg}") from None
+    for number, value in json_lines(path):
         text = value.get("prompt") if isinstance(value, dict) else None
         if not isinstance(text, str):
             raise ValueError(f'{path} line {number}: a line is an object with a "prompt" string')

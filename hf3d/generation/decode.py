@@ -232,7 +232,14 @@ def generation_config(pmodel, options: dict):
 
 @torch.no_grad()
 def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **options):
-    """See ParallelModel.generate."""
+    """ParallelModel.generate. input_ids / attention_mask: this dp replica's prompts, left-padded (every tp / pp /
+    cp rank of a replica passes the same rows). Options, with stock's names and defaults (from the model folder's
+    generation_config.json or its config): max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+    pad_token_id, stop_strings (with tokenizer=), generation_config, output_logits, return_dict_in_generate; and
+    seed, the sampling seed (needed on several processes). Greedy unless do_sample. Returns the sequences [b,
+    prompt + new] (a finished row padded with pad_token_id), or with return_dict_in_generate a
+    GenerateDecoderOnlyOutput (sequences, logits). Collective over the replica's ranks (and over the expert
+    group's dp ranks under ep)."""
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"generate does not take {', '.join(unknown)}; it takes {', '.join(OPTIONS)}")
