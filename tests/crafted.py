@@ -94,6 +94,18 @@ def fake_checkpoint(path: Path, step: int, **meta) -> Path:
     from hf3d import checkpoint
     from hf3d.utils import files
 
-    files.make_dir(path, "checkpoint")
+    files.make_dir(path, checkpoint.CHECKPOINT)
     checkpoint.write_marker(path, {"kind": "training", "step": step, **meta})
     return path
+
+
+def adopt(root: Path) -> Path:
+    """Every folder hf3d made under `root`, a copy, recorded as made where it now is (its owner file rewritten with
+    this folder's identity): what a test that copies a finished run stands for, the run itself."""
+    from hf3d.utils import files
+
+    for owner in sorted(root.rglob(files.OWNER_FILE)):
+        record = json.loads(owner.read_text())
+        if "inode" in record:
+            owner.write_text(json.dumps({**record, **files._identity(owner.parent)}) + "\n")
+    return root

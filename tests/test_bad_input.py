@@ -131,6 +131,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     """Every file the cases read, under tmp; returns their paths (plain strings: the spawn pickles them)."""
     from transformers import AutoTokenizer
 
+    from hf3d.hf.folders import EXPORT
     from hf3d.utils.files import make_dir
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
@@ -266,7 +267,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
 
     rewrite_metadata(ck / "inconsistent", drop_a_weight)
     fx["inconsistent"] = str(ck / "inconsistent")
-    make_dir(tmp / "foreign-run" / "final", "export")  # an earlier export of hf3d's, the user's notes in it
+    make_dir(tmp / "foreign-run" / "final", EXPORT)  # an earlier export of hf3d's, the user's notes in it
     shutil.copy(Path(fx["llama"]) / "config.json", tmp / "foreign-run" / "final")
     (tmp / "foreign-run" / "final" / "my_notes.txt").write_text("keep me\n")
     fx["foreign_run"] = str(tmp / "foreign-run")

@@ -37,6 +37,7 @@ import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
 from hf3d.checkpoint.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa: E402
 from hf3d.cli import main as cli_main  # noqa: E402
+from hf3d.hf.folders import EXPORT  # noqa: E402
 from hf3d.hf.load import TensorSpec  # noqa: E402
 from hf3d.hf.save import write_hf_dir  # noqa: E402
 from hf3d.utils import files
@@ -402,7 +403,7 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
     dirs = {k: str(v) for k, v in family_dirs.items()}
     dirs["other-llama"] = str(make_model_dir(tmp_path / "other", "llama", seed=1))
     dirs["llama-ckpt"] = str(hf_to_checkpoint(family_dirs["llama"], tmp_path / "llama-ckpt"))
-    notes = files.make_dir(tmp_path / "export-with-notes", "export")  # an export of hf3d's, then a user's notes
+    notes = files.make_dir(tmp_path / "export-with-notes", EXPORT)  # an export of hf3d's, then a user's notes
     shutil.copytree(family_dirs["llama"], notes, dirs_exist_ok=True)
     (notes / "my_notes.txt").write_text("keep me")
     dirs["export-with-notes"] = str(notes)

@@ -18,6 +18,7 @@ import ast
 import json
 import os
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -252,6 +253,23 @@ def _save_into_foreign_folders(model_dir: str, root: str, out: str) -> None:
         res["old"] = str(e)
     files._renameat2 = real
     res["kept"] = checkpoint.read_marker(root / "mine")["step"]
+    # hf3d's own checkpoint with a user's notes in it; a copy of hf3d's checkpoint; an export of hf3d's
+    (root / "mine" / "NOTES.md").write_text("what step 2 showed\n")
+    (root / "mine" / "analysis").mkdir()
+    (root / "mine" / "analysis" / "probe_results.csv").write_text("layer,score\n")
+    shutil.copytree(root / "mine", root / "copy", ignore=shutil.ignore_patterns("NOTES.md", "analysis"))
+    pm.save_pretrained(root / "final")
+    for name, path in [("annotated", root / "mine"), ("copy", root / "copy"), ("over-export", root / "final")]:
+        try:
+            hf3d.save_checkpoint(path, pm, opt, step=4)
+            res[name] = None
+        except ValueError as e:
+            res[name] = str(e)
+    try:
+        pm.save_pretrained(root / "mine")  # and an export never replaces a checkpoint
+        res["export-over"] = None
+    except ValueError as e:
+        res["export-over"] = str(e)
     report(res, Path(out))
 
 
@@ -277,6 +295,21 @@ def test_no_writer_deletes_or_replaces_a_folder_hf3d_did_not_make(tmp_path, caps
             "it: move it away or choose a new output path"
         ), (name, res[name])
     assert res["mine"] == 2 and res["kept"] == 2
+    mine, tail = root / "mine", "hf3d never deletes or replaces it: move it away or choose a new output path"
+    assert res["annotated"] == f"{mine} holds 'NOTES.md', which hf3d does not write there; {tail}", res["annotated"]
+    assert res["copy"] == (
+        f"{root / 'copy'} is a copy or a move of a folder hf3d made elsewhere (its {files.OWNER_FILE} names another "
+        f"folder); {tail}"
+    ), res["copy"]
+    assert (
+        res["over-export"] == f"{root / 'final'} is an hf3d folder of another kind (export, not checkpoint); {tail}"
+    ), res["over-export"]
+    assert res["export-over"] == f"{mine} is an hf3d folder of another kind (checkpoint, not export); {tail}", res[
+        "export-over"
+    ]
+    assert (mine / "NOTES.md").is_file() and (mine / "analysis" / "probe_results.csv").is_file()
+    assert checkpoint.read_marker(mine)["step"] == 2 and checkpoint.read_marker(root / "copy")["step"] == 2
+    assert (root / "final" / "model.safetensors").is_file()
     assert res["old"].startswith(f"could not write the checkpoint {root / 'mine'} (") and "\n" not in res["old"]
     assert f"{root / 'mine.old'} is a folder hf3d did not make" in res["old"]
     for argv in (["from-hf", str(model_dir), str(root / "from-hf")], ["from-hf", str(model_dir), str(root / "x")]):
@@ -290,7 +323,7 @@ def test_no_writer_deletes_or_replaces_a_folder_hf3d_did_not_make(tmp_path, caps
 
 
 def test_a_folder_is_hf3ds_only_with_its_own_owner_file(tmp_path):
-    made = files.make_dir(tmp_path / "made", "checkpoint")
+    made = files.make_dir(tmp_path / "made", checkpoint.CHECKPOINT)
     assert files.owned(made) and json.loads((made / files.OWNER_FILE).read_text())["made_by"] == "hf3d"
     link = tmp_path / "link"
     link.symlink_to(made, target_is_directory=True)
@@ -301,10 +334,10 @@ def test_a_folder_is_hf3ds_only_with_its_own_owner_file(tmp_path):
     for path in (link, linked_marker, wrong):
         assert not files.owned(path)
         with pytest.raises(ValueError, match="hf3d never deletes or replaces it"):
-            files.remove_dir(path)
+            files.remove_dir(path, checkpoint.CHECKPOINT)
     assert link.is_symlink() and (wrong / "src" / "thesis.tex").exists() and made.is_dir()
     (tmp_path / "empty").mkdir()
-    files.remove_dir(tmp_path / "empty")  # an empty folder loses nothing
+    files.remove_dir(tmp_path / "empty", checkpoint.CHECKPOINT)  # an empty folder loses nothing
     assert not (tmp_path / "empty").exists()
 
 
@@ -418,6 +451,72 @@ def test_rotation_and_resume_follow_the_order_of_the_saves(tmp_path):
     assert [d.name for _, d in checkpoint.step_dirs(root)] == ["step_5"]
 
 
+def _legacy(ckpt: Path) -> Path:
+    """`ckpt` as an hf3d before identities wrote it: its owner file records the kind only."""
+    (ckpt / files.OWNER_FILE).write_text(json.dumps({"made_by": "hf3d", "kind": "checkpoint"}) + "\n")
+    return ckpt
+
+
+def test_copies_moves_and_earlier_folders_are_never_resumed_from_silently_nor_rotated(tmp_path, capsys):
+    """A colleague's step_50 (save number 99) copied into a run at step_100-step_120 (numbers 10-12): resume: auto
+    takes step_120 and names the copy in one line; rotation never deletes it, nor a copy kept elsewhere, nor a
+    folder of an earlier hf3d, nor one holding a user's notes, each said once; a copy or a move is not hf3d's
+    anywhere."""
+    root = tmp_path / "run" / "checkpoints"
+    for step, sequence in [(100, 10), (110, 11), (120, 12)]:
+        fake_checkpoint(root / f"step_{step}", step, sequence=sequence)
+    colleague = fake_checkpoint(tmp_path / "colleague" / "step_50", 50, sequence=99)
+    shutil.copytree(colleague, root / "step_50")
+    kept = shutil.copytree(root / "step_110", tmp_path / "keep" / "best")
+    assert [files.origin(p) for p in (root / "step_120", root / "step_50", kept)] == ["here", "elsewhere", "elsewhere"]
+    capsys.readouterr()
+    assert checkpoint.resolve_resume("auto", root) == root / "step_120"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"hf3d: warning: not resuming from {root / 'step_50'}, saved after step_120") and (
+        "a copy or a move" in line and f"checkpoint.resume={root / 'step_50'}" in line
+    ), line
+    assert checkpoint.next_sequence(root) == 13  # the copy's number belongs to another run
+    published = fake_checkpoint(root / "step_130", 130, sequence=13)
+    (root / "step_120" / "NOTES.md").write_text("the loss spike\n")  # the user's notes in the run's own
+    _legacy(fake_checkpoint(root / "step_90", 90, sequence=9))
+    told: set[Path] = set()
+    for _ in range(2):  # said once each, over two rotations
+        checkpoint.finish_save(root, keep_last=1, published=published, told=told)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_120", "step_130", "step_50", "step_90"]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(x.startswith("hf3d: warning: checkpoint.keep_last keeps ") for x in lines), lines
+    assert f"keeps {root / 'step_50'}: it is a copy or a move" in lines[0]  # newest save first
+    assert f"keeps {root / 'step_120'}: {root / 'step_120'} holds 'NOTES.md', which hf3d does not write" in lines[1]
+    assert f"keeps {root / 'step_90'}: an earlier hf3d wrote it without recording where" in lines[2]
+    assert (root / "step_120" / "NOTES.md").is_file() and kept.is_dir() and colleague.is_dir()
+    with pytest.raises(ValueError, match="is a copy or a move of a folder hf3d made elsewhere"):
+        files.remove_dir(kept, checkpoint.CHECKPOINT)
+    moved = tmp_path / "moved"
+    os.rename(root / "step_130", moved)  # a move to another folder: the same inode, another parent
+    assert files.origin(moved) == "elsewhere" and files.refusal(moved, checkpoint.CHECKPOINT) is not None
+    # only copies and earlier folders left: the newest is taken, and one line says what it is
+    shutil.rmtree(root / "step_120")
+    assert checkpoint.resolve_resume("auto", root) == root / "step_50"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"hf3d: warning: resuming from {root / 'step_50'}, which is not this run's own save")
+
+
+def test_a_folder_of_an_earlier_hf3d_is_replaced_only_at_its_own_path_holding_only_its_files(tmp_path):
+    """An owner file without identity (hf3d before this rule): its kind and its files still decide."""
+    ckpt = _legacy(fake_checkpoint(tmp_path / "step_1", 1))
+    assert files.origin(ckpt) == "legacy" and files.refusal(ckpt, checkpoint.CHECKPOINT) is None
+    from hf3d.hf.folders import EXPORT
+
+    assert "(checkpoint, not export)" in files.refusal(ckpt, EXPORT)
+    (ckpt / "NOTES.md").write_text("keep me")
+    assert files.refusal(ckpt, checkpoint.CHECKPOINT) == f"{ckpt} holds 'NOTES.md', which hf3d does not write there"
+    (ckpt / "NOTES.md").unlink()
+    staged = fake_checkpoint(tmp_path / "step_1.tmp", 1, sequence=2)
+    files.publish_dir(staged, ckpt, checkpoint.CHECKPOINT)
+    assert files.origin(ckpt) == "here" and checkpoint.read_marker(ckpt)["sequence"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
 # -- 5. durable before anything older goes; a kill at any instant leaves a checkpoint -----------------------
 class _Killed(BaseException):
     """The process dies here (nothing after this instant happens)."""
@@ -426,30 +525,36 @@ class _Killed(BaseException):
 def _staged_over_old(root: Path) -> tuple[Path, Path]:
     """root/step_5 published (old), and root/step_5.tmp staged (new, marked): what a publish starts from."""
     for path, value in [(root / "step_5", 1), (root / "step_5.tmp", 2)]:
-        ckpt = files.make_dir(path, "checkpoint")
+        ckpt = files.make_dir(path, checkpoint.CHECKPOINT)
         (ckpt / "__0_0.distcp").write_bytes(bytes([value]) * 4096)
         checkpoint.write_marker(ckpt, {"kind": "training", "step": 5, "sequence": value})
     return root / "step_5.tmp", root / "step_5"
 
 
 def _instants(monkeypatch, kill_at: int | None, log: list) -> None:
-    """Record (and, at the kill_at-th one, die at) every step of a publish that touches the disk."""
-    import shutil as shutil_module
+    """Record (and, at the kill_at-th one, die at) every step of a publish or a removal that touches the disk."""
 
     def step(what, fn):
         def run(*args, **kwargs):
             if kill_at is not None and len(log) == kill_at:
                 raise _Killed
             name = what if what != "fsync" else f"fsync {Path(os.readlink(f'/proc/self/fd/{args[0]}')).name}"
-            log.append(name)
+            log.append(name if what in ("fsync", "renameat2") else f"{what} {Path(args[0]).name}")
             return fn(*args, **kwargs)
 
         return run
 
     monkeypatch.setattr(os, "fsync", step("fsync", os.fsync))
     monkeypatch.setattr(files, "_renameat2", step("renameat2", files._renameat2))
-    monkeypatch.setattr(os, "rename", step("rename", os.rename))
-    monkeypatch.setattr(shutil_module, "rmtree", step("rmtree", shutil_module.rmtree))
+    for name in ("rename", "replace", "unlink", "rmdir"):
+        monkeypatch.setattr(os, name, step(name, getattr(os, name)))
+
+
+def _no_leftovers(root: Path) -> None:
+    """The next start (`clean_leftovers`) leaves no trash folder, no replaced `.old` one and no staging folder."""
+    checkpoint.clean_leftovers(root)
+    left = [p.name for p in root.iterdir() if p.name.startswith(files.TRASH_PREFIX) or p.suffix in (".old", ".tmp")]
+    assert not left, left
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["renameat2", "without-renameat2"])
@@ -460,20 +565,73 @@ def test_a_publish_is_durable_before_it_removes_and_survives_a_kill_at_any_insta
     with monkeypatch.context() as m:
         tmp, final = _staged_over_old(tmp_path / "plain")
         _instants(m, None, log)
-        files.publish_dir(tmp, final)
-    moved = "renameat2" if swap else "rename"
+        files.publish_dir(tmp, final, checkpoint.CHECKPOINT)
+    moved = "renameat2" if swap else "rename step_5"
     first_move = log.index(moved)
     synced = {e.removeprefix("fsync ") for e in log[:first_move] if e.startswith("fsync")}
     assert {p.name for p in final.iterdir()} | {"step_5.tmp"} <= synced  # every file and the folder, first
     assert log[first_move + (1 if swap else 2)] == "fsync plain"  # the name on disk, then what it replaced goes
-    assert log[-1] == "rmtree" and checkpoint.read_marker(final)["sequence"] == 2
+    removal = [e for e in log[first_move:] if e.startswith(("unlink", "rmdir"))]
+    assert log.index(removal[0]) > log.index("fsync plain") and log[-1].startswith(f"rmdir {files.TRASH_PREFIX}")
+    assert removal[-2] == f"unlink {files.OWNER_FILE}"  # the owner file last: a trash folder stays hf3d's
+    assert checkpoint.read_marker(final)["sequence"] == 2 and sorted(p.name for p in final.parent.iterdir()) == [
+        "step_5"
+    ]
     for kill_at in range(len(log)):
         root = tmp_path / f"killed-{kill_at}"
         with monkeypatch.context() as m:
             tmp, final = _staged_over_old(root)
             _instants(m, kill_at, [])
             with pytest.raises(_Killed):
-                files.publish_dir(tmp, final)
+                files.publish_dir(tmp, final, checkpoint.CHECKPOINT)
         found = checkpoint.resolve_resume("auto", root)  # old or new, complete and undamaged
         assert found is not None and checkpoint.read_marker(found)["sequence"] in (1, 2), (kill_at, log[kill_at])
         assert checkpoint.find_damage(found, checkpoint.read_marker(found)) is None
+        _no_leftovers(root)
+        assert checkpoint.resolve_resume("auto", root) == root / "step_5"  # the leftovers went, not the checkpoint
+        staged = fake_checkpoint(root / "step_5.tmp", 5, sequence=3)  # nothing blocks a later save
+        files.publish_dir(staged, root / "step_5", checkpoint.CHECKPOINT)
+        assert checkpoint.read_marker(root / "step_5")["sequence"] == 3
+
+
+def _saved_three(root: Path) -> None:
+    """root/step_1, step_2 and step_3, saved in that order, each with a data file: what a rotation starts from."""
+    for step in (1, 2, 3):
+        ckpt = files.make_dir(root / f"step_{step}", checkpoint.CHECKPOINT)
+        (ckpt / "__0_0.distcp").write_bytes(bytes([step]) * 4096)
+        (ckpt / "config.json").write_text("{}")
+        checkpoint.write_marker(ckpt, {"kind": "training", "step": step, "sequence": step})
+
+
+def test_a_rotation_killed_at_any_instant_leaves_whole_checkpoints_or_nothing_that_blocks_a_save(tmp_path, monkeypatch):
+    """keep_last=1 after step_3: step_1 and step_2 go, each renamed to a trash name first, then emptied. A kill at
+    any instant leaves each whole at its name or gone (a trash folder at most, which the next start removes), and
+    saving step_1 or step_2 again is never refused."""
+    log = []
+    _saved_three(tmp_path / "plain")
+    with monkeypatch.context() as m:
+        _instants(m, None, log)
+        checkpoint.finish_save(tmp_path / "plain", keep_last=1, published=tmp_path / "plain" / "step_3")
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["latest", "step_3"]
+    renames = [i for i, e in enumerate(log) if e.startswith(("rename step_", "renameat2"))]
+    assert len(renames) == 2 and all(e.startswith(("unlink", "rmdir")) for e in log[renames[0] + 1 : renames[1]])
+    for kill_at in range(len(log)):
+        root = tmp_path / f"killed-{kill_at}"
+        _saved_three(root)
+        with monkeypatch.context() as m:
+            _instants(m, kill_at, [])
+            with pytest.raises(_Killed):
+                checkpoint.finish_save(root, keep_last=1, published=root / "step_3")
+        for step in (1, 2):  # whole, or gone
+            d = root / f"step_{step}"
+            assert not d.exists() or checkpoint.find_damage(d, checkpoint.read_marker(d)) is None, (kill_at, step)
+            assert not d.exists() or sorted(p.name for p in d.iterdir()) == sorted(
+                [files.OWNER_FILE, checkpoint.MARKER, "__0_0.distcp", "config.json"]
+            )
+        assert checkpoint.resolve_resume("auto", root) == root / "step_3", log[kill_at]
+        _no_leftovers(root)
+        for step in (1, 2):  # a later save of the step is not blocked
+            staged = fake_checkpoint(root / f"step_{step}.tmp", step, sequence=4)
+            files.publish_dir(staged, root / f"step_{step}", checkpoint.CHECKPOINT)
+        checkpoint.finish_save(root, keep_last=1, published=root / "step_2")
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"], log[kill_at]

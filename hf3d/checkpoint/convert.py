@@ -40,11 +40,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..hf.folders import (
+    EXPORT,
     SAFE_INDEX,
     SAFE_SINGLE,
     check_output_dir,
     copy_model_files,
-    is_export_file,
     model_files,
     resolve_model_dir,
 )
@@ -169,7 +169,7 @@ def checkpoint_to_hf(
     max_shard_bytes = parse_size(max_shard_size)
     if not (ckpt / "config.json").is_file():
         raise ValueError(f"checkpoint {ckpt} has no config.json; it cannot be converted to an HF model")
-    check_output_dir(out_dir, is_export_file, src=ckpt)
+    check_output_dir(out_dir, EXPORT, src=ckpt)
     config = AutoConfig.from_pretrained(ckpt)
     metadata = SafeReader(ckpt).read_metadata()
     stored = metadata.state_dict_metadata
@@ -295,7 +295,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
     model_files(model_dir)  # refuses a linked file from outside the folder before anything is written
     config = AutoConfig.from_pretrained(model_dir)
     get_adapter(config.model_type)  # a checkpoint hf3d could not train is refused now, not at `hf3d train`
-    check_output_dir(final, marker.is_checkpoint_file, src=model_dir)
+    check_output_dir(final, marker.CHECKPOINT, src=model_dir)
     source = SafetensorsSource(model_dir)
     specs = [source.spec(n) for n in source.entries]
     if config.tie_word_embeddings:
@@ -309,7 +309,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
     specs.sort(key=lambda s: source.entries[s.name][:2])  # file order: each file is read once, front to back
     state = {entries.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
-    tmp = files.make_dir(marker.staging_dir(final), "checkpoint")  # replaces an interrupted conversion's
+    tmp = files.make_dir(marker.staging_dir(final), marker.CHECKPOINT)  # replaces an interrupted conversion's
     writer = OneFileWriter(tmp, sync=fsync)
     with _single_process(), dcp_debug_records_off():
         dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
@@ -324,5 +324,5 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
         "parallel": None,
     }
     marker.write_marker(tmp, {**meta, "files": checked})
-    files.publish_dir(tmp, final, sync=fsync)
+    files.publish_dir(tmp, final, marker.CHECKPOINT, sync=fsync)
     return final

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..hf.folders import is_model_file
 from ..utils import files as files_
 from .checksums import crc32_file
 
@@ -19,14 +20,29 @@ MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
 
 
-_CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt")
+_CHECKPOINT_FILE = re.compile(r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt|config\.json")
 
 
 def is_checkpoint_file(name: str) -> bool:
-    """Whether `name` is a file of an hf3d checkpoint folder (what `convert from-hf` may replace)."""
-    from ..hf.folders import is_export_file
+    """Whether `name` is a file hf3d writes into a checkpoint folder (a staged one too): DCP's, the RNG states,
+    the caller's extra, the marker, the HF config and the files that travel with the weights."""
+    return name in (MARKER, MARKER + ".part") or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_model_file(name)
 
-    return name in (MARKER, files_.OWNER_FILE) or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_export_file(name)
+
+def _listed(folder: Path) -> set[str] | None:
+    """The files the marker of a complete checkpoint lists (and the marker), or None (no marker, or one
+    written before markers listed files)."""
+    try:
+        with files_.open_read(folder / MARKER) as f:
+            listed = json.loads(f.read()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {*listed, MARKER} if isinstance(listed, dict) else None
+
+
+CHECKPOINT = files_.Kind("checkpoint", is_checkpoint_file, _listed)
+"""A checkpoint folder and its staging folder: what `save_checkpoint`, `convert from-hf` and rotation may
+replace or delete."""
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -71,8 +87,10 @@ def write_marker(tmp: Path, meta: dict) -> None:
 
 
 def file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
-    """Size and CRC-32 of the files under `folder` matching `only`, but the marker and `skip`."""
-    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(MARKER))
+    """Size and CRC-32 of the files under `folder` matching `only`, but the marker, the owner file (which says
+    whose folder it is, not what the checkpoint holds) and `skip`."""
+    mine = (MARKER, files_.OWNER_FILE)
+    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(mine))
     files = (p for p in files if p.relative_to(folder).as_posix() not in skip)
     return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": crc32_file(p)} for p in files}
 

@@ -197,6 +197,10 @@ def _check_text_field(ds, src: SourceConfig) -> list[str]:
     return columns
 
 
+TOKEN_CACHE = files.Kind("token cache", lambda name: name in ("tokens.bin", "tokens.npy", "doc_ends.npy", "meta.json"))
+"""A source's tokens as `build_token_cache` writes them (its staging folder, renamed into place once whole)."""
+
+
 def build_token_cache(
     src: SourceConfig, res: Resolved, tokenizer, out: Path, *, num_proc: int, datasets_cache: str | None
 ) -> None:
@@ -204,11 +208,11 @@ def build_token_cache(
     ds = _load(src, res, datasets_cache)
     columns = _check_text_field(ds, src)
     dtype = token_dtype(len(tokenizer))
-    tmp = files.make_dir(out.parent / f"{out.name}.tmp-{socket.gethostname()}-{os.getpid()}", "token cache")
+    tmp = files.make_dir(out.parent / f"{out.name}.tmp-{socket.gethostname()}-{os.getpid()}", TOKEN_CACHE)
     try:
         lens = _write_tokens(_tokenized_batches(ds, src, tokenizer, columns, num_proc), tmp / "tokens.bin", dtype)
     except Exception as e:
-        files.remove_dir(tmp)
+        files.remove_dir(tmp, TOKEN_CACHE)
         _raise_if_not_utf8(e, src)
         raise
     kept = lens[lens > 0]
@@ -223,7 +227,7 @@ def build_token_cache(
     except OSError:  # another process finished first (a shared file system): keep its copy
         if not (out / "meta.json").is_file():
             raise
-        files.remove_dir(tmp)
+        files.remove_dir(tmp, TOKEN_CACHE)
 
 
 def _tokenized_batches(ds, src: SourceConfig, tokenizer, columns: list[str], num_proc: int):

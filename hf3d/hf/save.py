@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..utils import files
-from .folders import GENERATION_CONFIG, SAFE_INDEX, SAFE_SINGLE, check_output_dir, copy_model_files, is_export_file
+from .folders import EXPORT, GENERATION_CONFIG, SAFE_INDEX, SAFE_SINGLE, check_output_dir, copy_model_files
 from .load import ST_DTYPES, TensorSpec
 
 # -- writing HF directories ---------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def write_hf_dir(
         try:
             check()
         except BaseException:
-            files.remove_dir(tmp)
+            files.remove_dir(tmp, EXPORT)
             raise
     _finish_staging(tmp, out_dir, config, src_dir=src_dir, extra_files=extra_files)
 
@@ -150,8 +150,8 @@ def start_staging(out_dir: str | os.PathLike) -> Path:
     (`check_output_dir`): the one rule of every writer. A staging folder left by an interrupted export is
     replaced; a folder of that name that hf3d did not make is refused."""
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, is_export_file)
-    return files.make_dir(staging_dir(out_dir), "export")
+    check_output_dir(out_dir, EXPORT)
+    return files.make_dir(staging_dir(out_dir), EXPORT)
 
 
 def _finish_staging(
@@ -163,7 +163,7 @@ def _finish_staging(
     _save_config(config, tmp, have_generation_config=GENERATION_CONFIG in copied)
     for name, data in (extra_files or {}).items():
         files.write_file(tmp / name, data)
-    files.publish_dir(tmp, out_dir, sync=False)
+    files.publish_dir(tmp, out_dir, EXPORT, sync=False)
 
 
 def write_shard(path: Path, group: list[TensorSpec], produce: Callable[[str], torch.Tensor]) -> None:
