@@ -148,6 +148,24 @@ def test_deleting_renaming_and_writing_files_goes_through_hf3d_files():
     assert not found, "calls outside hf3d/utils/files.py:\n" + "\n".join(found)
 
 
+def test_the_writer_process_imports_nothing_from_the_working_directory_nor_pythonpath(tmp_path, monkeypatch):
+    """Modules named as numpy, torch and hf3d in the folder the user launches from and on PYTHONPATH: the checkpoint
+    writer process (started with `python -I`, hf3d imported from the parent's package folder) runs none of them."""
+    from hf3d.checkpoint.writer_process import WriterProcess
+
+    sentinel = tmp_path / "planted-code-ran"
+    plant = f"open({str(sentinel)!r}, 'a').write(__name__ + '\\n')\n"
+    for folder in (tmp_path / "cwd", tmp_path / "pythonpath"):
+        (folder / "hf3d").mkdir(parents=True)
+        for name in ("numpy.py", "torch.py", "hf3d/__init__.py"):
+            (folder / name).write_text(plant)
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pythonpath"))
+    writer = WriterProcess()
+    writer.close()  # the child ends once its imports are done and it reads the end of its connection
+    assert writer.child.returncode == 0 and not sentinel.exists(), sentinel.read_text() if sentinel.exists() else ""
+
+
 # -- 1. a checkpoint whose .metadata declares a weight as bytes ----------------------------------------------
 def _bytes_entry(ckpt: Path, sentinel: Path) -> str:
     """Make one weight of the checkpoint a DCP byte entry whose bytes are a pickle that creates `sentinel` when
