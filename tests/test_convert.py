@@ -104,10 +104,10 @@ def test_from_hf_writes_one_data_file_checksummed_as_written(family_dirs, tmp_pa
     the marker records for it, computed while writing, is the file's own: a flipped byte is found."""
     ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp"]
-    data = ckpt / "__0_0.distcp"
+    data, mine = ckpt / "__0_0.distcp", (checkpoint.MARKER, files.OWNER_FILE)  # the owner file says whose it is
     meta, raw = checkpoint.read_marker(ckpt), data.read_bytes()
     assert meta["files"]["__0_0.distcp"] == {"size": len(raw), "crc32": zlib.crc32(raw)}
-    assert sorted(meta["files"]) == sorted(p.name for p in ckpt.iterdir() if p.name != checkpoint.MARKER)
+    assert sorted(meta["files"]) == sorted(p.name for p in ckpt.iterdir() if p.name not in mine)
     assert checkpoint.find_damage(ckpt, meta) is None
     flipped = bytearray(raw)
     flipped[len(raw) // 2] ^= 1

@@ -219,6 +219,40 @@ def test_a_bytes_entry_is_refused_when_the_metadata_is_read_and_runs_nothing(tmp
     assert not sentinel.exists() and not (tmp_path / "hf").exists()
 
 
+class _RunsCode:
+    """Pickles as a call of os.system: what a crafted object array holds."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_token_cache_holding_python_objects_is_refused_and_never_unpickled(tmp_path):
+    """A token cache whose tokens.npy was replaced by an array of Python objects (a pickle that runs a command):
+    the pipeline refuses it in one line, naming the folder, and nothing is unpickled (the arrays are memory maps)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from hf3d.data import DataConfig, DataPipeline
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(20)))
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer")
+    cfg = DataConfig(path=str(tmp_path / "docs.jsonl"), seq_len=16, cache_dir=str(tmp_path / "cache"))
+    kw = dict(global_batch=2, dp_rank=0, dp_size=1, total_steps=2)
+    DataPipeline(cfg, tokenizer, **kw)
+    (tokens,) = (tmp_path / "cache").rglob("tokens.npy")
+    sentinel = tmp_path / "code-ran"
+    tokens.unlink()
+    with open(tokens, "wb") as f:
+        np.save(f, np.array([_RunsCode(f"touch {sentinel}")], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError) as refused:
+        DataPipeline(cfg, tokenizer, **kw)
+    assert str(refused.value).startswith(f"data source 'docs': {tokens.parent} holds token files hf3d did not write")
+    assert "\n" not in str(refused.value) and not sentinel.exists()
+
+
 def test_the_load_planner_never_unpickles_bytes():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem

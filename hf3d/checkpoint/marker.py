@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import torch.distributed as dist
@@ -60,7 +61,8 @@ def read_marker(path: str | os.PathLike) -> dict:
             "not a checkpoint folder)"
         )
     try:
-        meta = json.loads((path / MARKER).read_text())
+        with files_.open_read(path / MARKER) as f:
+            meta = json.loads(f.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(
             f"{path / MARKER} is damaged ({type(e).__name__}: {e}); this checkpoint cannot be trusted: resume from "
@@ -95,23 +97,34 @@ def file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> d
     return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": crc32_file(p)} for p in files}
 
 
+def _not_a_file(path: Path) -> str | None:
+    """Why `path` is not a regular file of its own (missing, a link, a folder), or None."""
+    if not os.path.lexists(path):
+        return f"{path.name} is missing"
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        return f"{path.name} is a link or not a regular file (hf3d reads no file of a checkpoint through a link)"
+    return None
+
+
 def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
     """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
-    words naming the first damaged file; None when every file has the size and CRC-32 its marker records,
-    or when the marker records none (written before hf3d recorded them: not verified).
+    words naming the first damaged file; None when every file has the size and CRC-32 its marker records.
+    A file that is a link is damaged. A marker that records no files (written before hf3d recorded them)
+    is verified for what can be: every file of the folder is a regular file, not a link (the `.metadata`
+    is then checked against the files' sizes when it is read: `reader.check_storage`).
 
     Under a process group every rank must call this: each checksums its share of the files and the
     verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank;
     `checksums=False` checks only them (no file is read)."""
     files = meta.get("files")
     if not isinstance(files, dict):
-        return None
+        return next(filter(None, (_not_a_file(p) for p in sorted(path.iterdir()))), None)
     names = sorted(files)
     for name in names:
         p = path / name
-        if not p.is_file():
-            return f"{name} is missing"
-        size = p.stat().st_size
+        if _not_a_file(p) is not None:
+            return _not_a_file(p)
+        size = os.lstat(p).st_size
         if size != files[name].get("size"):
             return f"{name} has {size} bytes where {files[name].get('size')} were written"
     if not checksums:

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..utils import files
+from ..utils.faults import one_line
 from .config import SourceConfig
 
 CACHE_FORMAT = 1  # bump when the cached layout or the tokenisation changes
@@ -288,8 +289,17 @@ def open_token_cache(folder: Path, src: SourceConfig) -> tuple[list[Segment], di
     meta = json.loads((folder / "meta.json").read_text())
     if meta["num_tokens"] == 0:
         return [], meta
-    tokens = np.load(folder / "tokens.npy", mmap_mode="r")
-    doc_ends = np.load(folder / "doc_ends.npy", mmap_mode="r")
+    try:  # memory maps: an array of Python objects (a pickle) cannot be one, and is never unpickled
+        tokens = np.load(folder / "tokens.npy", mmap_mode="r")
+        doc_ends = np.load(folder / "doc_ends.npy", mmap_mode="r")
+    except ValueError as e:
+        tokens = doc_ends = e
+    if not all(isinstance(a, np.ndarray) and a.dtype.kind in "iu" for a in (tokens, doc_ends)):
+        raise ValueError(
+            f"data source {src.label!r}: {folder} holds token files hf3d did not write "
+            f"({one_line(tokens) if isinstance(tokens, Exception) else 'not arrays of integers'}); delete that folder "
+            "and hf3d tokenises the source again"
+        )
     return [(tokens, doc_ends)], meta
 
 

@@ -120,22 +120,23 @@ def write_hf_dir(
     src_dir when it has them. Files go into a temporary sibling directory that replaces out_dir at the
     end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
     replaced only when it holds nothing but an HF export's files (`check_output_dir`).
-    check(): called when every shard is written, before anything is published; what it raises is raised
-    after the staging folder is removed. extra_files: {name: bytes} written beside the weights before the
-    folder is published (a run's record and loss curve).
+    check(): called when every shard is written, before anything is published. What it raises, and any
+    failure before (of `produce`, of a write), is raised after the staging folder is removed.
+    extra_files: {name: bytes} written beside the weights before the folder is published (a run's record
+    and loss curve).
     """
     tmp = start_staging(out_dir)
-    plan = plan_shards(list(specs), max_shard_bytes)
-    for fname, group in plan:
-        write_shard(tmp / fname, group, produce)
-    if len(plan) > 1:
-        write_index(tmp, specs, plan)
-    if check is not None:
-        try:
+    try:
+        plan = plan_shards(list(specs), max_shard_bytes)
+        for fname, group in plan:
+            write_shard(tmp / fname, group, produce)
+        if len(plan) > 1:
+            write_index(tmp, specs, plan)
+        if check is not None:
             check()
-        except BaseException:
-            files.remove_dir(tmp, EXPORT)
-            raise
+    except BaseException:  # a refused read, a full disk, a failed check: nothing half-written is left
+        files.remove_dir(tmp, EXPORT)
+        raise
     _finish_staging(tmp, out_dir, config, src_dir=src_dir, extra_files=extra_files)
 
 
