@@ -471,6 +471,14 @@ def test_no_file_of_a_checkpoint_is_read_through_a_link(tmp_path):
     for read in reads:
         with pytest.raises(ValueError, match="is a link; hf3d reads no file of a checkpoint through a link"):
             read()
+    legacy = hf_to_checkpoint(tmp_path / "llama", tmp_path / "legacy")  # a marker that lists no files: verified
+    meta = {k: v for k, v in checkpoint.read_marker(legacy).items() if k != "files"}
+    (legacy / checkpoint.MARKER).write_text(json.dumps(meta))
+    (legacy / "NOTES.md").write_text("mine")
+    (legacy / "analysis").mkdir()
+    assert checkpoint.find_damage(legacy, meta) is None  # the user's files are not the checkpoint's
+    (legacy / "rng_0.pt").symlink_to(other / "extra.pt")
+    assert checkpoint.find_damage(legacy, meta).startswith("rng_0.pt is a link or not a regular file")
 
 
 # -- 3. no write through a link; a card holds one line per value ------------------------------------------

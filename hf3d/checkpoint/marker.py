@@ -110,15 +110,16 @@ def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None
     """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
     words naming the first damaged file; None when every file has the size and CRC-32 its marker records.
     A file that is a link is damaged. A marker that records no files (written before hf3d recorded them)
-    is verified for what can be: every file of the folder is a regular file, not a link (the `.metadata`
-    is then checked against the files' sizes when it is read: `reader.check_storage`).
+    is verified for what can be: every file of a checkpoint's names in the folder is a regular file, not a
+    link (the `.metadata` is then checked against the files' sizes when it is read: `reader.check_storage`).
 
     Under a process group every rank must call this: each checksums its share of the files and the
     verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank;
     `checksums=False` checks only them (no file is read)."""
     files = meta.get("files")
     if not isinstance(files, dict):
-        return next(filter(None, (_not_a_file(p) for p in sorted(path.iterdir()))), None)
+        ours = (p for p in sorted(path.iterdir()) if is_checkpoint_file(p.name))
+        return next(filter(None, (_not_a_file(p) for p in ours)), None)
     names = sorted(files)
     for name in names:
         p = path / name

@@ -150,16 +150,18 @@ def clean_leftovers(root: Path) -> None:
     """What killed saves and removals left under a run's checkpoints folder, cleaned: trash folders and replaced
     `step_<N>.old` ones gone (`files.sweep`), a `step_<N>.old` whose `step_<N>` is missing (a publish without
     renameat2 killed between its two renames) back at its name, and this run's own staging folders
-    `step_<N>.tmp` gone. Rank 0, at the start of a run, before any save."""
-    files_.sweep(root, CHECKPOINT)
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
-        if _REPLACED.match(d.name) and _ours(d) and not os.path.lexists(d.with_name(d.stem)):
-            files_.rename_new(d, d.with_name(d.stem))
-        elif _REPLACED.match(d.name) and _ours(d) and files_.refusal(d, CHECKPOINT) is None:
-            files_.remove_dir(d, CHECKPOINT)
-        elif d.name.endswith(".tmp") and STEP_DIR.match(d.name[:-4]) and _ours(d):
-            if files_.refusal(d, CHECKPOINT) is None:
-                files_.remove_dir(d, CHECKPOINT)
+    `step_<N>.tmp` gone. Rank 0, at the start of a run, before any save. What cannot be cleaned (a folder
+    this user may not change) is said in one line, and the run goes on: nothing there blocks it."""
+    try:
+        files_.sweep(root, CHECKPOINT)
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            if _REPLACED.match(d.name) and _ours(d) and not os.path.lexists(d.with_name(d.stem)):
+                files_.rename_new(d, d.with_name(d.stem))
+            elif (_REPLACED.match(d.name) or d.name.endswith(".tmp") and STEP_DIR.match(d.name[:-4])) and _ours(d):
+                if files_.refusal(d, CHECKPOINT) is None:
+                    files_.remove_dir(d, CHECKPOINT)
+    except OSError as e:
+        print(f"hf3d: warning: could not clean what an interrupted save left in {root} ({e})", file=sys.stderr)
 
 
 def finish_save(root: Path, keep_last: int, published: Path, *, told: set[Path] | None = None) -> None:

@@ -26,7 +26,9 @@
   replaced content removed. A kill at any instant leaves either the old folder or the new one at the final
   path, never neither. Where the system has no renameat2, the old folder is first renamed to `PATH.old`.
 
-tests/test_untrusted_files.py scans hf3d/ for deleting, renaming and file-writing calls outside this module.
+tests/audit.py records, over the whole test suite, every deletion, rename and file write hf3d asks for, and fails
+the test when one comes from outside this module (or writes through a link); tests/test_untrusted_files.py also
+scans hf3d/ for such calls.
 """
 
 from __future__ import annotations
