@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the test helpers (dist, models, reference)
 
+import audit  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
 FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")
@@ -34,3 +36,32 @@ def direct_writes_from_memory(monkeypatch) -> list[int]:
         checksums.DirectFile, "_write_view", lambda self, view: (lengths.append(len(view)), write_view(self, view))
     )
     return lengths
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _audit_log(tmp_path_factory) -> Path:
+    """Every process of the session records what hf3d deletes, renames, writes and unpickles (tests/audit.py):
+    this one in `audit.found`, the gloo workers of tests/dist.py in this file."""
+    log = tmp_path_factory.mktemp("audit") / "problems.txt"
+    log.touch()
+    os.environ[audit.LOG_ENV] = str(log)
+    audit.install()
+    audit.watching = True
+    yield log
+    audit.watching = False
+    os.environ.pop(audit.LOG_ENV, None)
+
+
+_said = {"found": 0, "logged": 0}
+
+
+@pytest.fixture(autouse=True)
+def _audited(_audit_log: Path):
+    """Fails the test (at its teardown) on whatever the audit recorded since the last test was checked (in a
+    module's fixtures too): a deletion, a rename, a write or an unpickling that hf3d must not make."""
+    yield
+    logged = _audit_log.read_text().splitlines()
+    new = audit.found[_said["found"] :] + logged[_said["logged"] :]
+    _said.update(found=len(audit.found), logged=len(logged))
+    if new:
+        pytest.fail("the audit of hf3d's file and pickle calls (tests/audit.py) found:\n" + "\n".join(new))

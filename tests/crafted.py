@@ -73,10 +73,13 @@ def rewrite_metadata(ckpt: Path, edit) -> None:
 
 
 def craft_stored_box(ckpt: Path, payload: bytes) -> None:
-    """Point the checkpoint's first stored box at a torch.save archive whose data.pkl is `payload`."""
+    """Point the checkpoint's first stored box at a torch.save archive whose data.pkl is `payload`, as large as the
+    box's bytes (as whoever crafted it would make it: the sizes check passes and the pickle reaches the reader)."""
     path = ckpt / "__crafted.distcp"
+    first = next(iter(dcp.FileSystemReader(ckpt).read_metadata().storage_data.values()))
     writer = torch._C.PyTorchFileWriter(str(path))
     writer.write_record("data.pkl", payload, len(payload))
+    writer.write_record("data/padding", bytes(first.length), first.length)
     writer.write_end_of_file()
     del writer
 
@@ -94,6 +97,66 @@ def fake_checkpoint(path: Path, step: int, **meta) -> Path:
     from hf3d import checkpoint
     from hf3d.utils import files
 
-    files.make_dir(path, "checkpoint")
+    files.make_dir(path, checkpoint.CHECKPOINT)
     checkpoint.write_marker(path, {"kind": "training", "step": step, **meta})
     return path
+
+
+def adopt(root: Path) -> Path:
+    """Every folder hf3d made under `root`, a copy, recorded as made where it now is (its owner file rewritten with
+    this folder's identity): what a test that copies a finished run stands for, the run itself."""
+    from hf3d.utils import files
+
+    for owner in sorted(root.rglob(files.OWNER_FILE)):
+        record = json.loads(owner.read_text())
+        if "inode" in record:
+            owner.write_text(json.dumps({**record, **files._identity(owner.parent)}) + "\n")
+    return root
+
+
+def craft_expanded(ckpt: Path, name: str, n: int) -> None:
+    """Add the weight `name` to the checkpoint, declared [n, n] float32 and stored as ONE element with strides
+    (0, 0) (torch.save keeps an expanded tensor's strides and its one-element storage): a reader that trusts the
+    stored strides writes n * n elements of it."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    path = ckpt / "__expanded.distcp"
+    with open(path, "wb") as f:
+        torch.save(torch.ones(1).expand(n, n), f)
+
+    def edit(metadata) -> None:
+        key, size = f"model/{name}", torch.Size([n, n])
+        chunk = ChunkStorageMetadata(torch.Size([0, 0]), size)
+        metadata.state_dict_metadata[key] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), size, [chunk])
+        metadata.storage_data[MetadataIndex(key, [0, 0])] = _StorageInfo(path.name, 0, path.stat().st_size)
+
+    rewrite_metadata(ckpt, edit)
+
+
+def link_data_file(ckpt: Path, target: Path) -> None:
+    """Make the checkpoint's data file a link to `target` (another checkpoint's) under a marker that lists no files,
+    as hf3d wrote them before it recorded each file's size and checksum."""
+    from hf3d import checkpoint
+
+    (ckpt / "__0_0.distcp").unlink()
+    (ckpt / "__0_0.distcp").symlink_to(target)
+    meta = json.loads((ckpt / checkpoint.MARKER).read_text())
+    meta.pop("files")
+    (ckpt / checkpoint.MARKER).write_text(json.dumps(meta))
+
+
+def edit_safetensors_header(path: Path, edit) -> None:
+    """Rewrite the header of the safetensors file `path` after edit(header) changed it (the data bytes kept)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n :])

@@ -19,6 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # audit, beside this module
+import audit  # noqa: E402
+
 from hf3d.utils import compat  # noqa: E402
 
 V_SCHEDULES = ("zbv", "dualpipev")
@@ -74,6 +77,7 @@ def _adopt(caller: tuple[dict, str, int]) -> None:
 def _worker(rank: int, world_size: int, port: int, fn, args, caller=None) -> None:
     if caller is not None:
         _adopt(caller)
+    audit.watch_in_worker()  # when the test that started this worker watches (tests/conftest.py)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )

@@ -85,8 +85,8 @@ class Case:
     """The bad input, in a few words (the table's second column)."""
     trigger: Callable
     """local: fn(fx) raises, or returns the line that shows the documented behaviour; main: fn(fx) returns
-    the argv of `hf3d.cli.main`; subprocess: fn(fx) returns (hf3d argv, folder that must hold no final/);
-    dist: fn(ctx) in the spawned process, like local."""
+    the argv of `hf3d.cli.main`, or (argv, the output path, where nothing may be left); subprocess: fn(fx)
+    returns (hf3d argv, folder that must hold no final/); dist: fn(ctx) in the spawned process, like local."""
     words: tuple[str, ...]
     """What the message must contain, after tmp paths became <tmp> (see placeholders)."""
     how: str = "local"  # local | main | subprocess | dist | dist2 (two ranks)
@@ -133,6 +133,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     """Every file the cases read, under tmp; returns their paths (plain strings: the spawn pickles them)."""
     from transformers import AutoTokenizer
 
+    from hf3d.hf.folders import EXPORT
     from hf3d.utils.files import make_dir
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
@@ -282,7 +283,13 @@ def make_inputs(tmp: Path) -> dict[str, str]:
 
     rewrite_metadata(ck / "inconsistent", drop_a_weight)
     fx["inconsistent"] = str(ck / "inconsistent")
-    make_dir(tmp / "foreign-run" / "final", "export")  # an earlier export of hf3d's, the user's notes in it
+    _crafted_reads(fx, tmp, honest)
+    shutil.copytree(honest, ck / "honest-copy")  # a copy: its owner file names the folder it was made as
+    annotated = hf_to_checkpoint(fx["llama"], ck / "annotated")  # hf3d's own, then the user's notes in it
+    (annotated / "NOTES.md").write_text("the loss spike at step 40\n")
+    make_dir(tmp / "an-export", EXPORT)
+    shutil.copy(Path(fx["llama"]) / "config.json", tmp / "an-export")
+    make_dir(tmp / "foreign-run" / "final", EXPORT)  # an earlier export of hf3d's, the user's notes in it
     shutil.copy(Path(fx["llama"]) / "config.json", tmp / "foreign-run" / "final")
     (tmp / "foreign-run" / "final" / "my_notes.txt").write_text("keep me\n")
     fx["foreign_run"] = str(tmp / "foreign-run")
@@ -296,6 +303,56 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     fx["damaged_step"] = str(ck / "damaged" / "checkpoints" / "step_2")
     fx["hf_home"] = str(tmp / "hf-home")
     return fx
+
+
+def _crafted_reads(fx: dict, tmp: Path, honest: Path) -> None:
+    """Files whose words would make a reader allocate or read what is not on disk: a weight stored as one element
+    expanded to n x n, boxes sharing their bytes, a data file linked to another checkpoint's (under a marker that
+    lists no files), safetensors headers whose shapes and byte ranges disagree."""
+    from crafted import craft_expanded, edit_safetensors_header, link_data_file, rewrite_metadata
+
+    from hf3d.checkpoint.convert import hf_to_checkpoint
+
+    ck = tmp / "ckpt"
+    for name, n in (("expanded", 4), ("expanded-huge", 65536)):
+        craft_expanded(shutil.copytree(honest, ck / name), "lm_extra.weight", n)
+        fx[name.replace("-", "_")] = str(ck / name)
+
+    def share_bytes(metadata) -> None:  # the two norms of layer 0 read the same stored bytes
+        index = {i.fqn: i for i in metadata.storage_data}
+        a, b = (index[f"model/model.layers.0.{n}.weight"] for n in ("input_layernorm", "post_attention_layernorm"))
+        metadata.storage_data[b] = metadata.storage_data[a]
+
+    rewrite_metadata(shutil.copytree(honest, ck / "shared-bytes"), share_bytes)
+    fx["shared_bytes"] = str(ck / "shared-bytes")
+    other = hf_to_checkpoint(fx["stock_export"], ck / "other-model")
+    link_data_file(shutil.copytree(honest, ck / "linked-data"), other / "__0_0.distcp")
+    fx["linked_data"] = str(ck / "linked-data")
+
+    def shape(name: str, value: list) -> None:
+        header_path = shutil.copytree(fx["llama"], tmp / "models" / name) / "model.safetensors"
+        edit_safetensors_header(header_path, lambda h: h["model.norm.weight"].update(shape=value))
+        fx[name.replace("-", "_")] = str(header_path.parent)
+
+    shape("wider-than-its-bytes", [2, 48])  # 96 values over the 48 values' bytes: the next tensor's bytes
+    shape("negative-shape", [-1, 48])
+    header_path = shutil.copytree(fx["llama"], tmp / "models" / "overlapping") / "model.safetensors"
+
+    def overlap(header: dict) -> None:  # the second norm's range laid over the first's
+        header["model.layers.0.post_attention_layernorm.weight"]["data_offsets"] = header[
+            "model.layers.0.input_layernorm.weight"
+        ]["data_offsets"]
+
+    edit_safetensors_header(header_path, overlap)
+    fx["overlapping"] = str(header_path.parent)
+
+
+def _leftovers(out: str) -> list[str]:
+    """What a refused command left at its output path: the output itself, or a staging or trash folder."""
+    out = Path(out)
+    left = [p.name for p in out.parent.iterdir() if p.name == out.name or p.name.startswith(f"{out.name}.tmp")]
+    left += [p.name for p in out.parent.iterdir() if p.name.startswith(".hf3d-trash.")]
+    return [f"left behind: {', '.join(left)}"] if left else []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1063,6 +1120,62 @@ CASES: list[Case] = [
         ["hf3d convert: error: <tmp>/ckpt/outside/.metadata names the data file '../__0_", "outside the checkpoint"],
         how="main",
     ),
+    _c(
+        "cli-convert-expanded-stride",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint holding a 4 x 4 weight stored as one element with strides (0, 0)",
+        lambda fx: (["convert", "to-hf", fx["expanded"], f"{fx['tmp']}/hf-expanded"], f"{fx['tmp']}/hf-expanded"),
+        ["<tmp>/ckpt/expanded/__expanded.distcp at byte 0", "strides (0, 0)", "refusing to read it"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-expanded-huge",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint holding a 65536 x 65536 weight stored as one element (1,577 bytes)",
+        lambda fx: (["convert", "to-hf", fx["expanded_huge"], f"{fx['tmp']}/hf-huge"], f"{fx['tmp']}/hf-huge"),
+        ["<tmp>/ckpt/expanded-huge/.metadata: the box of 'model/lm_extra.weight'", "needs 17179869184 bytes"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-shared-bytes",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose .metadata points two weights at the same stored bytes",
+        lambda fx: (["convert", "to-hf", fx["shared_bytes"], f"{fx['tmp']}/hf-shared"], f"{fx['tmp']}/hf-shared"),
+        ["<tmp>/ckpt/shared-bytes/.metadata declares items of", "that overlap or run past"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-linked-data",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose data file links to another's (its marker lists no files)",
+        lambda fx: (["convert", "to-hf", fx["linked_data"], f"{fx['tmp']}/hf-linked"], f"{fx['tmp']}/hf-linked"),
+        ["checkpoint <tmp>/ckpt/linked-data is damaged: __0_0.distcp is a link or not a regular file"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-shape-past-its-bytes",
+        SET,
+        "`hf3d convert from-hf` of a safetensors whose header gives a tensor more values than its byte range holds",
+        lambda fx: (["convert", "from-hf", fx["wider_than_its_bytes"], f"{fx['tmp']}/ck-wide"], f"{fx['tmp']}/ck-wide"),
+        ["model.safetensors: 'model.norm.weight' is F32 of shape [2, 48] (384 bytes)", "its header gives it bytes"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-negative-shape",
+        SET,
+        "`hf3d convert from-hf` of a safetensors whose header gives a tensor a negative dimension",
+        lambda fx: (["convert", "from-hf", fx["negative_shape"], f"{fx['tmp']}/ck-neg"], f"{fx['tmp']}/ck-neg"),
+        ["the header entry 'model.norm.weight' is not a tensor", "a shape of whole numbers >= 0"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-overlapping-tensors",
+        SET,
+        "`hf3d convert from-hf` of a safetensors whose header lays two tensors over the same bytes",
+        lambda fx: (["convert", "from-hf", fx["overlapping"], f"{fx['tmp']}/ck-overlap"], f"{fx['tmp']}/ck-overlap"),
+        ["model.safetensors: the bytes of 'model.layers.0.", "overlap those of"],
+        how="main",
+    ),
     # --- launch: the world vs the config ---------------------------------------------------------------
     _c(
         "launch-tp-does-not-fit",
@@ -1558,6 +1671,45 @@ CASES: list[Case] = [
         ],
         error=False,
         behaviour="one warning line; resumes from the previous checkpoint",
+    ),
+    _c(
+        "ckpt-load-linked-data",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose data file links to another checkpoint's (its marker lists no "
+        "files)",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["linked_data"], ctx["pm"], ctx["opt"]),
+        ["checkpoint <tmp>/ckpt/linked-data is damaged: __0_0.distcp is a link or not a regular file"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-save-over-export",
+        CKPT,
+        "`hf3d.save_checkpoint` at a folder that is an export of hf3d's",
+        lambda ctx: __import__("hf3d").save_checkpoint(
+            Path(ctx["fx"]["foreign_run"]).parent / "an-export", ctx["pm"], ctx["opt"], step=1
+        ),
+        ["<tmp>/an-export is an hf3d folder of another kind (export, not checkpoint)", "never deletes or replaces"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-save-over-copy",
+        CKPT,
+        "`hf3d.save_checkpoint` at a copy (cp -r) of an hf3d checkpoint",
+        lambda ctx: __import__("hf3d").save_checkpoint(
+            Path(ctx["fx"]["tmp"]) / "ckpt" / "honest-copy", ctx["pm"], ctx["opt"], step=1
+        ),
+        ["<tmp>/ckpt/honest-copy is a copy or a move of a folder hf3d made elsewhere", "move it away"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-save-annotated",
+        CKPT,
+        "`hf3d.save_checkpoint` at hf3d's own checkpoint after the user added NOTES.md to it",
+        lambda ctx: __import__("hf3d").save_checkpoint(
+            Path(ctx["fx"]["tmp"]) / "ckpt" / "annotated", ctx["pm"], ctx["opt"], step=1
+        ),
+        ["<tmp>/ckpt/annotated holds 'NOTES.md', which hf3d does not write there", "never deletes or replaces it"],
+        how="dist",
     ),
     _c(
         "ckpt-save-unwritable",
@@ -2056,8 +2208,10 @@ def run_all(tmp: Path) -> dict[str, Result]:
                 outcome, msg = _attempt(case, lambda c=case: c.trigger(fx))
                 results[case.id] = Result(outcome, msg, [])
             elif case.how == "main":
-                outcome, msg, problems = _run_main(case.trigger(fx))
-                results[case.id] = Result(outcome, msg, problems)
+                argv = case.trigger(fx)
+                argv, out = argv if isinstance(argv, tuple) else (argv, None)
+                outcome, msg, problems = _run_main(argv)
+                results[case.id] = Result(outcome, msg, problems + (_leftovers(out) if out else []))
             elif case.how in ("dist", "dist2"):
                 outcome, msg = dist_res[case.id]
                 results[case.id] = Result(outcome, msg, [])

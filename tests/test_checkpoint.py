@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
-from crafted import fake_checkpoint, payloads, write_crafted  # noqa: E402
+from crafted import adopt, fake_checkpoint, payloads, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
@@ -573,7 +573,7 @@ def test_auto_resume_passes_over_a_damaged_newest_checkpoint(tmp_path, straight,
     """The uninterrupted run's folder with step_10's largest file cut in half (its marker intact): the same
     command with resume: auto warns once, naming the file, and retrains steps 6-10 from step_5, exactly."""
     out = tmp_path / "damaged"
-    shutil.copytree(straight, out)
+    adopt(shutil.copytree(straight, out))  # the run's own folder, not a copy of it
     largest = max((out / "checkpoints" / "step_10").iterdir(), key=lambda f: f.stat().st_size)
     size = largest.stat().st_size
     os.truncate(largest, size // 2)

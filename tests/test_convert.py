@@ -37,6 +37,7 @@ import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
 from hf3d.checkpoint.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa: E402
 from hf3d.cli import main as cli_main  # noqa: E402
+from hf3d.hf.folders import EXPORT  # noqa: E402
 from hf3d.hf.load import TensorSpec  # noqa: E402
 from hf3d.hf.save import write_hf_dir  # noqa: E402
 from hf3d.utils import files
@@ -103,10 +104,10 @@ def test_from_hf_writes_one_data_file_checksummed_as_written(family_dirs, tmp_pa
     the marker records for it, computed while writing, is the file's own: a flipped byte is found."""
     ckpt = hf_to_checkpoint(family_dirs["llama"], tmp_path / "ckpt")
     assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp"]
-    data = ckpt / "__0_0.distcp"
+    data, mine = ckpt / "__0_0.distcp", (checkpoint.MARKER, files.OWNER_FILE)  # the owner file says whose it is
     meta, raw = checkpoint.read_marker(ckpt), data.read_bytes()
     assert meta["files"]["__0_0.distcp"] == {"size": len(raw), "crc32": zlib.crc32(raw)}
-    assert sorted(meta["files"]) == sorted(p.name for p in ckpt.iterdir() if p.name != checkpoint.MARKER)
+    assert sorted(meta["files"]) == sorted(p.name for p in ckpt.iterdir() if p.name not in mine)
     assert checkpoint.find_damage(ckpt, meta) is None
     flipped = bytearray(raw)
     flipped[len(raw) // 2] ^= 1
@@ -402,7 +403,7 @@ def test_parallel_save_pretrained_streams(family_dirs, tmp_path):
     dirs = {k: str(v) for k, v in family_dirs.items()}
     dirs["other-llama"] = str(make_model_dir(tmp_path / "other", "llama", seed=1))
     dirs["llama-ckpt"] = str(hf_to_checkpoint(family_dirs["llama"], tmp_path / "llama-ckpt"))
-    notes = files.make_dir(tmp_path / "export-with-notes", "export")  # an export of hf3d's, then a user's notes
+    notes = files.make_dir(tmp_path / "export-with-notes", EXPORT)  # an export of hf3d's, then a user's notes
     shutil.copytree(family_dirs["llama"], notes, dirs_exist_ok=True)
     (notes / "my_notes.txt").write_text("keep me")
     dirs["export-with-notes"] = str(notes)

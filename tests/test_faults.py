@@ -452,10 +452,10 @@ def test_pruning_never_follows_symlinks_out_of_the_checkpoints_folder(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_3", "step_5", "step_6", "step_7.tmp", "step_9"]
     # a staging path or a final path that is a link is refused, never removed nor followed
     with pytest.raises(ValueError, match=r"step_7.tmp exists and is not a folder hf3d made"):
-        files.make_dir(root / "step_7.tmp", "checkpoint")
+        files.make_dir(root / "step_7.tmp", checkpoint.CHECKPOINT)
     staged = fake_checkpoint(root / "step_8.tmp", 8)
     with pytest.raises(ValueError, match=r"step_3 exists and is not a folder hf3d made"):
-        files.publish_dir(staged, root / "step_3")
+        files.publish_dir(staged, root / "step_3", checkpoint.CHECKPOINT)
     assert (root / "step_3").is_symlink() and (root / "step_7.tmp").is_symlink()
     for v in victims:
         assert (v / "precious.txt").read_text() == "keep me" and checkpoint.is_complete(v)

@@ -1,15 +1,23 @@
-"""Untrusted files stay data: the classes of the review (issue 39), each closed by one rule and checked here.
+"""Untrusted files stay data: the classes of the reviews (issues 39 and 47), each closed by one rule and checked here.
 
-1. Nothing is unpickled beyond torch.load(weights_only=True): a scan of hf3d/ for every unpickling call, and a
-   crafted checkpoint whose .metadata declares a weight as DCP bytes (which DCP's load planner torch.loads with
-   weights_only=False) refused in one line by load_checkpoint and `hf3d convert to-hf`, with nothing run.
-2. hf3d deletes, renames and replaces only folders it made (hf3d/utils/files.py): a scan of hf3d/ for every such call
-   outside that module, and each writer refusing a user's folder, a foreign PATH.tmp or PATH.old.
-3. Files written into shared folders never follow a link (the scan again; the push's card through a dangling
-   README.md link), and a card holds one line per value.
+The guard of every class runs at run time too: tests/audit.py records, over the whole suite (its save, load,
+convert, export and push flows, in this process and in the gloo workers), every deletion, rename, file write
+and unpickling that hf3d asks for, whatever name it calls them by, and fails the test that made one outside
+the module allowed to. The scans below read the source for the same calls, on paths no test runs.
+
+1. Nothing is unpickled beyond torch.load(weights_only=True) and the allow-list reader, whose two tables hold
+   exactly the names listed here; a crafted checkpoint whose .metadata declares a weight as DCP bytes (which
+   DCP's load planner torch.loads with weights_only=False), and a token cache of Python objects, are refused in
+   one line with nothing run. The checkpoint writer process imports nothing from the working directory.
+2. hf3d deletes, renames and replaces only folders of the kind it writes that it made there, holding only the
+   files it wrote (hf3d/utils/files.py): a user's folder, a foreign PATH.tmp or PATH.old, a copy, a move, an
+   export under a checkpoint's path and a checkpoint with a user's notes are refused; a copy from another run
+   is neither resumed from silently nor rotated.
+3. Files written into shared folders never follow a link (the push's card through a dangling README.md link),
+   and a card holds one line per value.
 4. Rotation keeps the checkpoint just published and what resume would choose, by the order of the saves.
-5. A published checkpoint is durable before anything older goes, and a kill at any instant of the publish
-   leaves a checkpoint that resume finds.
+5. A published checkpoint is durable before anything older goes (recorded through save_checkpoint), and a
+   kill at any instant of a publish or a rotation leaves whole checkpoints, or leftovers the next start removes.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import ast
 import json
 import os
 import pickle
+import shutil
 import sys
 from pathlib import Path
 
@@ -86,6 +95,9 @@ def test_nothing_in_hf3d_unpickles_beyond_weights_only_and_the_allow_list_reader
             weights_only = _keyword(call, "weights_only")
             if isinstance(weights_only, ast.Constant) and weights_only.value is False:
                 found.append(f"{where}: weights_only=False")
+            pickles = _keyword(call, "allow_pickle")
+            if pickles is not None and not (isinstance(pickles, ast.Constant) and pickles.value is False):
+                found.append(f"{where}: allow_pickle (numpy unpickles object arrays)")
         tree = ast.parse(source)
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
@@ -100,6 +112,47 @@ def test_nothing_in_hf3d_unpickles_beyond_weights_only_and_the_allow_list_reader
                     for method in {"read_metadata", "read_data"} - methods:
                         found.append(f"{rel}:{node.lineno} {node.name} inherits DCP's {method}")
     assert not found, "\n".join(found)
+
+
+def test_the_allow_lists_hold_exactly_these_names():
+    """The (module, name) pairs the two allow-list readers resolve, listed here one by one: a pair added to either
+    (`("builtins", "eval")`) fails this test, whatever the code that adds it looks like."""
+    from collections import OrderedDict
+    from pathlib import PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    from hf3d.checkpoint import reader, stored
+
+    paths = {("pathlib", c.__name__): c for c in (PosixPath, PurePosixPath, WindowsPath, PureWindowsPath)}
+    if sys.version_info >= (3, 13):  # pickled under pathlib._local there
+        paths.update({("pathlib._local", c.__name__): c for _, c in paths.items()})
+    names = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties")
+    expected = {
+        **{("torch.distributed.checkpoint.metadata", n): getattr(metadata, n) for n in names},
+        ("torch.distributed.checkpoint.metadata", "MetadataIndex"): metadata.MetadataIndex,
+        ("torch.distributed.checkpoint.metadata", "StorageMeta"): metadata.StorageMeta,
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): metadata._MEM_FORMAT_ENCODING,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("torch", "Size"): torch.Size,
+        ("collections", "OrderedDict"): OrderedDict,
+        **paths,
+    }
+    expected |= {("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}  # torch.float32, ...
+    table = reader._METADATA_GLOBALS
+    assert set(table) == set(expected), set(table) ^ set(expected)
+    assert all(table[k] is v for k, v in expected.items()), "an allowed name resolves to another object"
+    layout = stored._LAYOUT_GLOBALS
+    plain = {
+        ("torch._utils", "_rebuild_tensor_v2"): stored._rebuilt_layout,
+        ("torch._utils", "_rebuild_tensor_v3"): stored._rebuilt_layout,
+        ("collections", "OrderedDict"): dict,
+    }
+    storages = {k for k in layout if k[0] in ("torch", "torch.storage") and k[1].endswith("Storage")}
+    assert all(layout[k] == k[1] for k in storages), "a storage name resolves to more than its own name"
+    dtypes = {k: v for k, v in expected.items() if isinstance(v, torch.dtype)}
+    assert {k: v for k, v in layout.items() if k not in storages} == plain | dtypes
 
 
 _DELETE_OR_MOVE = {"shutil.rmtree", "os.remove", "os.unlink", "os.rmdir", "os.rename", "os.replace", "os.renames"}
@@ -145,6 +198,26 @@ def test_deleting_renaming_and_writing_files_goes_through_hf3d_files():
                 if not isinstance(target, ast.Name):  # a path expression, not a file object
                     found.append(f"{where} into {ast.unparse(target)}")
     assert not found, "calls outside hf3d/utils/files.py:\n" + "\n".join(found)
+
+
+def test_the_writer_process_imports_nothing_from_the_working_directory_nor_pythonpath(tmp_path, monkeypatch):
+    """Modules named as numpy, torch and hf3d in the folder the user launches from and on PYTHONPATH: the checkpoint
+    writer process (started with `python -I`, hf3d imported from the parent's package folder) runs none of them."""
+    from hf3d.checkpoint.writer_process import WriterProcess
+
+    sentinel = tmp_path / "planted-code-ran"
+    plant = f"open({str(sentinel)!r}, 'a').write(__name__ + '\\n')\n"
+    for folder in (tmp_path / "cwd", tmp_path / "pythonpath"):
+        (folder / "hf3d").mkdir(parents=True)
+        for name in ("numpy.py", "torch.py", "hf3d/__init__.py"):
+            (folder / name).write_text(plant)
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "pythonpath"))
+    writer = WriterProcess()
+    writer.conn.close()  # the child ends once its imports are done and it reads the end of its connection
+    code = writer.child.wait(timeout=120)  # (close() kills a child still busy after 5 s: a loaded machine)
+    writer.close()
+    assert code == 0 and not sentinel.exists(), sentinel.read_text() if sentinel.exists() else code
 
 
 # -- 1. a checkpoint whose .metadata declares a weight as bytes ----------------------------------------------
@@ -200,6 +273,40 @@ def test_a_bytes_entry_is_refused_when_the_metadata_is_read_and_runs_nothing(tmp
     assert not sentinel.exists() and not (tmp_path / "hf").exists()
 
 
+class _RunsCode:
+    """Pickles as a call of os.system: what a crafted object array holds."""
+
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def test_a_token_cache_holding_python_objects_is_refused_and_never_unpickled(tmp_path):
+    """A token cache whose tokens.npy was replaced by an array of Python objects (a pickle that runs a command):
+    the pipeline refuses it in one line, naming the folder, and nothing is unpickled (the arrays are memory maps)."""
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    from hf3d.data import DataConfig, DataPipeline
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(20)))
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer")
+    cfg = DataConfig(path=str(tmp_path / "docs.jsonl"), seq_len=16, cache_dir=str(tmp_path / "cache"))
+    kw = dict(global_batch=2, dp_rank=0, dp_size=1, total_steps=2)
+    DataPipeline(cfg, tokenizer, **kw)
+    (tokens,) = (tmp_path / "cache").rglob("tokens.npy")
+    sentinel = tmp_path / "code-ran"
+    tokens.unlink()
+    with open(tokens, "wb") as f:
+        np.save(f, np.array([_RunsCode(f"touch {sentinel}")], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError) as refused:
+        DataPipeline(cfg, tokenizer, **kw)
+    assert str(refused.value).startswith(f"data source 'docs': {tokens.parent} holds token files hf3d did not write")
+    assert "\n" not in str(refused.value) and not sentinel.exists()
+
+
 def test_the_load_planner_never_unpickles_bytes():
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
@@ -252,6 +359,23 @@ def _save_into_foreign_folders(model_dir: str, root: str, out: str) -> None:
         res["old"] = str(e)
     files._renameat2 = real
     res["kept"] = checkpoint.read_marker(root / "mine")["step"]
+    # hf3d's own checkpoint with a user's notes in it; a copy of hf3d's checkpoint; an export of hf3d's
+    (root / "mine" / "NOTES.md").write_text("what step 2 showed\n")
+    (root / "mine" / "analysis").mkdir()
+    (root / "mine" / "analysis" / "probe_results.csv").write_text("layer,score\n")
+    shutil.copytree(root / "mine", root / "copy", ignore=shutil.ignore_patterns("NOTES.md", "analysis"))
+    pm.save_pretrained(root / "final")
+    for name, path in [("annotated", root / "mine"), ("copy", root / "copy"), ("over-export", root / "final")]:
+        try:
+            hf3d.save_checkpoint(path, pm, opt, step=4)
+            res[name] = None
+        except ValueError as e:
+            res[name] = str(e)
+    try:
+        pm.save_pretrained(root / "mine")  # and an export never replaces a checkpoint
+        res["export-over"] = None
+    except ValueError as e:
+        res["export-over"] = str(e)
     report(res, Path(out))
 
 
@@ -277,6 +401,21 @@ def test_no_writer_deletes_or_replaces_a_folder_hf3d_did_not_make(tmp_path, caps
             "it: move it away or choose a new output path"
         ), (name, res[name])
     assert res["mine"] == 2 and res["kept"] == 2
+    mine, tail = root / "mine", "hf3d never deletes or replaces it: move it away or choose a new output path"
+    assert res["annotated"] == f"{mine} holds 'NOTES.md', which hf3d does not write there; {tail}", res["annotated"]
+    assert res["copy"] == (
+        f"{root / 'copy'} is a copy or a move of a folder hf3d made elsewhere (its {files.OWNER_FILE} names another "
+        f"folder); {tail}"
+    ), res["copy"]
+    assert (
+        res["over-export"] == f"{root / 'final'} is an hf3d folder of another kind (export, not checkpoint); {tail}"
+    ), res["over-export"]
+    assert res["export-over"] == f"{mine} is an hf3d folder of another kind (checkpoint, not export); {tail}", res[
+        "export-over"
+    ]
+    assert (mine / "NOTES.md").is_file() and (mine / "analysis" / "probe_results.csv").is_file()
+    assert checkpoint.read_marker(mine)["step"] == 2 and checkpoint.read_marker(root / "copy")["step"] == 2
+    assert (root / "final" / "model.safetensors").is_file()
     assert res["old"].startswith(f"could not write the checkpoint {root / 'mine'} (") and "\n" not in res["old"]
     assert f"{root / 'mine.old'} is a folder hf3d did not make" in res["old"]
     for argv in (["from-hf", str(model_dir), str(root / "from-hf")], ["from-hf", str(model_dir), str(root / "x")]):
@@ -290,7 +429,7 @@ def test_no_writer_deletes_or_replaces_a_folder_hf3d_did_not_make(tmp_path, caps
 
 
 def test_a_folder_is_hf3ds_only_with_its_own_owner_file(tmp_path):
-    made = files.make_dir(tmp_path / "made", "checkpoint")
+    made = files.make_dir(tmp_path / "made", checkpoint.CHECKPOINT)
     assert files.owned(made) and json.loads((made / files.OWNER_FILE).read_text())["made_by"] == "hf3d"
     link = tmp_path / "link"
     link.symlink_to(made, target_is_directory=True)
@@ -301,11 +440,45 @@ def test_a_folder_is_hf3ds_only_with_its_own_owner_file(tmp_path):
     for path in (link, linked_marker, wrong):
         assert not files.owned(path)
         with pytest.raises(ValueError, match="hf3d never deletes or replaces it"):
-            files.remove_dir(path)
+            files.remove_dir(path, checkpoint.CHECKPOINT)
     assert link.is_symlink() and (wrong / "src" / "thesis.tex").exists() and made.is_dir()
     (tmp_path / "empty").mkdir()
-    files.remove_dir(tmp_path / "empty")  # an empty folder loses nothing
+    files.remove_dir(tmp_path / "empty", checkpoint.CHECKPOINT)  # an empty folder loses nothing
     assert not (tmp_path / "empty").exists()
+
+
+def test_no_file_of_a_checkpoint_is_read_through_a_link(tmp_path):
+    """Past find_damage's look (a link swapped in after it, or a marker that lists no files), the readers themselves
+    open each file of a checkpoint without following a link: the marker, the .metadata, a data file, the RNG and
+    extra files, and the checksum pass."""
+    from hf3d.checkpoint import load
+    from hf3d.checkpoint.checksums import crc32_file
+    from hf3d.checkpoint.convert import hf_to_checkpoint
+
+    ckpt = hf_to_checkpoint(make_model_dir(tmp_path / "llama", "llama"), tmp_path / "ckpt")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    for name in (checkpoint.MARKER, ".metadata", "__0_0.distcp", "extra.pt"):
+        (other / name).write_bytes((ckpt / name).read_bytes() if (ckpt / name).exists() else b"")
+        (ckpt / name).unlink(missing_ok=True)
+        (ckpt / name).symlink_to(other / name)
+    reads = [
+        lambda: checkpoint.read_marker(ckpt),
+        lambda: checkpoint.SafeReader(ckpt).read_metadata(),
+        lambda: crc32_file(ckpt / "__0_0.distcp"),
+        lambda: load._load(ckpt / "extra.pt"),
+    ]
+    for read in reads:
+        with pytest.raises(ValueError, match="is a link; hf3d reads no file of a checkpoint through a link"):
+            read()
+    legacy = hf_to_checkpoint(tmp_path / "llama", tmp_path / "legacy")  # a marker that lists no files: verified
+    meta = {k: v for k, v in checkpoint.read_marker(legacy).items() if k != "files"}
+    (legacy / checkpoint.MARKER).write_text(json.dumps(meta))
+    (legacy / "NOTES.md").write_text("mine")
+    (legacy / "analysis").mkdir()
+    assert checkpoint.find_damage(legacy, meta) is None  # the user's files are not the checkpoint's
+    (legacy / "rng_0.pt").symlink_to(other / "extra.pt")
+    assert checkpoint.find_damage(legacy, meta).startswith("rng_0.pt is a link or not a regular file")
 
 
 # -- 3. no write through a link; a card holds one line per value ------------------------------------------
@@ -418,6 +591,72 @@ def test_rotation_and_resume_follow_the_order_of_the_saves(tmp_path):
     assert [d.name for _, d in checkpoint.step_dirs(root)] == ["step_5"]
 
 
+def _legacy(ckpt: Path) -> Path:
+    """`ckpt` as an hf3d before identities wrote it: its owner file records the kind only."""
+    (ckpt / files.OWNER_FILE).write_text(json.dumps({"made_by": "hf3d", "kind": "checkpoint"}) + "\n")
+    return ckpt
+
+
+def test_copies_moves_and_earlier_folders_are_never_resumed_from_silently_nor_rotated(tmp_path, capsys):
+    """A colleague's step_50 (save number 99) copied into a run at step_100-step_120 (numbers 10-12): resume: auto
+    takes step_120 and names the copy in one line; rotation never deletes it, nor a copy kept elsewhere, nor a
+    folder of an earlier hf3d, nor one holding a user's notes, each said once; a copy or a move is not hf3d's
+    anywhere."""
+    root = tmp_path / "run" / "checkpoints"
+    for step, sequence in [(100, 10), (110, 11), (120, 12)]:
+        fake_checkpoint(root / f"step_{step}", step, sequence=sequence)
+    colleague = fake_checkpoint(tmp_path / "colleague" / "step_50", 50, sequence=99)
+    shutil.copytree(colleague, root / "step_50")
+    kept = shutil.copytree(root / "step_110", tmp_path / "keep" / "best")
+    assert [files.origin(p) for p in (root / "step_120", root / "step_50", kept)] == ["here", "elsewhere", "elsewhere"]
+    capsys.readouterr()
+    assert checkpoint.resolve_resume("auto", root) == root / "step_120"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"hf3d: warning: not resuming from {root / 'step_50'}, saved after step_120") and (
+        "a copy or a move" in line and f"checkpoint.resume={root / 'step_50'}" in line
+    ), line
+    assert checkpoint.next_sequence(root) == 13  # the copy's number belongs to another run
+    published = fake_checkpoint(root / "step_130", 130, sequence=13)
+    (root / "step_120" / "NOTES.md").write_text("the loss spike\n")  # the user's notes in the run's own
+    _legacy(fake_checkpoint(root / "step_90", 90, sequence=9))
+    told: set[Path] = set()
+    for _ in range(2):  # said once each, over two rotations
+        checkpoint.finish_save(root, keep_last=1, published=published, told=told)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_120", "step_130", "step_50", "step_90"]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(x.startswith("hf3d: warning: checkpoint.keep_last keeps ") for x in lines), lines
+    assert f"keeps {root / 'step_50'}: it is a copy or a move" in lines[0]  # newest save first
+    assert f"keeps {root / 'step_120'}: {root / 'step_120'} holds 'NOTES.md', which hf3d does not write" in lines[1]
+    assert f"keeps {root / 'step_90'}: an earlier hf3d wrote it without recording where" in lines[2]
+    assert (root / "step_120" / "NOTES.md").is_file() and kept.is_dir() and colleague.is_dir()
+    with pytest.raises(ValueError, match="is a copy or a move of a folder hf3d made elsewhere"):
+        files.remove_dir(kept, checkpoint.CHECKPOINT)
+    moved = tmp_path / "moved"
+    os.rename(root / "step_130", moved)  # a move to another folder: the same inode, another parent
+    assert files.origin(moved) == "elsewhere" and files.refusal(moved, checkpoint.CHECKPOINT) is not None
+    # only copies and earlier folders left: the newest is taken, and one line says what it is
+    shutil.rmtree(root / "step_120")
+    assert checkpoint.resolve_resume("auto", root) == root / "step_50"
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"hf3d: warning: resuming from {root / 'step_50'}, which is not this run's own save")
+
+
+def test_a_folder_of_an_earlier_hf3d_is_replaced_only_at_its_own_path_holding_only_its_files(tmp_path):
+    """An owner file without identity (hf3d before this rule): its kind and its files still decide."""
+    ckpt = _legacy(fake_checkpoint(tmp_path / "step_1", 1))
+    assert files.origin(ckpt) == "legacy" and files.refusal(ckpt, checkpoint.CHECKPOINT) is None
+    from hf3d.hf.folders import EXPORT
+
+    assert "(checkpoint, not export)" in files.refusal(ckpt, EXPORT)
+    (ckpt / "NOTES.md").write_text("keep me")
+    assert files.refusal(ckpt, checkpoint.CHECKPOINT) == f"{ckpt} holds 'NOTES.md', which hf3d does not write there"
+    (ckpt / "NOTES.md").unlink()
+    staged = fake_checkpoint(tmp_path / "step_1.tmp", 1, sequence=2)
+    files.publish_dir(staged, ckpt, checkpoint.CHECKPOINT)
+    assert files.origin(ckpt) == "here" and checkpoint.read_marker(ckpt)["sequence"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+
+
 # -- 5. durable before anything older goes; a kill at any instant leaves a checkpoint -----------------------
 class _Killed(BaseException):
     """The process dies here (nothing after this instant happens)."""
@@ -426,30 +665,36 @@ class _Killed(BaseException):
 def _staged_over_old(root: Path) -> tuple[Path, Path]:
     """root/step_5 published (old), and root/step_5.tmp staged (new, marked): what a publish starts from."""
     for path, value in [(root / "step_5", 1), (root / "step_5.tmp", 2)]:
-        ckpt = files.make_dir(path, "checkpoint")
+        ckpt = files.make_dir(path, checkpoint.CHECKPOINT)
         (ckpt / "__0_0.distcp").write_bytes(bytes([value]) * 4096)
         checkpoint.write_marker(ckpt, {"kind": "training", "step": 5, "sequence": value})
     return root / "step_5.tmp", root / "step_5"
 
 
 def _instants(monkeypatch, kill_at: int | None, log: list) -> None:
-    """Record (and, at the kill_at-th one, die at) every step of a publish that touches the disk."""
-    import shutil as shutil_module
+    """Record (and, at the kill_at-th one, die at) every step of a publish or a removal that touches the disk."""
 
     def step(what, fn):
         def run(*args, **kwargs):
             if kill_at is not None and len(log) == kill_at:
                 raise _Killed
             name = what if what != "fsync" else f"fsync {Path(os.readlink(f'/proc/self/fd/{args[0]}')).name}"
-            log.append(name)
+            log.append(name if what in ("fsync", "renameat2") else f"{what} {Path(args[0]).name}")
             return fn(*args, **kwargs)
 
         return run
 
     monkeypatch.setattr(os, "fsync", step("fsync", os.fsync))
     monkeypatch.setattr(files, "_renameat2", step("renameat2", files._renameat2))
-    monkeypatch.setattr(os, "rename", step("rename", os.rename))
-    monkeypatch.setattr(shutil_module, "rmtree", step("rmtree", shutil_module.rmtree))
+    for name in ("rename", "replace", "unlink", "rmdir"):
+        monkeypatch.setattr(os, name, step(name, getattr(os, name)))
+
+
+def _no_leftovers(root: Path) -> None:
+    """The next start (`clean_leftovers`) leaves no trash folder, no replaced `.old` one and no staging folder."""
+    checkpoint.clean_leftovers(root)
+    left = [p.name for p in root.iterdir() if p.name.startswith(files.TRASH_PREFIX) or p.suffix in (".old", ".tmp")]
+    assert not left, left
 
 
 @pytest.mark.parametrize("swap", [True, False], ids=["renameat2", "without-renameat2"])
@@ -460,20 +705,122 @@ def test_a_publish_is_durable_before_it_removes_and_survives_a_kill_at_any_insta
     with monkeypatch.context() as m:
         tmp, final = _staged_over_old(tmp_path / "plain")
         _instants(m, None, log)
-        files.publish_dir(tmp, final)
-    moved = "renameat2" if swap else "rename"
+        files.publish_dir(tmp, final, checkpoint.CHECKPOINT)
+    moved = "renameat2" if swap else "rename step_5"
     first_move = log.index(moved)
     synced = {e.removeprefix("fsync ") for e in log[:first_move] if e.startswith("fsync")}
     assert {p.name for p in final.iterdir()} | {"step_5.tmp"} <= synced  # every file and the folder, first
     assert log[first_move + (1 if swap else 2)] == "fsync plain"  # the name on disk, then what it replaced goes
-    assert log[-1] == "rmtree" and checkpoint.read_marker(final)["sequence"] == 2
+    removal = [e for e in log[first_move:] if e.startswith(("unlink", "rmdir"))]
+    assert log.index(removal[0]) > log.index("fsync plain") and log[-1].startswith(f"rmdir {files.TRASH_PREFIX}")
+    assert removal[-2] == f"unlink {files.OWNER_FILE}"  # the owner file last: a trash folder stays hf3d's
+    assert checkpoint.read_marker(final)["sequence"] == 2 and sorted(p.name for p in final.parent.iterdir()) == [
+        "step_5"
+    ]
     for kill_at in range(len(log)):
         root = tmp_path / f"killed-{kill_at}"
         with monkeypatch.context() as m:
             tmp, final = _staged_over_old(root)
             _instants(m, kill_at, [])
             with pytest.raises(_Killed):
-                files.publish_dir(tmp, final)
+                files.publish_dir(tmp, final, checkpoint.CHECKPOINT)
         found = checkpoint.resolve_resume("auto", root)  # old or new, complete and undamaged
         assert found is not None and checkpoint.read_marker(found)["sequence"] in (1, 2), (kill_at, log[kill_at])
         assert checkpoint.find_damage(found, checkpoint.read_marker(found)) is None
+        _no_leftovers(root)
+        assert checkpoint.resolve_resume("auto", root) == root / "step_5"  # the leftovers went, not the checkpoint
+        staged = fake_checkpoint(root / "step_5.tmp", 5, sequence=3)  # nothing blocks a later save
+        files.publish_dir(staged, root / "step_5", checkpoint.CHECKPOINT)
+        assert checkpoint.read_marker(root / "step_5")["sequence"] == 3
+
+
+def _saved_three(root: Path) -> None:
+    """root/step_1, step_2 and step_3, saved in that order, each with a data file: what a rotation starts from."""
+    for step in (1, 2, 3):
+        ckpt = files.make_dir(root / f"step_{step}", checkpoint.CHECKPOINT)
+        (ckpt / "__0_0.distcp").write_bytes(bytes([step]) * 4096)
+        (ckpt / "config.json").write_text("{}")
+        checkpoint.write_marker(ckpt, {"kind": "training", "step": step, "sequence": step})
+
+
+def test_a_rotation_killed_at_any_instant_leaves_whole_checkpoints_or_nothing_that_blocks_a_save(tmp_path, monkeypatch):
+    """keep_last=1 after step_3: step_1 and step_2 go, each renamed to a trash name first, then emptied. A kill at
+    any instant leaves each whole at its name or gone (a trash folder at most, which the next start removes), and
+    saving step_1 or step_2 again is never refused."""
+    log = []
+    _saved_three(tmp_path / "plain")
+    with monkeypatch.context() as m:
+        _instants(m, None, log)
+        checkpoint.finish_save(tmp_path / "plain", keep_last=1, published=tmp_path / "plain" / "step_3")
+    assert sorted(p.name for p in (tmp_path / "plain").iterdir()) == ["latest", "step_3"]
+    renames = [i for i, e in enumerate(log) if e.startswith(("rename step_", "renameat2"))]
+    assert len(renames) == 2 and all(e.startswith(("unlink", "rmdir")) for e in log[renames[0] + 1 : renames[1]])
+    for kill_at in range(len(log)):
+        root = tmp_path / f"killed-{kill_at}"
+        _saved_three(root)
+        with monkeypatch.context() as m:
+            _instants(m, kill_at, [])
+            with pytest.raises(_Killed):
+                checkpoint.finish_save(root, keep_last=1, published=root / "step_3")
+        for step in (1, 2):  # whole, or gone
+            d = root / f"step_{step}"
+            assert not d.exists() or checkpoint.find_damage(d, checkpoint.read_marker(d)) is None, (kill_at, step)
+            assert not d.exists() or sorted(p.name for p in d.iterdir()) == sorted(
+                [files.OWNER_FILE, checkpoint.MARKER, "__0_0.distcp", "config.json"]
+            )
+        assert checkpoint.resolve_resume("auto", root) == root / "step_3", log[kill_at]
+        _no_leftovers(root)
+        for step in (1, 2):  # a later save of the step is not blocked
+            staged = fake_checkpoint(root / f"step_{step}.tmp", step, sequence=4)
+            files.publish_dir(staged, root / f"step_{step}", checkpoint.CHECKPOINT)
+        checkpoint.finish_save(root, keep_last=1, published=root / "step_2")
+        assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2"], log[kill_at]
+
+
+def _durable_saves(model_dir: str, root: str, out: str) -> None:
+    """Three saves through hf3d.save_checkpoint (a new folder, the same folder again, an async save), with every
+    fsync and every rename recorded in order: (what, path) and (what, source, destination)."""
+    import hf3d
+
+    start_watchdog(120)
+    root, log, res = Path(root), [], {}
+    real = os.fsync, files._renameat2, os.rename
+    os.fsync = lambda fd: (log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))), real[0](fd))[1]
+    files._renameat2 = lambda src, dst, flags: (log.append(("rename", str(src), str(dst))), real[1](src, dst, flags))[1]
+    os.rename = lambda src, dst: (log.append(("rename", str(src), str(dst))), real[2](src, dst))[1]
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    pm.train_step(ids, ids)
+    opt.step()
+    for name, path, kwargs in [
+        ("new", "step_1", {}),
+        ("replacing", "step_1", {}),
+        ("async", "step_2", {"async_": True}),
+    ]:
+        del log[:]
+        saved = hf3d.save_checkpoint(root / path, pm, opt, step=1, **kwargs)
+        if kwargs:
+            saved.result()
+        res[name] = (list(log), sorted(p.name for p in (root / path).iterdir()))
+    os.fsync, files._renameat2, os.rename = real
+    report(res, Path(out))
+
+
+def test_save_checkpoint_is_durable_before_it_publishes_and_before_it_removes(tmp_path):
+    """Through hf3d.save_checkpoint itself (a new checkpoint, one that replaces another, an async one): every file of
+    the checkpoint and its staging folder are fsynced before the rename that publishes it, the parent folder
+    after it, and what a save replaces is moved away (then deleted) only after that."""
+    model_dir = make_model_dir(tmp_path / "llama", "llama")
+    root = tmp_path / "checkpoints"
+    spawn(_durable_saves, 1, str(model_dir), str(root), str(tmp_path / "res.pt"))
+    res = torch.load(tmp_path / "res.pt")[0]
+    for name, path in [("new", "step_1"), ("replacing", "step_1"), ("async", "step_2")]:
+        log, names = res[name]
+        staging, final = str(root / f"{path}.tmp"), str(root / path)
+        publish = log.index(("rename", staging, final))
+        synced = {e[1] for e in log[:publish] if e[0] == "fsync"}
+        assert {f"{staging}/{n}" for n in names} | {staging} <= synced, (name, sorted(synced))
+        parent = log.index(("fsync", str(root)), publish)
+        removal = [i for i, e in enumerate(log) if e[0] == "rename" and Path(e[2]).name.startswith(files.TRASH_PREFIX)]
+        assert len(removal) == (name == "replacing") and all(i > parent for i in removal), (name, log)

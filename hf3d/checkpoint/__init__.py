@@ -18,29 +18,33 @@ A weights-only checkpoint (`hf3d convert from-hf`) has `model/*` keys only.
 Saving is atomic and durable: files go into `<path>.tmp` (a folder of hf3d's own, hf3d/utils/files.py), the
 marker is written last, every file and folder is fsynced, then the folder takes the name `<path>` in one
 rename (swapped with the checkpoint it replaces, which only then is removed). A folder without the marker is
-never loaded. hf3d replaces or deletes only folders it made; a `<path>` or `<path>.tmp` of anyone else's is
-refused before anything is written. The marker also records the save's `sequence` under its folder: resume
+never loaded. hf3d replaces or deletes only checkpoint folders it made there holding only the files it wrote
+(`CHECKPOINT`); a `<path>` or `<path>.tmp` of anyone else's, a copy and an export are refused before anything
+is written. The marker also records the save's `sequence` under its folder: resume
 and rotation go by the order of the saves, not of the step numbers. A marked folder whose files no
 longer match the sizes and checksums in its marker (a truncated or rewritten file) is damaged: loading
 it is refused with one line, and `checkpoint.resume: auto` passes over it to the previous checkpoint.
-Markers written before hf3d recorded the files (no "files" entry) load without this check.
+Markers written before hf3d recorded the files (no "files" entry) load once every file in the folder is
+found to be a regular file, not a link.
 """
 
 from .entries import MASTER_KEY, MODEL_PREFIX, model_key, optim_key
 from .failures import CheckpointWriteError
 from .load import load_checkpoint
-from .marker import MARKER, file_table, find_damage, is_complete, read_marker, staging_dir, write_marker
+from .marker import CHECKPOINT, MARKER, file_table, find_damage, is_complete, read_marker, staging_dir, write_marker
 from .reader import SafeReader
-from .rotation import find_resume, finish_save, next_sequence, resolve_resume, step_dirs
+from .rotation import clean_leftovers, find_resume, finish_save, next_sequence, resolve_resume, step_dirs
 from .save import PendingCheckpoint, prepare_async_save, save_checkpoint, wait_for_checkpoint
 
 __all__ = [
+    "CHECKPOINT",
     "MARKER",
     "MASTER_KEY",
     "MODEL_PREFIX",
     "CheckpointWriteError",
     "PendingCheckpoint",
     "SafeReader",
+    "clean_leftovers",
     "file_table",
     "find_damage",
     "find_resume",

@@ -62,8 +62,9 @@ def start_writeback(fd: int, start: int, stop: int) -> None:
 
 
 def crc32_range(path: Path, start: int, stop: int, crc: int = 0) -> int:
-    """`crc` extended over bytes [start, stop) of the file, read through mappings of at most WINDOW bytes."""
-    with open(path, "rb") as f:
+    """`crc` extended over bytes [start, stop) of the file (never read through a link), read through mappings of
+    at most WINDOW bytes."""
+    with files.open_read(path) as f:
         pos = start
         while pos < stop:
             first = pos - pos % mmap.ALLOCATIONGRANULARITY
@@ -76,8 +77,8 @@ def crc32_range(path: Path, start: int, stop: int, crc: int = 0) -> int:
 
 
 def crc32_file(path: Path) -> int:
-    """CRC-32 of a whole file."""
-    return crc32_range(path, 0, os.stat(path).st_size)
+    """CRC-32 of a whole file (never read through a link)."""
+    return crc32_range(path, 0, os.lstat(path).st_size)
 
 
 class _Inline:

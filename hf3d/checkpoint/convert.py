@@ -40,11 +40,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..hf.folders import (
+    EXPORT,
     SAFE_INDEX,
     SAFE_SINGLE,
     check_output_dir,
     copy_model_files,
-    is_export_file,
     model_files,
     resolve_model_dir,
 )
@@ -117,7 +117,15 @@ class _TensorReader:
     def __init__(self, root: Path, metadata, keys: dict[str, str]):
         self.root, self.metadata, self.keys = root, metadata, keys
         infos = [metadata.state_dict_metadata[k] for k in keys.values()]
-        self.buffer = torch.empty(max((_nbytes(i) for i in infos if not _whole(i)), default=0), dtype=torch.uint8)
+        for name, info in zip(keys, infos):  # covered by its boxes, whose bytes are on disk (reader.check_storage)
+            stored = sum(math.prod(chunk.sizes) for chunk in info.chunks)
+            if stored < math.prod(info.size):  # the ranks write disjoint boxes that cover every element
+                raise ValueError(
+                    f"{root}: {name} is stored only in part ({stored} of {math.prod(info.size)} elements); "
+                    "the checkpoint is incomplete"
+                )
+        # zeros: a part no box covers (boxes that overlap) holds nothing of this process's memory
+        self.buffer = torch.zeros(max((_nbytes(i) for i in infos if not _whole(i)), default=0), dtype=torch.uint8)
 
     def _box(self, key: str, chunk, dtype: torch.dtype) -> torch.Tensor:
         info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
@@ -129,12 +137,6 @@ class _TensorReader:
         dtype = info.properties.dtype
         if _whole(info):
             return self._box(key, info.chunks[0], dtype)
-        stored = sum(math.prod(chunk.sizes) for chunk in info.chunks)
-        if stored < math.prod(info.size):  # the ranks write disjoint boxes that cover every element
-            raise ValueError(
-                f"{self.root}: {name} is stored only in part ({stored} of {math.prod(info.size)} elements); "
-                "the checkpoint is incomplete"
-            )
         full = self.buffer[: _nbytes(info)].view(dtype).view(tuple(info.size))
         for chunk in info.chunks:
             box = full
@@ -169,7 +171,7 @@ def checkpoint_to_hf(
     max_shard_bytes = parse_size(max_shard_size)
     if not (ckpt / "config.json").is_file():
         raise ValueError(f"checkpoint {ckpt} has no config.json; it cannot be converted to an HF model")
-    check_output_dir(out_dir, is_export_file, src=ckpt)
+    check_output_dir(out_dir, EXPORT, src=ckpt)
     config = AutoConfig.from_pretrained(ckpt)
     metadata = SafeReader(ckpt).read_metadata()
     stored = metadata.state_dict_metadata
@@ -238,7 +240,8 @@ def _training_summary(ckpt: Path) -> dict[str, bytes]:
 
     if not (ckpt / "extra.pt").is_file():
         return {}
-    summary = torch.load(ckpt / "extra.pt", weights_only=True).get("training")
+    with files.open_read(ckpt / "extra.pt") as f:
+        summary = torch.load(f, weights_only=True).get("training")
     return {SUMMARY_FILE: json.dumps(summary, indent=1).encode()} if isinstance(summary, dict) else {}
 
 
@@ -295,7 +298,7 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
     model_files(model_dir)  # refuses a linked file from outside the folder before anything is written
     config = AutoConfig.from_pretrained(model_dir)
     get_adapter(config.model_type)  # a checkpoint hf3d could not train is refused now, not at `hf3d train`
-    check_output_dir(final, marker.is_checkpoint_file, src=model_dir)
+    check_output_dir(final, marker.CHECKPOINT, src=model_dir)
     source = SafetensorsSource(model_dir)
     specs = [source.spec(n) for n in source.entries]
     if config.tie_word_embeddings:
@@ -309,13 +312,17 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
     specs.sort(key=lambda s: source.entries[s.name][:2])  # file order: each file is read once, front to back
     state = {entries.model_key(s.name): torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs}
 
-    tmp = files.make_dir(marker.staging_dir(final), "checkpoint")  # replaces an interrupted conversion's
-    writer = OneFileWriter(tmp, sync=fsync)
-    with _single_process(), dcp_debug_records_off():
-        dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
-    checked = writer.file_table()
-    files.copy_file(model_dir / "config.json", tmp / "config.json")
-    copy_model_files(model_dir, tmp)
+    tmp = files.make_dir(marker.staging_dir(final), marker.CHECKPOINT)  # replaces an interrupted conversion's
+    try:
+        writer = OneFileWriter(tmp, sync=fsync)
+        with _single_process(), dcp_debug_records_off():
+            dcp.save(state, storage_writer=writer, planner=_ReadOnDemand(source), no_dist=True)
+        checked = writer.file_table()
+        files.copy_file(model_dir / "config.json", tmp / "config.json")
+        copy_model_files(model_dir, tmp)
+    except BaseException:  # nothing half-written is left
+        files.remove_dir(tmp, marker.CHECKPOINT)
+        raise
     meta = {
         "kind": "weights",
         "step": 0,
@@ -324,5 +331,5 @@ def hf_to_checkpoint(src: str | os.PathLike, out_ckpt: str | os.PathLike, *, fsy
         "parallel": None,
     }
     marker.write_marker(tmp, {**meta, "files": checked})
-    files.publish_dir(tmp, final, sync=fsync)
+    files.publish_dir(tmp, final, marker.CHECKPOINT, sync=fsync)
     return final

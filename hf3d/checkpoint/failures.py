@@ -11,6 +11,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..utils import files as files_
 from ..utils.faults import is_communication_error, one_line
+from .marker import CHECKPOINT
 
 
 class CheckpointWriteError(ValueError):
@@ -50,7 +51,7 @@ def refuse_write(e: BaseException, final: Path, tmp: Path) -> NoReturn:
         raise e
     if dist.get_rank() == 0:
         try:
-            files_.remove_dir(tmp)
+            files_.remove_dir(tmp, CHECKPOINT)
         except (OSError, ValueError):
             pass  # left unmarked: never loaded, and the next save of this step replaces it
     raise CheckpointWriteError(

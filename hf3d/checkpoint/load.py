@@ -14,12 +14,20 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..optim import state as optim_state
 from ..parallel.layout import hf_boxes
+from ..utils import files
 from .entries import MASTER_KEY, MODEL_PREFIX, SHAPE_FIELDS, Boxes, LoadPlanner, get_entry, optim_key
 from .failures import failure_line
 from .marker import read_marker, refuse_damaged
 from .reader import SafeReader
 from .save import wait_for_checkpoint
 from .writer import dcp_debug_records_off
+
+
+def _load(path: Path):
+    """A small file of the checkpoint (rng_<rank>.pt, extra.pt): tensors and plain values only, never read
+    through a link."""
+    with files.open_read(path) as f:
+        return torch.load(f, weights_only=True)
 
 
 def _restore_rng(path: Path, meta: dict, pmodel) -> None:
@@ -36,7 +44,7 @@ def _restore_rng(path: Path, meta: dict, pmodel) -> None:
         pmodel.pcfg.tp,
     ]
     rng = path / f"rng_{dist.get_rank()}.pt"
-    state = torch.load(rng, weights_only=True) if same_mesh and rng.is_file() else {}
+    state = _load(rng) if same_mesh and rng.is_file() else {}
     if state:
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
@@ -51,7 +59,8 @@ def _restore_rng(path: Path, meta: dict, pmodel) -> None:
 
 def check_compatible(path: Path, config) -> None:
     """Refuse a checkpoint of another architecture or shape, naming every mismatch in one line."""
-    saved = json.loads((path / "config.json").read_text())
+    with files.open_read(path / "config.json") as f:
+        saved = json.loads(f.read())
     ours = config.to_dict()
     diffs = [
         f"{k}={saved.get(k)!r} (model has {ours.get(k)!r})"
@@ -112,7 +121,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
         optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])
     _restore_rng(path, meta, pmodel)
     if extra is not None and (path / "extra.pt").is_file():
-        for k, v in torch.load(path / "extra.pt", weights_only=True).items():
+        for k, v in _load(path / "extra.pt").items():
             if hasattr(extra.get(k), "load_state_dict"):
                 extra[k].load_state_dict(v)
             else:

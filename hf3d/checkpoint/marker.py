@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 
 import torch.distributed as dist
 
+from ..hf.folders import is_model_file
 from ..utils import files as files_
 from .checksums import crc32_file
 
@@ -19,14 +21,29 @@ MARKER = "hf3d_checkpoint.json"
 FORMAT_VERSION = 1
 
 
-_CHECKPOINT_FILE = re.compile(r"\.metadata|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt")
+_CHECKPOINT_FILE = re.compile(r"\.metadata(\.tmp)?|__\d+_\d+\.distcp|rng_\d+\.pt|extra\.pt|config\.json")
 
 
 def is_checkpoint_file(name: str) -> bool:
-    """Whether `name` is a file of an hf3d checkpoint folder (what `convert from-hf` may replace)."""
-    from ..hf.folders import is_export_file
+    """Whether `name` is a file hf3d writes into a checkpoint folder (a staged one too): DCP's, the RNG states,
+    the caller's extra, the marker, the HF config and the files that travel with the weights."""
+    return name in (MARKER, MARKER + ".part") or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_model_file(name)
 
-    return name in (MARKER, files_.OWNER_FILE) or bool(_CHECKPOINT_FILE.fullmatch(name)) or is_export_file(name)
+
+def _listed(folder: Path) -> set[str] | None:
+    """The files the marker of a complete checkpoint lists (and the marker), or None (no marker, or one
+    written before markers listed files)."""
+    try:
+        with files_.open_read(folder / MARKER) as f:
+            listed = json.loads(f.read()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return {*listed, MARKER} if isinstance(listed, dict) else None
+
+
+CHECKPOINT = files_.Kind("checkpoint", is_checkpoint_file, _listed)
+"""A checkpoint folder and its staging folder: what `save_checkpoint`, `convert from-hf` and rotation may
+replace or delete."""
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -44,7 +61,8 @@ def read_marker(path: str | os.PathLike) -> dict:
             "not a checkpoint folder)"
         )
     try:
-        meta = json.loads((path / MARKER).read_text())
+        with files_.open_read(path / MARKER) as f:
+            meta = json.loads(f.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(
             f"{path / MARKER} is damaged ({type(e).__name__}: {e}); this checkpoint cannot be trusted: resume from "
@@ -71,29 +89,43 @@ def write_marker(tmp: Path, meta: dict) -> None:
 
 
 def file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> dict[str, dict[str, int]]:
-    """Size and CRC-32 of the files under `folder` matching `only`, but the marker and `skip`."""
-    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(MARKER))
+    """Size and CRC-32 of the files under `folder` matching `only`, but the marker, the owner file (which says
+    whose folder it is, not what the checkpoint holds) and `skip`."""
+    mine = (MARKER, files_.OWNER_FILE)
+    files = (p for p in sorted(folder.rglob(only)) if p.is_file() and not p.name.startswith(mine))
     files = (p for p in files if p.relative_to(folder).as_posix() not in skip)
     return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": crc32_file(p)} for p in files}
 
 
+def _not_a_file(path: Path) -> str | None:
+    """Why `path` is not a regular file of its own (missing, a link, a folder), or None."""
+    if not os.path.lexists(path):
+        return f"{path.name} is missing"
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        return f"{path.name} is a link or not a regular file (hf3d reads no file of a checkpoint through a link)"
+    return None
+
+
 def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
     """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
-    words naming the first damaged file; None when every file has the size and CRC-32 its marker records,
-    or when the marker records none (written before hf3d recorded them: not verified).
+    words naming the first damaged file; None when every file has the size and CRC-32 its marker records.
+    A file that is a link is damaged. A marker that records no files (written before hf3d recorded them)
+    is verified for what can be: every file of a checkpoint's names in the folder is a regular file, not a
+    link (the `.metadata` is then checked against the files' sizes when it is read: `reader.check_storage`).
 
     Under a process group every rank must call this: each checksums its share of the files and the
     verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank;
     `checksums=False` checks only them (no file is read)."""
     files = meta.get("files")
     if not isinstance(files, dict):
-        return None
+        ours = (p for p in sorted(path.iterdir()) if is_checkpoint_file(p.name))
+        return next(filter(None, (_not_a_file(p) for p in ours)), None)
     names = sorted(files)
     for name in names:
         p = path / name
-        if not p.is_file():
-            return f"{name} is missing"
-        size = p.stat().st_size
+        if _not_a_file(p) is not None:
+            return _not_a_file(p)
+        size = os.lstat(p).st_size
         if size != files[name].get("size"):
             return f"{name} has {size} bytes where {files[name].get('size')} were written"
     if not checksums:

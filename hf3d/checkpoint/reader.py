@@ -1,9 +1,13 @@
-"""Reading DCP's files without running code: `.metadata` through an allow-list unpickler, only tensor entries, each
-stored box mapped from the file's pages."""
+"""Reading DCP's files without running code: `.metadata` through an allow-list unpickler, only tensor entries whose
+sizes and stored items the files on disk bear out, each stored box mapped from the file's pages (no file read
+through a link)."""
 
 from __future__ import annotations
 
+import math
+import os
 import pickle
+import stat
 from collections import OrderedDict
 from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 
@@ -27,6 +31,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 
+from ..utils import files
 from ..utils.faults import one_line
 from .stored import TORCH_DTYPES, AllowListUnpickler, stored_box
 
@@ -67,12 +72,62 @@ def check_relative(path: Path, rel: str) -> None:
         )
 
 
+def _sizes(values, n: int | None = None) -> tuple[int, ...] | None:
+    """`values` as a tuple of ints >= 0 (of length n when given), or None when they are not."""
+    values = tuple(values) if isinstance(values, list | tuple | torch.Size) else ()
+    ok = all(type(v) is int and v >= 0 for v in values) and (n is None or len(values) == n)
+    return values if ok else None
+
+
+def check_storage(path: Path, metadata: Metadata) -> None:
+    """Refuse, in one line, a `.metadata` whose words the files on disk do not bear out, so that nothing it
+    declares makes hf3d allocate or read more than the folder holds: every tensor's size and every stored box
+    of it lie inside it, in whole numbers; every stored item lies inside its data file (a regular file of the
+    folder, not a link), is large enough for its box, and overlaps no other item of that file."""
+    where = path / ".metadata"
+    for key, md in metadata.state_dict_metadata.items():
+        size = _sizes(md.size)
+        if size is None or not isinstance(md.properties.dtype, torch.dtype):
+            raise ValueError(f"{where} declares {key!r} with size {md.size!r}; refusing this checkpoint")
+        for chunk in md.chunks:
+            offsets, sizes = _sizes(chunk.offsets, len(size)), _sizes(chunk.sizes, len(size))
+            if offsets is None or sizes is None or any(o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise ValueError(
+                    f"{where} declares a box of {key!r} at {chunk.offsets} of size {chunk.sizes}, outside its size "
+                    f"{size}; refusing this checkpoint"
+                )
+            info = metadata.storage_data.get(MetadataIndex(key, offsets))
+            need = math.prod(sizes) * md.properties.dtype.itemsize
+            if info is None or not isinstance(info.length, int) or info.length < need:
+                raise ValueError(
+                    f"{where}: the box of {key!r} at {offsets} needs {need} bytes, and its stored item has "
+                    f"{getattr(info, 'length', None)}; refusing this checkpoint"
+                )
+    per_file: dict[str, list] = {}
+    for info in metadata.storage_data.values():
+        check_relative(path, getattr(info, "relative_path", None))
+        if _sizes((info.offset, info.length)) is None:
+            raise ValueError(f"{where} declares an item at byte {info.offset!r} of length {info.length!r}")
+        per_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length))
+    for rel, items in per_file.items():
+        st = os.lstat(path / rel) if os.path.lexists(path / rel) else None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path / rel}, a data file its .metadata names, is missing, a link or not a file")
+        items.sort()
+        ends = [0, *(end for _, end in items[:-1])]
+        if items[-1][1] > st.st_size or any(start < end for (start, _), end in zip(items, ends)):
+            raise ValueError(
+                f"{where} declares items of {path / rel} that overlap or run past its {st.st_size} bytes; "
+                "refusing this checkpoint"
+            )
+
+
 class SafeReader(FileSystemReader):
     """DCP's FileSystemReader, reading `.metadata` through an allow-list unpickler."""
 
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
+        with files.open_read(path) as f:
             try:
                 metadata = AllowListUnpickler(f, _METADATA_GLOBALS, f"{self.path}/.metadata").load()
             except pickle.UnpicklingError as e:
@@ -88,8 +143,7 @@ class SafeReader(FileSystemReader):
                     "stores only tensors and never unpickles an entry: refusing this checkpoint (it may have been "
                     "crafted to run code)"
                 )
-        for info in metadata.storage_data.values():
-            check_relative(Path(self.path), getattr(info, "relative_path", None))
+        check_storage(Path(self.path), metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -116,7 +170,7 @@ class SafeReader(FileSystemReader):
         for rel, items in per_file.items():
             path = Path(self.path) / rel
             items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
-            with open(path, "rb") as f:
+            with files.open_read(path) as f:
                 index, box = None, None
                 for item in items:
                     if item.storage_index != index:  # several targets may read one box (another mesh)

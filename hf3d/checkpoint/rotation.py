@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..utils import files as files_
 from .failures import CheckpointWriteError, failure_line
-from .marker import MARKER, find_damage, is_complete, read_marker, refuse_damaged
+from .marker import CHECKPOINT, MARKER, find_damage, is_complete, read_marker, refuse_damaged
 
 # -- a run's checkpoints folder -------------------------------------------------------------------
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -54,25 +54,51 @@ def _hf3d_marker(d: Path) -> dict | None:
     return meta if isinstance(meta, dict) and meta.get("format") == "hf3d" else None
 
 
+def _ours(d: Path) -> bool:
+    """Whether the checkpoint folder `d` is this run's own save: made here, not a copy, a move or a folder of an
+    earlier hf3d (which recorded no identity)."""
+    return files_.origin(d) == "here"
+
+
+def _not_ours(d: Path) -> str:
+    """Why the checkpoint folder `d` is not this run's own (not `_ours`), in a few words."""
+    where = files_.origin(d)
+    if where == "elsewhere":
+        return f"it is a copy or a move of a checkpoint made in another folder (its {files_.OWNER_FILE} names another)"
+    if where == "legacy":
+        return "an earlier hf3d wrote it without recording where, so hf3d cannot tell it from a copy"
+    return f"it has no {files_.OWNER_FILE} (written before hf3d marked its folders)"
+
+
 def next_sequence(root: Path) -> int:
-    """The `sequence` of a checkpoint published now under root: one past the newest save's."""
-    return 1 + max((_hf3d_marker(d).get("sequence") or 0 for _, d in step_dirs(root)), default=0)
+    """The `sequence` of a checkpoint published now under root: one past the newest save's (copies from
+    elsewhere, whose numbers belong to another run, left out)."""
+    ours = [d for _, d in step_dirs(root) if files_.origin(d) != "elsewhere"]
+    return 1 + max((_hf3d_marker(d).get("sequence") or 0 for d in ours), default=0)
+
+
+def _say(line: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, file=sys.stderr)
 
 
 def find_resume(root: Path) -> Path | None:
-    """The most recently saved complete, undamaged checkpoint under a run's checkpoints folder (`step_dirs`'
-    order); None when the folder
+    """The checkpoint `checkpoint.resume: auto` takes under a run's checkpoints folder: the most recently saved
+    (`step_dirs`' order) complete, undamaged one of this run's own (`_ours`); only when there is none, the most
+    recent of the others (copies, moves, folders of an earlier hf3d), with one line saying so. A newer one
+    that is not the run's own is passed over with one line naming it, never silently. None when the folder
     holds none at all. A damaged one is passed over with one warning line naming its file. Folders that
     exist but are all incomplete or damaged are an error, never a silent restart. Collective under a
     process group (see `find_damage`)."""
     complete = step_dirs(root)
-    for i, (_, d) in enumerate(reversed(complete)):
+    candidates = [d for _, d in reversed(complete) if _ours(d)] + [d for _, d in reversed(complete) if not _ours(d)]
+    for i, d in enumerate(candidates):
         problem = find_damage(d, read_marker(d))
         if problem is None:
+            _say_passed_over(d, [n for _, n in complete], candidates[:i])
             return d
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            instead = f"trying {complete[-i - 2][1].name}" if i + 1 < len(complete) else "no older checkpoint"
-            print(f"hf3d: warning: skipping the damaged checkpoint {d}: {problem}; {instead}", file=sys.stderr)
+        instead = f"trying {candidates[i + 1].name}" if i + 1 < len(candidates) else "no older checkpoint"
+        _say(f"hf3d: warning: skipping the damaged checkpoint {d}: {problem}; {instead}")
     partial = sorted(d.name for d in root.iterdir() if d.name.startswith("step_")) if root.is_dir() else []
     if partial:
         which = "every complete one is damaged" if complete else "none is complete"
@@ -83,10 +109,28 @@ def find_resume(root: Path) -> Path | None:
     return None
 
 
+def _say_passed_over(chosen: Path, order: list[Path], damaged: list[Path]) -> None:
+    """One line when `resume: auto` takes a checkpoint that is not the run's own, or passes over a newer one
+    that is not (`order`: every complete one, oldest save first; `damaged`: those already said)."""
+    newer = [d for d in order[order.index(chosen) + 1 :] if d not in damaged and not _ours(d)]
+    if not _ours(chosen):
+        _say(
+            f"hf3d: warning: resuming from {chosen}, which is not this run's own save: {_not_ours(chosen)}; "
+            "checkpoint.keep_last never deletes it"
+        )
+    elif newer:
+        more = f" (and {len(newer) - 1} more)" if len(newer) > 1 else ""
+        _say(
+            f"hf3d: warning: not resuming from {newer[-1]}{more}, saved after {chosen.name} by its marker: "
+            f"{_not_ours(newer[-1])}; resuming from this run's newest, {chosen}; to resume from it, set "
+            f"checkpoint.resume={newer[-1]}"
+        )
+
+
 def resolve_resume(spec: str, root: Path) -> Path | None:
-    """checkpoint.resume: "auto" (newest complete and undamaged under root, or None), "none", or a path
-    to a `step_<N>` folder (refused when damaged) or to a checkpoints folder. Collective under a process
-    group (every rank calls it)."""
+    """checkpoint.resume: "auto" (`find_resume` under root, or None), "none", or a path to a `step_<N>` folder
+    (refused when damaged) or to a checkpoints folder. Collective under a process group (every rank calls
+    it)."""
     if spec == "none":
         return None
     if spec == "auto":
@@ -102,17 +146,36 @@ def resolve_resume(spec: str, root: Path) -> Path | None:
     raise ValueError(f"checkpoint.resume={spec!r} is neither a complete checkpoint nor a folder of them")
 
 
-def finish_save(root: Path, keep_last: int, published: Path) -> None:
+def clean_leftovers(root: Path) -> None:
+    """What killed saves and removals left under a run's checkpoints folder, cleaned: trash folders and replaced
+    `step_<N>.old` ones gone (`files.sweep`), a `step_<N>.old` whose `step_<N>` is missing (a publish without
+    renameat2 killed between its two renames) back at its name, and this run's own staging folders
+    `step_<N>.tmp` gone. Rank 0, at the start of a run, before any save. What cannot be cleaned (a folder
+    this user may not change) is said in one line, and the run goes on: nothing there blocks it."""
+    try:
+        files_.sweep(root, CHECKPOINT)
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            if _REPLACED.match(d.name) and _ours(d) and not os.path.lexists(d.with_name(d.stem)):
+                files_.rename_new(d, d.with_name(d.stem))
+            elif (_REPLACED.match(d.name) or d.name.endswith(".tmp") and STEP_DIR.match(d.name[:-4])) and _ours(d):
+                if files_.refusal(d, CHECKPOINT) is None:
+                    files_.remove_dir(d, CHECKPOINT)
+    except OSError as e:
+        print(f"hf3d: warning: could not clean what an interrupted save left in {root} ({e})", file=sys.stderr)
+
+
+def finish_save(root: Path, keep_last: int, published: Path, *, told: set[Path] | None = None) -> None:
     """After the checkpoint `published` under root is published (fsynced): point `latest` at it, then drop the
-    oldest saves beyond keep_last (0 keeps all). Rank 0 only.
+    oldest of this run's own saves beyond keep_last (0 keeps all). Rank 0 only.
 
     Kept: `published` (the newest save, and the one `checkpoint.resume: auto` chooses) and the newest
-    keep_last - 1 other saves whose files still have the sizes their markers record; the rest go, the
-    damaged ones among them. So a save never leaves fewer undamaged checkpoints than keep_last allows, and
-    never removes the only good one. Only what hf3d made is deleted: real `step_<N>` folders directly under
-    root, holding hf3d's owner file (`files.OWNER_FILE`); one without it (written before hf3d marked its
-    folders) is kept, with one warning line. Links are never followed: a `latest` that is a link is
-    refused, not written through."""
+    keep_last - 1 other saves of this run whose files still have the sizes their markers record; the rest
+    go, the damaged ones among them. So a save never leaves fewer undamaged checkpoints than keep_last
+    allows, and never removes the only good one. Only what hf3d made here is deleted, and only when it
+    holds nothing but the files hf3d wrote (`files.refusal`): a copy or a move from elsewhere, a folder of an
+    earlier hf3d and a folder holding a file of the user's are kept, each said in one line, once per folder
+    when the caller keeps `told` (the folders said so far). Links are never followed: a `latest` that is a
+    link is refused, not written through."""
     try:
         files_.write_file(root / "latest", published.name + "\n", replace=True, sync=True)
     except (OSError, ValueError) as e:
@@ -126,14 +189,15 @@ def finish_save(root: Path, keep_last: int, published: Path) -> None:
     for _, d in reversed(step_dirs(root)):
         if d == published:
             continue
-        if kept < keep_last and find_damage(d, read_marker(d), checksums=False) is None:
+        problem = _not_ours(d) if not _ours(d) else None
+        if problem is None and kept < keep_last and find_damage(d, read_marker(d), checksums=False) is None:
             kept += 1
             continue
-        if not files_.owned(d):
-            print(
-                f"hf3d: warning: keeping {d} past checkpoint.keep_last: it has no {files_.OWNER_FILE} (written "
-                "before hf3d marked its folders); delete it yourself once it is not needed",
-                file=sys.stderr,
-            )
-            continue
-        files_.remove_dir(d)
+        problem = problem or files_.refusal(d, CHECKPOINT)
+        if problem is None:
+            files_.remove_dir(d, CHECKPOINT)
+        elif told is None or d not in told:
+            print(f"hf3d: warning: checkpoint.keep_last keeps {d}: {problem}; delete it yourself once it is not needed",
+                  file=sys.stderr)  # fmt: skip
+            if told is not None:
+                told.add(d)

@@ -22,7 +22,7 @@ from ..utils import files as files_
 from .async_save import BackgroundSaver, Replay, everywhere, signature
 from .entries import DTYPE_NAMES, SavePlanner, entries_of, optim_description, optim_keys, state_entries
 from .failures import CheckpointWriteError, RankFailure, failure_line, must_see, on_every_rank, refuse_write
-from .marker import file_table, staging_dir, write_marker
+from .marker import CHECKPOINT, file_table, staging_dir, write_marker
 from .rotation import next_sequence
 from .writer import OneFileWriter, dcp_debug_records_off
 
@@ -68,7 +68,7 @@ def save_checkpoint(
     tmp = staging_dir(final)
     wait_for_checkpoint(pmodel)
     # a folder hf3d did not make, at the path or its staging path, is refused before anything is written
-    on_rank0(lambda: (files_.check_replaceable(final), files_.check_replaceable(tmp)))
+    on_rank0(lambda: (files_.check_replaceable(final, CHECKPOINT), files_.check_replaceable(tmp, CHECKPOINT)))
     try:
         pending = _save(final, tmp, pmodel, opt, step=step, extra=extra, async_=async_, after_publish=after_publish)
     except (Exception, CheckpointException) as e:
@@ -132,7 +132,7 @@ def wait_for_checkpoint(pmodel) -> Path | None:
 def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None, async_: bool, after_publish):
     rank = dist.get_rank()
 
-    on_rank0(lambda: files_.make_dir(tmp, "checkpoint"))  # a leftover of hf3d's own is replaced
+    on_rank0(lambda: files_.make_dir(tmp, CHECKPOINT))  # a leftover of hf3d's own is replaced
     on_every_rank(lambda: must_see(tmp))
     keys = None if opt is None else optim_keys(opt)
     meta = {
@@ -150,7 +150,7 @@ def _save(final: Path, tmp: Path, pmodel, opt, *, step: int, extra: dict | None,
     def publish_now(files: dict | None = None) -> None:
         order = {"sequence": next_sequence(final.parent)}
         write_marker(tmp, {**meta, **order, "files": files} if files else {**meta, **order})
-        files_.publish_dir(tmp, final)
+        files_.publish_dir(tmp, final, CHECKPOINT)
         published.set()
         if after_publish is not None:
             after_publish()

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.serialization import StorageType
 
 from ..hf.load import mapped
+from ..utils import files
 from ..utils.faults import one_line
 
 
@@ -84,7 +85,7 @@ def stored_box(path: Path, info, dtype: torch.dtype, shape: tuple[int, ...], f=N
     if info.transform_descriptors:
         raise ValueError(f"{path}: stored with DCP transforms {info.transform_descriptors}, which hf3d does not write")
     if f is None:
-        with open(path, "rb") as f:
+        with files.open_read(path) as f:
             return stored_box(path, info, dtype, shape, f)
     item = torch._C.PyTorchFileReader(_create_file_view(f, info.offset, info.length))
     try:
@@ -100,9 +101,16 @@ def stored_box(path: Path, info, dtype: torch.dtype, shape: tuple[int, ...], f=N
             f"{path} at byte {info.offset}: a {stored_dtype} tensor of shape {size} where the checkpoint's "
             f"metadata says {dtype}, {shape}"
         )
-    if math.prod(shape) == 0:
+    whole = [math.prod(size[d + 1 :]) for d in range(len(size))]  # the strides of a tensor laid out whole
+    if offset < 0 or any(n > 1 and step != w for n, step, w in zip(size, stride, whole)):
+        raise ValueError(
+            f"{path} at byte {info.offset}: a tensor of shape {size} stored with strides {stride} at offset {offset}, "
+            "not laid out whole as hf3d stores every tensor; refusing to read it (it would be expanded)"
+        )
+    numel = math.prod(shape)
+    if numel == 0:
         return torch.empty(shape, dtype=dtype)
-    extent = offset + 1 + sum((n - 1) * step for n, step in zip(size, stride))  # elements up to the last one
-    if start + extent * dtype.itemsize > info.offset + info.length:
+    start += offset * dtype.itemsize
+    if start + numel * dtype.itemsize > info.offset + info.length:
         raise ValueError(f"{path} at byte {info.offset}: the tensor's bytes run past the stored item")
-    return mapped(f, start, dtype, extent).as_strided(size, stride, offset)
+    return mapped(f, start, dtype, numel).view(shape)

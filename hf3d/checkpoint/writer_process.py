@@ -7,10 +7,11 @@ the child writes the file as `OneFileWriter.replay` does (O_DIRECT, checksummed 
 DCP metadata too, and answers the file's size and CRC-32. Nothing of the write (its Python, its checksum, its
 system calls) takes the training process's GIL or its threads.
 
-The child is started with `python -c` (not multiprocessing's spawn, which runs the user's script again unless
-it is guarded by `if __name__ == "__main__"`), at the lowest CPU priority, and ends when its connection does:
-when the parent closes it, or dies. A child that dies mid-write fails that save (its message names the exit
-code); the next save starts another.
+The child is started with `python -I -c` (not multiprocessing's spawn, which runs the user's script again unless
+it is guarded by `if __name__ == "__main__"`): isolated, so only the interpreter's own packages and hf3d's, from
+the parent's package folder, can be imported (`_CHILD_MAIN`). It runs at the lowest CPU priority and ends when
+its connection does: when the parent closes it, or dies. A child that dies mid-write fails that save (its message
+names the exit code); the next save starts another.
 
 DCP's own process-based checkpointer (torch 2.13) was not used: it is one process per training process, bound
 to the first process group and world it saw; it sends the staged state dict, the writer and the planner
@@ -33,6 +34,19 @@ import numpy as np
 
 from .failures import RankFailure
 
+# The child's main. `python -I`: neither the working directory nor PYTHONPATH nor the user's site-packages is on
+# its path (a numpy.py where the user launched from would run in the writer). hf3d itself is imported from the
+# parent's own package folder, by location, so nothing beside that folder can be imported in its place.
+_CHILD_MAIN = """import importlib.util, os, sys
+package = sys.argv[1]
+spec = importlib.util.spec_from_file_location(
+    "hf3d", os.path.join(package, "__init__.py"), submodule_search_locations=[package])
+sys.modules["hf3d"] = hf3d = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(hf3d)
+from hf3d.checkpoint.writer_process import serve
+serve(int(sys.argv[2]))
+"""
+
 
 class WriterProcess:
     """The parent's end: one child per BackgroundSaver, started at once (its imports run while training goes
@@ -42,11 +56,9 @@ class WriterProcess:
         import hf3d
 
         ours, theirs = socket.socketpair()
-        package_root = str(Path(hf3d.__file__).resolve().parents[1])  # hf3d importable without an install too
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-        main = "import sys; from hf3d.checkpoint.writer_process import serve; serve(int(sys.argv[1]))"
-        command = [sys.executable, "-c", main, str(theirs.fileno())]
-        self.child = subprocess.Popen(command, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        package = str(Path(hf3d.__file__).resolve().parent)
+        command = [sys.executable, "-I", "-c", _CHILD_MAIN, package, str(theirs.fileno())]
+        self.child = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         self.conn = Connection(ours.detach())
         self.arena = None  # the Arena the child maps

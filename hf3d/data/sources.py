@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..utils import files
+from ..utils.faults import one_line
 from .config import SourceConfig
 
 CACHE_FORMAT = 1  # bump when the cached layout or the tokenisation changes
@@ -197,6 +198,10 @@ def _check_text_field(ds, src: SourceConfig) -> list[str]:
     return columns
 
 
+TOKEN_CACHE = files.Kind("token cache", lambda name: name in ("tokens.bin", "tokens.npy", "doc_ends.npy", "meta.json"))
+"""A source's tokens as `build_token_cache` writes them (its staging folder, renamed into place once whole)."""
+
+
 def build_token_cache(
     src: SourceConfig, res: Resolved, tokenizer, out: Path, *, num_proc: int, datasets_cache: str | None
 ) -> None:
@@ -204,11 +209,11 @@ def build_token_cache(
     ds = _load(src, res, datasets_cache)
     columns = _check_text_field(ds, src)
     dtype = token_dtype(len(tokenizer))
-    tmp = files.make_dir(out.parent / f"{out.name}.tmp-{socket.gethostname()}-{os.getpid()}", "token cache")
+    tmp = files.make_dir(out.parent / f"{out.name}.tmp-{socket.gethostname()}-{os.getpid()}", TOKEN_CACHE)
     try:
         lens = _write_tokens(_tokenized_batches(ds, src, tokenizer, columns, num_proc), tmp / "tokens.bin", dtype)
     except Exception as e:
-        files.remove_dir(tmp)
+        files.remove_dir(tmp, TOKEN_CACHE)
         _raise_if_not_utf8(e, src)
         raise
     kept = lens[lens > 0]
@@ -223,7 +228,7 @@ def build_token_cache(
     except OSError:  # another process finished first (a shared file system): keep its copy
         if not (out / "meta.json").is_file():
             raise
-        files.remove_dir(tmp)
+        files.remove_dir(tmp, TOKEN_CACHE)
 
 
 def _tokenized_batches(ds, src: SourceConfig, tokenizer, columns: list[str], num_proc: int):
@@ -284,8 +289,17 @@ def open_token_cache(folder: Path, src: SourceConfig) -> tuple[list[Segment], di
     meta = json.loads((folder / "meta.json").read_text())
     if meta["num_tokens"] == 0:
         return [], meta
-    tokens = np.load(folder / "tokens.npy", mmap_mode="r")
-    doc_ends = np.load(folder / "doc_ends.npy", mmap_mode="r")
+    try:  # memory maps: an array of Python objects (a pickle) cannot be one, and is never unpickled
+        tokens = np.load(folder / "tokens.npy", mmap_mode="r")
+        doc_ends = np.load(folder / "doc_ends.npy", mmap_mode="r")
+    except ValueError as e:
+        tokens = doc_ends = e
+    if not all(isinstance(a, np.ndarray) and a.dtype.kind in "iu" for a in (tokens, doc_ends)):
+        raise ValueError(
+            f"data source {src.label!r}: {folder} holds token files hf3d did not write "
+            f"({one_line(tokens) if isinstance(tokens, Exception) else 'not arrays of integers'}); delete that folder "
+            "and hf3d tokenises the source again"
+        )
     return [(tokens, doc_ends)], meta
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..parallel.layout import get_pieces
 from ..utils import files
+from .folders import PROBE_PREFIX
 from .load import TensorSpec
 from .save import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -111,7 +112,7 @@ def _staging_is_shared(out_dir, writers: list[int]) -> bool:
     if dist.get_rank() == 0:
         try:
             start_staging(out_dir)
-            probe[0] = f".hf3d-probe-{uuid.uuid4().hex}"
+            probe[0] = f"{PROBE_PREFIX}{uuid.uuid4().hex}"
             files.write_file(tmp / probe[0], b"")
         except (OSError, ValueError):  # the single-writer path meets the same error and reports it
             probe[0] = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 from ..utils import files
@@ -59,6 +58,10 @@ _EXPORT_FILES = {
 }
 
 
+PROBE_PREFIX = ".hf3d-probe-"
+"""A file a sharded export writes into its staging folder to see that every writer sees it (removed at once)."""
+
+
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
@@ -67,29 +70,30 @@ def is_weights_file(name: str) -> bool:
     return name in (SAFE_SINGLE, SAFE_INDEX) or bool(_SHARD_FILE.fullmatch(name))
 
 
+def is_model_file(name: str) -> bool:
+    """Whether `name` is a file that travels with the weights (generation defaults, tokenizer, chat template)."""
+    return name == GENERATION_CONFIG or name.startswith(_MODEL_FILE_PREFIXES)
+
+
 def is_export_file(name: str) -> bool:
     """Whether `name` is a file an HF export holds (weights, configs, tokenizer files, hf3d's run record)."""
-    return name in _EXPORT_FILES or bool(_SHARD_FILE.fullmatch(name)) or name.startswith(_MODEL_FILE_PREFIXES)
+    return name in _EXPORT_FILES or bool(_SHARD_FILE.fullmatch(name)) or is_model_file(name)
 
 
-def check_output_dir(out: Path, owns: Callable[[str], bool], *, src: str | os.PathLike | None = None) -> None:
+EXPORT = files.Kind("export", lambda name: is_export_file(name) or name.startswith(PROBE_PREFIX))
+"""An HF folder hf3d writes (save_pretrained, `convert to-hf`, `hf3d train`'s final/) and its staging folder."""
+
+
+def check_output_dir(out: Path, kind: files.Kind, *, src: str | os.PathLike | None = None) -> None:
     """The one rule of every hf3d writer (save_pretrained, `convert`, `hf3d train`'s final export,
-    Trainer.save_model): `out` is written when it does not exist, is an empty folder, or is a folder hf3d
-    made (`files.owned`) holding only files of the kind this writer puts there (`owns(name)`: an earlier
-    output, which is replaced). Anything else (a folder of the user's, even one of model files; a file of the
-    user's in hf3d's folder, a subfolder, a link) is refused in one line, before anything is written or
-    deleted."""
+    Trainer.save_model): `out` is written when it does not exist, is an empty folder, or is a folder of `kind`
+    that hf3d made holding only files it writes there (an earlier output, which is replaced). Anything else
+    (a folder of the user's, even one of model files; a file of the user's in hf3d's folder, a subfolder, a
+    link; a copy of hf3d's folder; a folder of another kind) is refused in one line (`files.refusal`), before
+    anything is written or deleted."""
     if src is not None and out.resolve() == Path(src).resolve():
         raise ValueError(f"the output {out} is the input; choose another output path")
-    files.check_replaceable(out)
-    for entry in sorted(out.iterdir()) if out.exists() else ():
-        if entry.name == files.OWNER_FILE:
-            continue
-        if entry.is_symlink() or not entry.is_file() or not owns(entry.name):
-            raise ValueError(
-                f"{out} holds {entry.name!r}, which hf3d does not write there; hf3d replaces only a folder of its "
-                "own output and never deletes other files: move it away or choose a new output path"
-            )
+    files.check_replaceable(out, kind)
 
 
 def link_outside(path: Path, root: Path) -> Path | None:

@@ -152,7 +152,9 @@ def _read_into(f, offset: int, out: torch.Tensor) -> None:
 
 
 def _read_header(fpath: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:
-    """{name: (absolute byte offset, dtype, shape)}; refuses files cut short or not safetensors."""
+    """{name: (absolute byte offset, dtype, shape)}; refuses, in one line, a file cut short or not safetensors,
+    and a header whose every entry the bytes do not bear out: each shape in whole numbers, its byte range
+    exactly the shape times the dtype's size, inside the file, overlapping no other."""
     size = fpath.stat().st_size
     with open(fpath, "rb") as f:
         try:
@@ -160,19 +162,50 @@ def _read_header(fpath: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:
             if header_len <= 0 or 8 + header_len > size:
                 raise ValueError("header length beyond the end of the file")
             header = json.loads(f.read(header_len))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{fpath} is not a readable safetensors file ({e}); is it truncated?") from e
+            raise ValueError(f"{fpath} is not a readable safetensors file ({e}); is it truncated?") from None
     header.pop("__metadata__", None)
-    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    entries = {name: _header_entry(fpath, name, v) for name, v in header.items()}
+    unknown = {dtype for dtype, _, _ in entries.values()} - set(ST_DTYPES)
+    if unknown:
+        raise ValueError(f"{fpath} holds tensors of dtype {', '.join(sorted(unknown))}, which hf3d cannot read")
+    end = max((e for _, _, (_, e) in entries.values()), default=0)
     if size < 8 + header_len + end:
         raise ValueError(
             f"{fpath} is truncated ({size} bytes, its header promises {8 + header_len + end}); "
             "re-download or re-save the checkpoint"
         )
-    unknown = {v["dtype"] for v in header.values()} - set(ST_DTYPES)
-    if unknown:
-        raise ValueError(f"{fpath} holds tensors of dtype {', '.join(sorted(unknown))}, which hf3d cannot read")
-    return {k: (8 + header_len + v["data_offsets"][0], v["dtype"], tuple(v["shape"])) for k, v in header.items()}
+    last = (0, None)
+    for name, (dtype, shape, (begin, stop)) in sorted(entries.items(), key=lambda kv: kv[1][2]):
+        nbytes = math.prod(shape) * ST_DTYPES[dtype].itemsize
+        if stop - begin != nbytes:
+            raise ValueError(
+                f"{fpath}: {name!r} is {dtype} of shape {list(shape)} ({nbytes} bytes), but its header gives it bytes "
+                f"[{begin}, {stop}); refusing the file (re-download or re-save it)"
+            )
+        if begin < last[0]:
+            raise ValueError(f"{fpath}: the bytes of {name!r} overlap those of {last[1]!r}; refusing the file")
+        last = (stop, name)
+    return {k: (8 + header_len + begin, dtype, shape) for k, (dtype, shape, (begin, _)) in entries.items()}
+
+
+def _header_entry(fpath: Path, name: str, value) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (begin, end)) of one safetensors header entry, each number a whole number >= 0."""
+    try:
+        dtype, shape, offsets = value["dtype"], tuple(value["shape"]), tuple(value["data_offsets"])
+    except (TypeError, KeyError):
+        dtype = shape = offsets = None
+    numbers = (*(shape or ()), *(offsets or ()))
+    if not isinstance(dtype, str) or shape is None or len(offsets or ()) != 2:
+        numbers = (-1,)
+    if not all(type(n) is int and n >= 0 for n in numbers) or offsets[0] > offsets[1]:
+        raise ValueError(
+            f"{fpath}: the header entry {name!r} is not a tensor (dtype, a shape of whole numbers >= 0, a byte range "
+            f"[begin, end)): {json.dumps(value)[:120]}; refusing the file"
+        )
+    return dtype, shape, offsets
 
 
 class StateDictSource:

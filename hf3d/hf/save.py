@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..utils import files
-from .folders import GENERATION_CONFIG, SAFE_INDEX, SAFE_SINGLE, check_output_dir, copy_model_files, is_export_file
+from .folders import EXPORT, GENERATION_CONFIG, SAFE_INDEX, SAFE_SINGLE, check_output_dir, copy_model_files
 from .load import ST_DTYPES, TensorSpec
 
 # -- writing HF directories ---------------------------------------------------------------------------
@@ -120,22 +120,23 @@ def write_hf_dir(
     src_dir when it has them. Files go into a temporary sibling directory that replaces out_dir at the
     end, so an interrupted export never leaves a directory that looks finished. An existing out_dir is
     replaced only when it holds nothing but an HF export's files (`check_output_dir`).
-    check(): called when every shard is written, before anything is published; what it raises is raised
-    after the staging folder is removed. extra_files: {name: bytes} written beside the weights before the
-    folder is published (a run's record and loss curve).
+    check(): called when every shard is written, before anything is published. What it raises, and any
+    failure before (of `produce`, of a write), is raised after the staging folder is removed.
+    extra_files: {name: bytes} written beside the weights before the folder is published (a run's record
+    and loss curve).
     """
     tmp = start_staging(out_dir)
-    plan = plan_shards(list(specs), max_shard_bytes)
-    for fname, group in plan:
-        write_shard(tmp / fname, group, produce)
-    if len(plan) > 1:
-        write_index(tmp, specs, plan)
-    if check is not None:
-        try:
+    try:
+        plan = plan_shards(list(specs), max_shard_bytes)
+        for fname, group in plan:
+            write_shard(tmp / fname, group, produce)
+        if len(plan) > 1:
+            write_index(tmp, specs, plan)
+        if check is not None:
             check()
-        except BaseException:
-            files.remove_dir(tmp)
-            raise
+    except BaseException:  # a refused read, a full disk, a failed check: nothing half-written is left
+        files.remove_dir(tmp, EXPORT)
+        raise
     _finish_staging(tmp, out_dir, config, src_dir=src_dir, extra_files=extra_files)
 
 
@@ -150,8 +151,8 @@ def start_staging(out_dir: str | os.PathLike) -> Path:
     (`check_output_dir`): the one rule of every writer. A staging folder left by an interrupted export is
     replaced; a folder of that name that hf3d did not make is refused."""
     out_dir = Path(out_dir)
-    check_output_dir(out_dir, is_export_file)
-    return files.make_dir(staging_dir(out_dir), "export")
+    check_output_dir(out_dir, EXPORT)
+    return files.make_dir(staging_dir(out_dir), EXPORT)
 
 
 def _finish_staging(
@@ -163,7 +164,7 @@ def _finish_staging(
     _save_config(config, tmp, have_generation_config=GENERATION_CONFIG in copied)
     for name, data in (extra_files or {}).items():
         files.write_file(tmp / name, data)
-    files.publish_dir(tmp, out_dir, sync=False)
+    files.publish_dir(tmp, out_dir, EXPORT, sync=False)
 
 
 def write_shard(path: Path, group: list[TensorSpec], produce: Callable[[str], torch.Tensor]) -> None:

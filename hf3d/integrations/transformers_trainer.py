@@ -42,7 +42,7 @@ from ..checkpoint.marker import is_complete
 from ..checkpoint.save import save_checkpoint
 from ..evaluation.config import TaskEvalConfig
 from ..evaluation.evaluator import Evaluator, load_tasks
-from ..hf.folders import is_weights_file
+from ..hf.folders import EXPORT, is_weights_file
 from ..model import IGNORE_INDEX, ParallelModel
 from ..optim.zero import ParallelOptimizer, build_optimizer
 from ..utils import files
@@ -349,7 +349,7 @@ class Trainer(HFTrainer):
             for f in staging.iterdir():
                 if f.name != files.OWNER_FILE:  # the Trainer's folder stays the user's
                     files.move_file(f, out / f.name)
-            files.remove_dir(staging)
+            files.remove_dir(staging, EXPORT)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(out)
             files.write_file(out / TRAINING_ARGS_NAME, _saved(without_secrets(self.args)), replace=True)

@@ -14,13 +14,13 @@ import yaml
 
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.marker import is_complete
-from ..checkpoint.rotation import resolve_resume
+from ..checkpoint.rotation import clean_leftovers, resolve_resume
 from ..checkpoint.save import PendingCheckpoint
 from ..evaluation.evaluator import Evaluator, load_tasks
 from ..models import get_adapter
 from ..parallel.attention import flash_attn_installed, resolve_attn_implementation
 from ..parallel.compile import resolve_compile
-from ..parallel.mesh import device_type
+from ..parallel.mesh import device_type, on_rank0
 from ..parallel.rng import seed_streams
 from ..utils import files
 from ..utils.faults import RunState, store_barrier
@@ -116,6 +116,7 @@ class Run:
     rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
     evaluator: object = None  # evals: the downstream tasks, tokenised and packed once (hf3d/evaluation)
     tokenizer: object = None  # the model folder's (samples: text generated during the run)
+    told: set = dataclasses.field(default_factory=set)  # the checkpoints rotation said it keeps (once each)
 
 
 def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[str]]:
@@ -189,6 +190,7 @@ def resume_run(run: Run) -> None:
     """Only the parts of the checkpoint that the checkpoint section asks for; then the lr schedule."""
     cfg, opt = run.cfg, run.opt
     o, r, c = cfg.optim, cfg.run, cfg.checkpoint
+    on_rank0(lambda: clean_leftovers(run.out / "checkpoints"))  # what killed saves and removals left
     run.resume_from = resolve_resume(c.resume, run.out / "checkpoints")
     seed_streams(run.pmodel, r.seed)  # per-rank dropout streams; a resume at this mesh restores them instead
     offset = 0

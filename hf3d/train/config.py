@@ -412,9 +412,9 @@ def check_launch(cfg: TrainConfig, *, world_size: int) -> int:
 
     check_pipeline_schedule(p.pp_schedule, p.pp, key="parallel.pp_schedule")
     if r.save_final:  # the export at the end replaces only an earlier export there
-        from ..hf.folders import check_output_dir, is_export_file
+        from ..hf.folders import EXPORT, check_output_dir
 
-        check_output_dir(Path(r.output_dir) / "final", is_export_file)
+        check_output_dir(Path(r.output_dir) / "final", EXPORT)
     for name in RUN_FILES:  # what the run writes beside its checkpoints: never through a link
         files.refuse_link(Path(r.output_dir) / name)
     dp = _check_world(cfg, world_size)

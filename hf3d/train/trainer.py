@@ -119,13 +119,13 @@ def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, 
             last = signum or step + 1 == run.cfg.run.steps
             run.pending = save_checkpoint(
                 path, run.pmodel, run.opt, step=step + 1, extra=extra, async_=True,
-                after_publish=lambda: finish_save(root, c.keep_last, path),
+                after_publish=lambda: finish_save(root, c.keep_last, path, told=run.told),
             )  # fmt: skip
             run.saved_to = run.pending.result() if last else path  # a stop or the end waits for the write
             how = "saved" if last else "started (written in the background)"
         else:
             run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
-            on_rank0(lambda: finish_save(root, c.keep_last, path))
+            on_rank0(lambda: finish_save(root, c.keep_last, path, told=run.told))
             how = "saved"
         if run.rank0:
             tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")

@@ -1,21 +1,34 @@
 """Every folder hf3d deletes, renames or replaces, and every file it writes into a folder it shares, by one rule.
 
-- **A folder hf3d may remove or replace carries its owner file** (`OWNER_FILE`), written by `make_dir` before
-  anything else goes in: checkpoints and their staging folders, HF exports and theirs, token caches. A path
-  that is not such a folder (a user's folder, a file, a link, a leftover `PATH.tmp` hf3d did not make) is
-  refused with one line (`check_replaceable`) and nothing is deleted; an empty real folder is the one
-  exception (removing it loses nothing).
+- **A folder hf3d may remove or replace is one it made, of the kind being written, holding only what it wrote
+  there.** `make_dir` writes the owner file (`OWNER_FILE`) before anything else goes in: the folder's `Kind`
+  (checkpoint, export, token cache) and its identity, the inode numbers of the folder and of the folder it
+  was made in. A copy (`cp -r`) has other inode numbers and a move to another folder another parent, so
+  neither is hf3d's, wherever the owner file travels (device numbers are not compared: a network file
+  system numbers its devices per mount, and a resumed job may run on another machine). `refusal` names,
+  in one line, why a path may not go: a file or a link, a folder without the owner file, a copy or a move,
+  a folder of another kind (a checkpoint never replaces an export), or an entry the kind does not write
+  there (a user's NOTES.md, a subfolder, a link). An empty real folder is the one exception (removing it
+  loses nothing). Owner files of hf3d before it recorded identities (`origin` "legacy") are replaced at
+  their own path when they hold only their kind's files, and never deleted by rotation.
+- **Removing a folder is atomic for hf3d's purposes** (`remove_dir`): the folder is first renamed to a
+  hidden trash name beside it (`TRASH_PREFIX`), then its entries are deleted one by one, the owner file
+  last, then the folder. A kill at any instant leaves the whole folder at its name, or a trash folder that
+  blocks nothing and that `sweep` (run by every `make_dir` in that folder) deletes later.
 - **Files are created without following links**: `write_file` opens with O_CREAT | O_EXCL | O_NOFOLLOW (an
   existing file or link is an error, never written through); with `replace`, it writes `<name>.part` that
   way and renames it over the file, refusing a link in the file's place. `append_to` and `new_file` do the
-  same for a log and for writers that take a file object (torch.save, numpy, matplotlib).
+  same for a log and for writers that take a file object (torch.save, numpy, matplotlib). `open_read` opens
+  a file of a checkpoint for reading without following a link.
 - **Publishing is atomic and durable** (`publish_dir`): the staged folder's files and folders are fsynced,
   then it takes the final name in one step (Linux's renameat2: RENAME_NOREPLACE for a new path,
   RENAME_EXCHANGE to swap with the folder it replaces), the parent folder is fsynced, and only then is the
   replaced content removed. A kill at any instant leaves either the old folder or the new one at the final
   path, never neither. Where the system has no renameat2, the old folder is first renamed to `PATH.old`.
 
-tests/test_untrusted_files.py scans hf3d/ for deleting, renaming and file-writing calls outside this module.
+tests/audit.py records, over the whole test suite, every deletion, rename and file write hf3d asks for, and fails
+the test when one comes from outside this module (or writes through a link); tests/test_untrusted_files.py also
+scans hf3d/ for such calls.
 """
 
 from __future__ import annotations
@@ -26,77 +39,190 @@ import json
 import os
 import shutil
 import stat
+import uuid
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 OWNER_FILE = ".hf3d-made"
-"""The file that marks a folder as hf3d's own: {"made_by": "hf3d", "kind": ...}. Hidden: `hf3d push` skips it,
-and transformers' loaders ignore it."""
+"""The file that marks a folder as hf3d's own: {"made_by": "hf3d", "kind", "inode", "parent_inode"}. Hidden:
+`hf3d push` skips it, and transformers' loaders ignore it."""
+
+TRASH_PREFIX = ".hf3d-trash."
+"""The name a folder takes while `remove_dir` deletes it: `.hf3d-trash.<random>.<its name>`, beside it."""
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _nothing_recorded(folder: Path) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of folder hf3d makes, and the files it writes into one."""
+
+    name: str
+    """Recorded in the owner file: a folder of one kind is never replaced by a writer of another."""
+    writes: Callable[[str], bool]
+    """Whether hf3d writes a file of this name into a folder of this kind (the owner file aside)."""
+    recorded: Callable[[Path], Collection[str] | None] = _nothing_recorded
+    """The files a finished folder of this kind lists as its own (a checkpoint's marker), or None: a file of a
+    name `writes` takes is hf3d's only if it is listed too, when there is a list."""
+
+
 # -- folders -------------------------------------------------------------------------------------------------
-def owned(path: str | os.PathLike) -> bool:
-    """Whether `path` is a real folder (not a link) holding hf3d's owner file (a regular file, not a link)."""
+def owner_record(path: str | os.PathLike) -> dict | None:
+    """The owner file's record when `path` is a real folder (not a link) holding hf3d's owner file (a regular
+    file, not a link); else None."""
     path = Path(path)
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return False
+            return None
         fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return False
+        return None
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
+            return None
         try:
-            return json.loads(f.read(4096)).get("made_by") == "hf3d"
-        except (ValueError, AttributeError):
-            return False
+            record = json.loads(f.read(4096))
+        except ValueError:
+            return None
+    return record if isinstance(record, dict) and record.get("made_by") == "hf3d" else None
+
+
+def _identity(path: Path) -> dict[str, int]:
+    """The inode numbers of the folder `path` and of the folder it is in."""
+    return {"inode": os.lstat(path).st_ino, "parent_inode": os.stat(os.path.dirname(os.path.abspath(path))).st_ino}
+
+
+def origin(path: str | os.PathLike) -> str | None:
+    """Whose folder `path` is: "here" (hf3d made it, and it is that folder, in the folder it was made in),
+    "elsewhere" (its owner file was made for another folder: `path` is a copy, or was moved from another
+    folder), "legacy" (an owner file of hf3d before it recorded identities), or None (not hf3d's)."""
+    record = owner_record(path)
+    if record is None:
+        return None
+    if not isinstance(record.get("inode"), int) or not isinstance(record.get("parent_inode"), int):
+        return "legacy"
+    made = {k: record[k] for k in ("inode", "parent_inode")}
+    return "here" if _identity(Path(path)) == made else "elsewhere"
+
+
+def owned(path: str | os.PathLike) -> bool:
+    """Whether `path` is a folder hf3d made here (`origin` "here")."""
+    return origin(path) == "here"
 
 
 def _is_empty_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
 
 
-def check_replaceable(path: str | os.PathLike) -> None:
-    """Refuse, in one line, a `path` hf3d may not delete or replace: anything but nothing at all, an empty
-    real folder, or a folder hf3d made (`owned`)."""
+def refusal(path: str | os.PathLike, kind: Kind) -> str | None:
+    """Why hf3d may not delete or replace `path` with a folder of `kind`, in a few words naming it; None when it
+    may: nothing is there, an empty real folder, or a folder of `kind` that hf3d made here (or before it
+    recorded identities) holding nothing but files hf3d writes into one."""
     path = Path(path)
-    if not os.path.lexists(path) or owned(path) or _is_empty_dir(path):
-        return
+    if not os.path.lexists(path) or _is_empty_dir(path):
+        return None
     if path.is_symlink() or not path.is_dir():
-        raise ValueError(
-            f"{path} exists and is not a folder hf3d made (a file or a link); hf3d never deletes or replaces it: "
-            "move it away or choose a new output path"
-        )
-    raise ValueError(
-        f"{path} is a folder hf3d did not make (it has no {OWNER_FILE}); hf3d never deletes or replaces it: "
-        "move it away or choose a new output path"
-    )
+        return f"{path} exists and is not a folder hf3d made (a file or a link)"
+    record, where = owner_record(path), origin(path)
+    if record is None:
+        return f"{path} is a folder hf3d did not make (it has no {OWNER_FILE})"
+    if where == "elsewhere":
+        return f"{path} is a copy or a move of a folder hf3d made elsewhere (its {OWNER_FILE} names another folder)"
+    if record.get("kind") != kind.name:
+        return f"{path} is an hf3d folder of another kind ({record.get('kind')}, not {kind.name})"
+    listed = kind.recorded(path)
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.name != OWNER_FILE and not _wrote(entry, kind, listed):
+            return f"{path} holds {entry.name!r}, which hf3d does not write there"
+    return None
 
 
-def remove_dir(path: str | os.PathLike) -> None:
-    """Delete the folder `path` if hf3d made it (or it is empty); nothing there is fine; anything else is
-    refused (`check_replaceable`). Links inside are unlinked, never followed."""
+def _wrote(entry: os.DirEntry, kind: Kind, listed: Collection[str] | None) -> bool:
+    """Whether hf3d wrote `entry` into a folder of `kind` (`listed`: the files the folder records, if any)."""
+    return entry.is_file(follow_symlinks=False) and kind.writes(entry.name) and (listed is None or entry.name in listed)
+
+
+def check_replaceable(path: str | os.PathLike, kind: Kind) -> None:
+    """Refuse, in one line (ValueError), a `path` hf3d may not delete or replace with a folder of `kind`
+    (`refusal`)."""
+    problem = refusal(path, kind)
+    if problem is not None:
+        raise ValueError(f"{problem}; hf3d never deletes or replaces it: move it away or choose a new output path")
+
+
+def remove_dir(path: str | os.PathLike, kind: Kind) -> None:
+    """Delete the folder `path` of `kind` (nothing there is fine; anything `refusal` names is refused): renamed
+    to a trash name first, so a kill leaves the whole folder or a trash folder (`sweep`), then emptied of
+    the files hf3d wrote, the owner file last. Links inside are unlinked, never followed."""
     path = Path(path)
-    check_replaceable(path)
+    check_replaceable(path, kind)
     if not os.path.lexists(path):
         return
-    if owned(path):
-        shutil.rmtree(path)
-    else:
+    if owner_record(path) is None:
         os.rmdir(path)  # empty: rmdir refuses a folder that is not, whatever came in meanwhile
+        return
+    trash = path.with_name(f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}.{path.name}")
+    rename_new(path, trash)
+    _empty_trash(trash, kind)
 
 
-def make_dir(path: str | os.PathLike, kind: str) -> Path:
-    """A new folder `path` of hf3d's own (parents made as needed), its owner file written first. A folder
-    hf3d made that is already there (a leftover of an interrupted write) is removed first; anything else
-    there is refused."""
+def _empty_trash(trash: Path, kind: Kind) -> None:
+    """Delete what hf3d wrote in the trash folder `trash`, the owner file last, then the folder; anything else
+    (a file that came in after the check) stays, and so does the folder."""
+    listed = kind.recorded(trash)
+    for entry in sorted(os.scandir(trash), key=lambda e: e.name):
+        if entry.name != OWNER_FILE and _wrote(entry, kind, listed):
+            _unlink_if_there(Path(entry.path))
+    if {e.name for e in os.scandir(trash)} == {OWNER_FILE}:
+        _unlink_if_there(trash / OWNER_FILE)
+        try:
+            os.rmdir(trash)
+        except FileNotFoundError:
+            pass
+
+
+def _unlink_if_there(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # another process sweeping the same folder
+        pass
+
+
+def sweep(folder: str | os.PathLike, kind: Kind) -> None:
+    """Finish what a killed removal left in `folder`: the trash folders of `kind` (`remove_dir`), and the empty
+    ones of any kind."""
+    folder = Path(folder)
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        path = Path(entry.path)
+        if entry.name.startswith(TRASH_PREFIX) and _is_empty_dir(path):
+            try:
+                os.rmdir(path)
+            except OSError:  # something came in, or another process removed it
+                pass
+        elif entry.name.startswith(TRASH_PREFIX) and refusal(path, kind) is None:
+            _empty_trash(path, kind)
+
+
+def make_dir(path: str | os.PathLike, kind: Kind) -> Path:
+    """A new folder `path` of hf3d's own, of `kind` (parents made as needed), its owner file written first. A
+    folder of that kind hf3d made that is already there (a leftover of an interrupted write) is removed
+    first; anything else there is refused (`refusal`). Leftovers of killed removals beside it go too."""
     path = Path(path)
-    remove_dir(path)
+    sweep(path.parent, kind)
+    remove_dir(path, kind)
     path.mkdir(parents=True)
-    write_file(path / OWNER_FILE, json.dumps({"made_by": "hf3d", "kind": kind}) + "\n")
+    record = {"made_by": "hf3d", "kind": kind.name, **_identity(path)}
+    write_file(path / OWNER_FILE, json.dumps(record) + "\n")
     return path
 
 
@@ -149,15 +275,16 @@ def sync_tree(root: str | os.PathLike) -> None:
         sync_dir(folder)
 
 
-def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, *, sync: bool = True) -> None:
-    """Make the complete staged folder `tmp` (made by `make_dir`) the folder `final`, atomically.
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, kind: Kind, *, sync: bool = True) -> None:
+    """Make the complete staged folder `tmp` (made by `make_dir` with `kind`) the folder `final`, atomically.
 
-    `final` may be absent, an empty folder, or a folder hf3d made (replaced); anything else is refused before
-    anything moves. With `sync` (and always when something is replaced), every file and folder of `tmp` is
-    on disk before it takes the name, and the name is on disk before the replaced folder is removed."""
+    `final` may be absent, an empty folder, or a folder of `kind` hf3d made (replaced); anything else is
+    refused (`refusal`) before anything moves. With `sync` (and always when something is replaced), every
+    file and folder of `tmp` is on disk before it takes the name, and the name is on disk before the
+    replaced folder is removed."""
     tmp, final = Path(tmp), Path(final)
-    assert owned(tmp), f"{tmp} is not a staging folder hf3d made"
-    check_replaceable(final)
+    assert owned(tmp) and owner_record(tmp)["kind"] == kind.name, f"{tmp} is not a staging folder hf3d made"
+    check_replaceable(final, kind)
     replacing = os.path.lexists(final)
     if sync or replacing:  # durable before anything older is removed
         sync_tree(tmp)
@@ -165,14 +292,14 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, *, sync: bool 
         rename_new(tmp, final)
     elif not _renameat2(tmp, final, _RENAME_EXCHANGE):  # tmp now holds what final was
         old = final.with_name(final.name + ".old")
-        remove_dir(old)
+        remove_dir(old, kind)
         os.rename(final, old)
         os.rename(tmp, final)
         tmp = old
     if sync or replacing:
         sync_dir(final.parent)
     if replacing:
-        remove_dir(tmp)
+        remove_dir(tmp, kind)
 
 
 # -- files ---------------------------------------------------------------------------------------------------
@@ -232,6 +359,22 @@ def move_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Rename the file `src` to `dst`, replacing a regular file there in one step (a link there is refused)."""
     refuse_link(Path(dst))
     os.replace(src, dst)
+
+
+def open_read(path: str | os.PathLike) -> BinaryIO:
+    """The regular file `path` open for binary reading, never through a link: a link (or anything but a
+    regular file) in its place is refused in one line (ValueError)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a link; hf3d reads no file of a checkpoint through a link") from None
+        raise
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ValueError(f"{path} is not a regular file")
+    return f
 
 
 def remove_file(path: str | os.PathLike) -> None:
