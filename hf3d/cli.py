@@ -141,6 +141,32 @@ def _from_hf(args) -> None:
     print(f"wrote {hf_to_checkpoint(args.src, args.out, fsync=args.fsync)}")
 
 
+def _average(args) -> None:
+    from .checkpoint.average import average_checkpoints
+
+    out = average_checkpoints(args.ckpts, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size)
+    print(f"wrote {out}: the mean of {len(args.ckpts)} checkpoints ({args.dtype})")
+
+
+def _average_parser(sub) -> None:
+    """`hf3d average`'s arguments."""
+    from .checkpoint.average import OUTPUT_DTYPES
+
+    p = sub.add_parser(
+        "average",
+        help="the mean of several checkpoints' weights (e.g. the last ones of a WSD decay) as an HF directory, "
+        "on one CPU process",
+    )
+    p.add_argument("ckpts", nargs="+", metavar="CKPT", help="hf3d checkpoint folders (2 or more, any mesh each)")
+    p.add_argument("--out", required=True, help="HF directory to write (replaced if it is one already)")
+    p.add_argument(
+        "--dtype", choices=OUTPUT_DTYPES, default="bfloat16", help="output weights dtype (default bfloat16; "
+        "the mean is summed in float32 either way)"
+    )  # fmt: skip
+    p.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size: 5GB, 500MB, bytes")
+    p.set_defaults(func=_average)
+
+
 def _push(args) -> None:
     from .hf.hub import push_to_hub
 
@@ -220,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "save_pretrained does; every load checks the marker's checksums)",
     )
     d.set_defaults(func=_from_hf)
+    _average_parser(sub)
     p = sub.add_parser("push", help="upload an HF model directory to the Hub, with a model card")
     p.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")

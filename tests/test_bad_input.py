@@ -283,6 +283,8 @@ def make_inputs(tmp: Path) -> dict[str, str]:
 
     rewrite_metadata(ck / "inconsistent", drop_a_weight)
     fx["inconsistent"] = str(ck / "inconsistent")
+    fx["honest"] = str(honest)
+    fx["wide_ckpt"] = str(hf_to_checkpoint(fx["llama_wide"], ck / "wide"))  # another model: hidden size 72
     _crafted_reads(fx, tmp, honest)
     shutil.copytree(honest, ck / "honest-copy")  # a copy: its owner file names the folder it was made as
     annotated = hf_to_checkpoint(fx["llama"], ck / "annotated")  # hf3d's own, then the user's notes in it
@@ -1034,6 +1036,49 @@ CASES: list[Case] = [
         "`hf3d convert to-hf` of a checkpoint whose largest file was truncated",
         lambda fx: ["convert", "to-hf", fx["damaged_step"], f"{fx['tmp']}/hf-damaged"],
         ["hf3d convert: error: checkpoint <tmp>/ckpt/damaged/checkpoints/step_2 is damaged", "bytes where"],
+        how="main",
+    ),
+    _c(
+        "cli-average-one",
+        SET,
+        "`hf3d average` of a single checkpoint",
+        lambda fx: (["average", fx["honest"], "--out", f"{fx['tmp']}/avg-one"], f"{fx['tmp']}/avg-one"),
+        ["hf3d average: error: hf3d average needs at least 2 checkpoints to average, got 1"],
+        how="main",
+    ),
+    _c(
+        "cli-average-twice",
+        SET,
+        "`hf3d average` given the same checkpoint twice",
+        lambda fx: (["average", fx["honest"], fx["honest"], "--out", f"{fx['tmp']}/avg-2"], f"{fx['tmp']}/avg-2"),
+        ["<tmp>/ckpt/honest is given twice", "each checkpoint counts once"],
+        how="main",
+    ),
+    _c(
+        "cli-average-other-model",
+        SET,
+        "`hf3d average` of checkpoints of two different models (hidden size 48 and 72, head_dim 8 and 12)",
+        lambda fx: (["average", fx["honest"], fx["wide_ckpt"], "--out", f"{fx['tmp']}/avg-w"], f"{fx['tmp']}/avg-w"),
+        ["<tmp>/ckpt/wide is not the same model as <tmp>/ckpt/honest", "config key head_dim (8 vs 12)"],
+        how="main",
+    ),
+    _c(
+        "cli-average-missing-tensor",
+        SET,
+        "`hf3d average` of checkpoints where one lacks a weight the other has (.metadata rewritten, marker resealed)",
+        lambda fx: (
+            ["average", fx["honest"], fx["inconsistent"], "--out", f"{fx['tmp']}/avg-m"],
+            f"{fx['tmp']}/avg-m",
+        ),
+        ["<tmp>/ckpt/inconsistent is not the same model", "only <tmp>/ckpt/honest has the tensor 'model.layers.1."],
+        how="main",
+    ),
+    _c(
+        "cli-average-incomplete",
+        SET,
+        "`hf3d average` of an interrupted checkpoint (no marker)",
+        lambda fx: (["average", fx["honest"], fx["partial_step"], "--out", f"{fx['tmp']}/avg-p"], f"{fx['tmp']}/avg-p"),
+        ["hf3d average: error: <tmp>/ckpt/partial/checkpoints/step_3 is not a complete hf3d checkpoint"],
         how="main",
     ),
     _c(

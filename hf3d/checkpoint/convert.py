@@ -114,7 +114,7 @@ class _TensorReader:
     assembled in a reused buffer the size of the largest such tensor. The writer is done with a tensor
     before it asks for the next, and the mapping goes with the tensor."""
 
-    def __init__(self, root: Path, metadata, keys: dict[str, str]):
+    def __init__(self, root: Path, metadata, keys: dict[str, str], *, buffer: torch.Tensor | None = None):
         self.root, self.metadata, self.keys = root, metadata, keys
         infos = [metadata.state_dict_metadata[k] for k in keys.values()]
         for name, info in zip(keys, infos):  # covered by its boxes, whose bytes are on disk (reader.check_storage)
@@ -124,8 +124,11 @@ class _TensorReader:
                     f"{root}: {name} is stored only in part ({stored} of {math.prod(info.size)} elements); "
                     "the checkpoint is incomplete"
                 )
-        # zeros: a part no box covers (boxes that overlap) holds nothing of this process's memory
-        self.buffer = torch.zeros(max((_nbytes(i) for i in infos if not _whole(i)), default=0), dtype=torch.uint8)
+        # zeros: a part no box covers (boxes that overlap) holds nothing of this process's memory; `buffer`: one
+        # the caller shares between readers it calls one after the other (hf3d average), large enough
+        need = max((_nbytes(i) for i in infos if not _whole(i)), default=0)
+        self.buffer = torch.zeros(need, dtype=torch.uint8) if buffer is None else buffer
+        assert self.buffer.numel() >= need, (self.buffer.numel(), need)
 
     def _box(self, key: str, chunk, dtype: torch.dtype) -> torch.Tensor:
         info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
