@@ -48,9 +48,9 @@ class Blob:
 class Refusal(Exception):
     """An HTTP error answer: status, JSON {"error": message}, and the Hub's X-Error-Code when it sends one."""
 
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(self, status: int, message: str, code: str | None = None, **body):
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status, self.code, self.body = status, code, body
 
 
 class FakeHub:
@@ -130,7 +130,7 @@ class FakeHub:
                 else:
                     raise Refusal(404, f"no route for {req.command} {path}")
             except Refusal as e:
-                status, payload = e.status, json.dumps({"error": str(e)}).encode()
+                status, payload = e.status, json.dumps({"error": str(e), **e.body}).encode()
                 headers = {"X-Error-Message": str(e), **({"X-Error-Code": e.code} if e.code else {})}
             self.requests.append((req.command, path, status))
         if isinstance(payload, (dict, list)):
@@ -177,7 +177,7 @@ class FakeHub:
         if repo_id in self.read_only:
             raise Refusal(403, f"You don't have the rights to create a model under {repo_id.split('/')[0]}")
         if repo_id in self.repos:
-            raise Refusal(409, "You already created this model repo")
+            raise Refusal(409, "You already created this model repo", url=f"{self.url}/{repo_id}")  # as the Hub
         private = data.get("private") or data.get("visibility") == "private"
         self.repos[repo_id] = {"private": bool(private), "branches": {}, "commits": {}}
         self._new_commit(repo_id, "main", {".gitattributes": Blob(GITATTRIBUTES, lfs=False)})

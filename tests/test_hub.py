@@ -357,3 +357,65 @@ def test_the_starting_point_of_a_run_is_recorded(tmp_path):
     card = write_model_card(export, {"base_model": "org/base", "started_from": "exported"}).read_text()
     assert "- Continued from `exported` (local weights of [org/base](https://huggingface.co/org/base))" in card
     assert "base_model: org/base" in card
+
+
+def _train_with_pushes(tmp_path: Path, hub: FakeHub, *sets: str) -> subprocess.CompletedProcess:
+    env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    run = ["parallel.tp=1", "run.steps=3", "run.global_batch=2", "data.seq_len=32", "optim.warmup_steps=1"]
+    run += ["data.eval.every=0", "run.sample_prompt=null", f"run.output_dir={tmp_path / 'run'}"]
+    run += ["checkpoint.every=1", "checkpoint.keep_last=1", "checkpoint.push_to_hub.repo=user/ckpts", *sets]
+    cmd = [sys.executable, "-m", "hf3d", "train", "examples/configs/tiny-smollm.yaml", "--set", *run]
+    return subprocess.run(cmd, cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=300)
+
+
+def test_train_pushes_each_checkpoint_to_its_branch(tmp_path):
+    """`checkpoint.push_to_hub`: each save converted and pushed in the background to branch step_<N>, private;
+    keep_last=1 rotation leaves the pushes whole; the last one is the run's own final export, bit for bit."""
+    with FakeHub(TOKEN) as hub:
+        proc = _train_with_pushes(tmp_path, hub)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        repo = hub.repos["user/ckpts"]
+        branches = {b: hub.files("user/ckpts", b) for b in ("step_1", "step_2", "step_3")}
+    assert repo["private"] is True
+    out = tmp_path / "run"
+    for step, pushed in branches.items():
+        assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "hf3d_training.json"} <= set(
+            pushed
+        ), step
+        assert f"hf3d: pushed checkpoint {step} to user/ckpts branch {step}" in proc.stderr
+    final = (out / "final" / "model.safetensors").read_bytes()
+    assert branches["step_3"]["model.safetensors"].data == final  # the step's weights, as the final export
+    assert branches["step_1"]["model.safetensors"].data != final
+    summary = json.loads(branches["step_2"]["hf3d_training.json"].data)
+    assert [p[0] for p in summary["loss_curve"]] == [1, 2]  # the record of the run up to that step
+    assert "hf3d: Hub pushes to user/ckpts: steps [1, 2, 3] pushed" in proc.stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_3"]
+    assert not (out / "hub_push").exists()  # converted folders removed once pushed
+    _assert_no_token(proc.stdout, proc.stderr, dirs=(out,))
+
+
+def test_a_failed_checkpoint_push_is_one_line_and_the_run_goes_on(tmp_path):
+    with FakeHub(TOKEN, read_only=("user/ckpts",)) as hub:
+        proc = _train_with_pushes(tmp_path, hub, "run.steps=2", "checkpoint.push_to_hub.every=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "hf3d: warning: the Hub push" in line]
+    assert len(warnings) == 1, proc.stderr[-3000:]  # every=2: only step 2 (also the last) is pushed
+    assert "checkpoint step_2 to user/ckpts (branch step_2) failed: no write access (403)" in warnings[0]
+    assert "training goes on" in warnings[0]
+    assert "steps [] pushed; failed: steps [2]" in proc.stderr
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert not (tmp_path / "run" / "hub_push").exists()
+
+
+def test_rotation_keeps_a_checkpoint_pinned_for_its_push(tmp_path):
+    from hf3d.checkpoint.convert import hf_to_checkpoint
+    from hf3d.checkpoint.rotation import finish_save
+
+    src = make_model_dir(tmp_path / "m", "llama")
+    root = tmp_path / "checkpoints"
+    one, two = (hf_to_checkpoint(src, root / f"step_{n}") for n in (1, 2))
+    finish_save(root, 1, two, pinned={one})
+    assert one.is_dir()  # still being converted for the Hub
+    finish_save(root, 1, two)
+    assert not one.exists()

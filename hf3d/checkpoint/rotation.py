@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Collection
 from pathlib import Path
 
 import torch.distributed as dist
@@ -164,7 +165,14 @@ def clean_leftovers(root: Path) -> None:
         print(f"hf3d: warning: could not clean what an interrupted save left in {root} ({e})", file=sys.stderr)
 
 
-def finish_save(root: Path, keep_last: int, published: Path, *, told: set[Path] | None = None) -> None:
+def finish_save(
+    root: Path,
+    keep_last: int,
+    published: Path,
+    *,
+    told: set[Path] | None = None,
+    pinned: Collection[Path] = (),
+) -> None:
     """After the checkpoint `published` under root is published (fsynced): point `latest` at it, then drop the
     oldest of this run's own saves beyond keep_last (0 keeps all). Rank 0 only.
 
@@ -175,7 +183,8 @@ def finish_save(root: Path, keep_last: int, published: Path, *, told: set[Path] 
     holds nothing but the files hf3d wrote (`files.refusal`): a copy or a move from elsewhere, a folder of an
     earlier hf3d and a folder holding a file of the user's are kept, each said in one line, once per folder
     when the caller keeps `told` (the folders said so far). Links are never followed: a `latest` that is a
-    link is refused, not written through."""
+    link is refused, not written through. `pinned`: checkpoints kept for now beyond keep_last (a Hub push
+    still converting them), counted in no keep_last; a later call drops them."""
     try:
         files_.write_file(root / "latest", published.name + "\n", replace=True, sync=True)
     except (OSError, ValueError) as e:
@@ -183,11 +192,19 @@ def finish_save(root: Path, keep_last: int, published: Path, *, told: set[Path] 
             f"could not update {root / 'latest'} ({failure_line(e)}); the checkpoint {published} itself is "
             "complete and checkpoint.resume=auto finds it: fix that, then resume"
         ) from None
+    prune_saves(root, keep_last, published, told=told, pinned=pinned)
+
+
+def prune_saves(
+    root: Path, keep_last: int, newest: Path, *, told: set[Path] | None = None, pinned: Collection[Path] = ()
+) -> None:
+    """keep_last's half of `finish_save`: `newest` and keep_last - 1 other undamaged saves of this run are kept
+    (and `pinned`), the rest of this run's own saves deleted. Rank 0 only."""
     if keep_last <= 0:
         return
     kept = 1
     for _, d in reversed(step_dirs(root)):
-        if d == published:
+        if d == newest or d in pinned:
             continue
         problem = _not_ours(d) if not _ours(d) else None
         if problem is None and kept < keep_last and find_damage(d, read_marker(d), checksums=False) is None:

@@ -58,6 +58,12 @@ class HubError(ValueError):
     """A push that cannot complete. A ValueError, so `hf3d push` reports it as one line and exits 1."""
 
 
+def check_repo_id(repo_id: str, *, where: str = "the repo id") -> None:
+    """Refuse in one line what is not a Hub repo id (NAMESPACE/NAME or NAME)."""
+    if not _HUB_ID.match(repo_id):
+        raise HubError(f"{where} {repo_id!r} is not a Hub repo id: use NAMESPACE/NAME, like 'my-user/my-model'")
+
+
 # ------------------------------------------------------------------------------------------------
 # Model card
 # ------------------------------------------------------------------------------------------------
@@ -269,8 +275,7 @@ def push_to_hub(
 
     model_dir = Path(model_dir)
     files = _model_files(model_dir)
-    if not _HUB_ID.match(repo_id):
-        raise HubError(f"{repo_id!r} is not a Hub repo id: use NAMESPACE/NAME, like 'my-user/my-model'")
+    check_repo_id(repo_id)
     token = token or get_token()
     if not token:
         raise HubError(_NO_TOKEN)

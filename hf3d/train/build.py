@@ -117,6 +117,7 @@ class Run:
     evaluator: object = None  # evals: the downstream tasks, tokenised and packed once (hf3d/evaluation)
     tokenizer: object = None  # the model folder's (samples: text generated during the run)
     told: set = dataclasses.field(default_factory=set)  # the checkpoints rotation said it keeps (once each)
+    pusher: object = None  # checkpoint.push_to_hub, rank 0: hub_push.CheckpointPusher
 
 
 def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[str]]:

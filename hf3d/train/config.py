@@ -155,6 +155,30 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointPushConfig:
+    """YAML `checkpoint.push_to_hub`: each checkpoint (or every N-th) uploaded to the Hub while the run goes on,
+    as a stock HF folder (the checkpoint converted, as `hf3d convert to-hf` converts it) on a branch of its own,
+    `step_<N>`, by rank 0 in the background (hf3d/train/hub_push.py). A failed push is one warning line and
+    a `hub_push_error` in metrics.jsonl; the run goes on. The end of the run waits for the pushes left."""
+
+    repo: str = ""
+    """The Hub repo id, NAMESPACE/NAME (created when missing); the token comes from HF_TOKEN or `hf auth login`."""
+    every: int = 1
+    """Push every N-th checkpoint: those at multiples of N·checkpoint.every steps, and the last step's. 1: each."""
+    private: bool = True
+    """Create the repo private (an existing repo keeps its setting)."""
+
+    def __post_init__(self) -> None:
+        from ..hf.hub import check_repo_id
+
+        if not self.repo:
+            raise ValueError("checkpoint.push_to_hub.repo is missing: give the Hub repo, e.g. my-user/my-run")
+        check_repo_id(self.repo, where="checkpoint.push_to_hub.repo")
+        if self.every < 1:
+            raise ValueError(f"checkpoint.push_to_hub.every must be >= 1 (1 pushes each save), got {self.every!r}")
+
+
+@dataclass
 class CheckpointConfig:
     """Training checkpoints under <output_dir>/checkpoints/step_<N>/ (any mesh can resume them).
 
@@ -184,12 +208,21 @@ class CheckpointConfig:
     and the files, the checksums and the marker are written in the background; `latest` and keep_last follow
     there. The next save, the end of the run and a stop signal wait for it. A kill during the write publishes
     nothing, as with false."""
+    push_to_hub: CheckpointPushConfig | None = None
+    """Upload checkpoints to the Hub as the run goes (repo, every, private): see CheckpointPushConfig."""
 
     def __post_init__(self) -> None:
         if self.every < 0:
             raise ValueError(f"checkpoint.every must be a number of steps >= 0, got {self.every!r}")
         if self.keep_last < 0:
             raise ValueError(f"checkpoint.keep_last must be >= 0 (0 keeps all), got {self.keep_last!r}")
+        if self.push_to_hub is not None and self.every == 0:
+            raise ValueError("checkpoint.push_to_hub needs checkpoints: set checkpoint.every to a number of steps > 0")
+
+    def push_due(self, step: int, last_step: int) -> bool:
+        """Whether the checkpoint saved at `step` is pushed (checkpoint.push_to_hub)."""
+        push = self.push_to_hub
+        return push is not None and (step % (push.every * self.every) == 0 or step == last_step)
 
 
 @dataclass
@@ -415,6 +448,14 @@ def check_launch(cfg: TrainConfig, *, world_size: int) -> int:
         from ..hf.folders import EXPORT, check_output_dir
 
         check_output_dir(Path(r.output_dir) / "final", EXPORT)
+    if cfg.checkpoint.push_to_hub is not None:  # before the run, not at its first checkpoint
+        from huggingface_hub import get_token
+
+        if not get_token():
+            raise ValueError(
+                "checkpoint.push_to_hub needs a Hugging Face token and none was found: run `hf auth login`, or "
+                "`export HF_TOKEN=...` with a write token"
+            )
     for name in RUN_FILES:  # what the run writes beside its checkpoints: never through a link
         files.refuse_link(Path(r.output_dir) / name)
     dp = _check_world(cfg, world_size)

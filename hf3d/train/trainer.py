@@ -16,13 +16,14 @@ from typing import NoReturn
 
 import torch
 
-from ..checkpoint.rotation import finish_save
+from ..checkpoint.rotation import finish_save, prune_saves, step_dirs
 from ..checkpoint.save import prepare_async_save, save_checkpoint
 from ..parallel.mesh import on_rank0
 from ..utils.faults import RunState, is_communication_error, leave, root_cause
 from .build import Run, announce, build_run, report_memory, resume_run
 from .config import TrainConfig
 from .finish import finish_run, training_summary
+from .hub_push import CheckpointPusher
 from .metrics import (
     MetricsWriter,
 )
@@ -59,6 +60,8 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     bar = tqdm(total=r.steps, initial=run.start, disable=not run.rank0, desc="train", unit="step", dynamic_ncols=True)
     stop = StopSignal(run.pmodel.device)
     health = StepHealth(r, skipped=int(run.saved.get("skipped_steps", 0)) if run.start else 0)
+    if run.rank0 and cfg.checkpoint.push_to_hub is not None:  # uploads in the background, rank 0 only
+        run.pusher = CheckpointPusher(cfg.checkpoint.push_to_hub, run.out)
     for step in range(run.start, r.steps):
         state.step = step + 1
         try:
@@ -70,6 +73,8 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
                 record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
             if run.evaluator is not None and downstream_due(cfg.evals, step + 1, r.steps):
                 record.update(downstream(run, step + 1))
+            if run.pusher is not None:  # what the background pushes did since the last record
+                record.update(run.pusher.take_news())
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
             _checkpoint_and_stop(run, step, record, health, signum)
         except Exception as e:
@@ -95,7 +100,18 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         tracker.finish()
     run.rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
     finish_run(cfg, run.pmodel, run.out, metrics.path, record, run.rank0)
+    if run.pusher is not None:
+        _finish_pushes(run)
     return record
+
+
+def _finish_pushes(run: Run) -> None:
+    """Rank 0, at the end: wait for the Hub pushes left, then drop what keep_last kept only for them."""
+    run.pusher.finish()
+    root = run.out / "checkpoints"
+    saves = step_dirs(root)
+    if saves:
+        prune_saves(root, run.cfg.checkpoint.keep_last, saves[-1][1], told=run.told)
 
 
 def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, signum: int) -> None:
@@ -115,17 +131,25 @@ def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, 
         if run.rank0:  # extra.pt is written by rank 0, the only rank that writes metrics.jsonl
             extra["training"] = training_summary(run.cfg, run.out / "metrics.jsonl", record)
         path, root = run.out / "checkpoints" / f"step_{step + 1}", run.out / "checkpoints"
+        push = run.pusher is not None and c.push_due(step + 1, run.cfg.run.steps)
+
+        def published() -> None:  # rank 0, once the checkpoint is complete (in the background when async)
+            pinned = run.pusher.pinned() if run.pusher is not None else ()  # being converted for the Hub
+            finish_save(root, c.keep_last, path, told=run.told, pinned=pinned)
+            if push:
+                run.pusher.submit(path, step + 1)
+
         if c.async_:  # `latest` and keep_last follow the publication, in the background (rank 0)
             last = signum or step + 1 == run.cfg.run.steps
             run.pending = save_checkpoint(
                 path, run.pmodel, run.opt, step=step + 1, extra=extra, async_=True,
-                after_publish=lambda: finish_save(root, c.keep_last, path, told=run.told),
+                after_publish=published,
             )  # fmt: skip
             run.saved_to = run.pending.result() if last else path  # a stop or the end waits for the write
             how = "saved" if last else "started (written in the background)"
         else:
             run.saved_to = save_checkpoint(path, run.pmodel, run.opt, step=step + 1, extra=extra)
-            on_rank0(lambda: finish_save(root, c.keep_last, path, told=run.told))
+            on_rank0(published)
             how = "saved"
         if run.rank0:
             tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")
@@ -136,6 +160,8 @@ def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, 
                 f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {run.saved_to} "
                 f"(checkpoint.resume=auto); exit code {code}"
             )
+        if run.pusher is not None:
+            run.pusher.finish(wait=False)
         _leave(code, run.acc)
 
 
