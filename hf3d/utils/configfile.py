@@ -61,6 +61,8 @@ def coerce(value: Any, hint, where: str):
             try:
                 return coerce(value, option, where)
             except ValueError as e:
+                if dataclasses.is_dataclass(option) and isinstance(value, dict):
+                    raise  # a section given as a mapping: its own key's message, not "must be a mapping"
                 errors.append(e)
         raise ValueError(f"{where} must be {_type_name(hint)}, got {_describe(value)}")
     if dataclasses.is_dataclass(hint):
