@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import huggingface_hub.constants as hub_constants
@@ -369,15 +370,16 @@ def _train_with_pushes(tmp_path: Path, hub: FakeHub, *sets: str) -> subprocess.C
     return subprocess.run(cmd, cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=300)
 
 
-def test_train_pushes_each_checkpoint_to_its_branch(tmp_path):
-    """`checkpoint.push_to_hub`: each save converted and pushed in the background to branch step_<N>, private;
-    keep_last=1 rotation leaves the pushes whole; the last one is the run's own final export, bit for bit."""
+def test_train_pushes_its_checkpoints_each_to_its_branch(tmp_path):
+    """`checkpoint.push_to_hub` (every: 2): the saves of steps 2 and 3 (the last) converted and pushed in the
+    background to branches step_2 and step_3, private; not step 1's. keep_last=1 rotation leaves the pushes
+    whole; the last one is the run's own final export, bit for bit."""
     with FakeHub(TOKEN) as hub:
-        proc = _train_with_pushes(tmp_path, hub)
+        proc = _train_with_pushes(tmp_path, hub, "checkpoint.push_to_hub.every=2")
         assert proc.returncode == 0, proc.stderr[-3000:]
         repo = hub.repos["user/ckpts"]
-        branches = {b: hub.files("user/ckpts", b) for b in ("step_1", "step_2", "step_3")}
-    assert repo["private"] is True
+        branches = {b: hub.files("user/ckpts", b) for b in ("step_2", "step_3")}
+    assert repo["private"] is True and set(repo["branches"]) == {"main", "step_2", "step_3"}
     out = tmp_path / "run"
     for step, pushed in branches.items():
         assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "hf3d_training.json"} <= set(
@@ -386,25 +388,68 @@ def test_train_pushes_each_checkpoint_to_its_branch(tmp_path):
         assert f"hf3d: pushed checkpoint {step} to user/ckpts branch {step}" in proc.stderr
     final = (out / "final" / "model.safetensors").read_bytes()
     assert branches["step_3"]["model.safetensors"].data == final  # the step's weights, as the final export
-    assert branches["step_1"]["model.safetensors"].data != final
+    assert branches["step_2"]["model.safetensors"].data != final
     summary = json.loads(branches["step_2"]["hf3d_training.json"].data)
     assert [p[0] for p in summary["loss_curve"]] == [1, 2]  # the record of the run up to that step
-    assert "hf3d: Hub pushes to user/ckpts: steps [1, 2, 3] pushed" in proc.stderr
+    assert "hf3d: Hub pushes to user/ckpts: steps [2, 3] pushed" in proc.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_3"]
     assert not (out / "hub_push").exists()  # converted folders removed once pushed
     _assert_no_token(proc.stdout, proc.stderr, dirs=(out,))
 
 
-def test_a_failed_checkpoint_push_is_one_line_and_the_run_goes_on(tmp_path):
+def _pusher_run(tmp_path: Path, hub: FakeHub, hub_env, steps: list[int], *, damaged: int | None = None):
+    """Checkpoints of steps `steps` (weights-only, from a tiny llama) pushed through CheckpointPusher in this
+    process; returns (the lines it said, the metrics news, the seconds each submit took)."""
+    from hf3d.checkpoint.convert import hf_to_checkpoint
+    from hf3d.train.config import CheckpointPushConfig
+    from hf3d.train.hub_push import CheckpointPusher
+
+    hub_env(hub.url)
+    src = make_model_dir(tmp_path / "m", "llama")
+    ckpts = {n: hf_to_checkpoint(src, tmp_path / "run" / "checkpoints" / f"step_{n}") for n in steps}
+    if damaged is not None:
+        data = max(ckpts[damaged].glob("*.distcp"), key=lambda f: f.stat().st_size)
+        data.write_bytes(data.read_bytes()[:-8])  # truncated after its marker was written
+    lines: list[str] = []
+    pusher = CheckpointPusher(CheckpointPushConfig(repo="user/ckpts"), tmp_path / "run", say=lines.append)
+    took = []
+    for n, ckpt in ckpts.items():
+        t0 = time.perf_counter()
+        pusher.submit(ckpt, n)
+        took.append(time.perf_counter() - t0)
+        assert ckpt in pusher.pinned()  # rotation keeps it until converted (a conversion takes 0.1 s or more)
+    pusher.finish()
+    assert not pusher.pinned()
+    return lines, pusher.take_news(), took
+
+
+def test_checkpoint_pushes_refuse_a_damaged_checkpoint_and_never_hold_the_caller(tmp_path, hub_env):
+    with FakeHub(TOKEN) as hub:
+        lines, news, took = _pusher_run(tmp_path, hub, hub_env, [1, 2], damaged=1)
+        branches = dict(hub.repos["user/ckpts"]["branches"])
+        pushed = hub.files("user/ckpts", "step_2")
+    assert "step_1" not in branches and "step_2" in branches  # the damaged one sent nothing
+    assert max(took) < 0.05, took  # a lock and a queue put: measured 5e-5 s; a conversion and a push take seconds
+    (warning,) = [line for line in lines if line.startswith("hf3d: warning:")]
+    assert "the Hub push of checkpoint step_1 to user/ckpts (branch step_1) failed: checkpoint" in warning
+    assert "is damaged" in warning and "training goes on" in warning and "\n" not in warning
+    assert news == {"hub_push_error": warning.removeprefix("hf3d: warning: ").removesuffix("; training goes on"),
+                    "hub_pushed": [2]}  # fmt: skip
+    assert lines[-1] == "hf3d: Hub pushes to user/ckpts: steps [2] pushed; failed: steps [1] (see the warnings above)"
+    original = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).state_dict()
+    from safetensors.torch import load
+
+    got = load(pushed["model.safetensors"].data)
+    assert all(torch.equal(got[k], v) for k, v in original.items() if k in got) and got.keys() <= original.keys()
+    assert not (tmp_path / "run" / "hub_push").exists()
+
+
+def test_a_refused_checkpoint_push_is_one_line(tmp_path, hub_env):
     with FakeHub(TOKEN, read_only=("user/ckpts",)) as hub:
-        proc = _train_with_pushes(tmp_path, hub, "run.steps=2", "checkpoint.push_to_hub.every=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    warnings = [line for line in proc.stderr.splitlines() if "hf3d: warning: the Hub push" in line]
-    assert len(warnings) == 1, proc.stderr[-3000:]  # every=2: only step 2 (also the last) is pushed
-    assert "checkpoint step_2 to user/ckpts (branch step_2) failed: no write access (403)" in warnings[0]
-    assert "training goes on" in warnings[0]
-    assert "steps [] pushed; failed: steps [2]" in proc.stderr
-    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+        lines, news, _ = _pusher_run(tmp_path, hub, hub_env, [4])
+    (warning,) = [line for line in lines if line.startswith("hf3d: warning:")]
+    assert "checkpoint step_4 to user/ckpts (branch step_4) failed: no write access (403)" in warning
+    assert "hub_pushed" not in news and "no write access (403)" in news["hub_push_error"]
     assert not (tmp_path / "run" / "hub_push").exists()
 
 

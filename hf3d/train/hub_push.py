@@ -20,7 +20,6 @@ from the published checkpoint's files as `hf3d convert to-hf` converts them, com
 
 from __future__ import annotations
 
-import os
 import queue
 import sys
 import threading
@@ -86,9 +85,12 @@ class CheckpointPusher:
             self.say(f"hf3d: waiting for {len(left)} Hub push(es) of checkpoints (steps {left}) to {self.cfg.repo}")
         self.queue.put(None)
         self.thread.join()
-        try:
-            os.rmdir(self.staging)  # empty once every converted folder is pushed or removed
-        except OSError:
+        from ..hf.folders import EXPORT
+        from ..utils import files
+
+        try:  # empty once every converted folder is pushed or removed; anything else there stays
+            files.remove_dir(self.staging, EXPORT)
+        except (OSError, ValueError):
             pass
         failed = f"; failed: steps {self.failed} (see the warnings above)" if self.failed else ""
         self.say(f"hf3d: Hub pushes to {self.cfg.repo}: steps {self.pushed} pushed{failed}")
