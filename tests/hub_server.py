@@ -1,5 +1,9 @@
 """An in-memory, Hub-compatible HTTP server for the push tests (stdlib http.server in a thread).
 
+Also a way to try `hf3d push` and `checkpoint.push_to_hub` offline: `python tests/hub_server.py --port 8999
+--token hf_local` serves until Ctrl-C and prints a line per commit; point the client at it with
+HF_ENDPOINT=http://127.0.0.1:8999 HF_HUB_DISABLE_XET=1 HF_TOKEN=hf_local.
+
 It answers the endpoints huggingface_hub uses to create a repo and a branch, validate a card's
 YAML, commit files (regular ones inline, LFS ones through the batch API, a PUT and a verify), and
 to download a repo back with snapshot_download (repo info, tree listing, resolve with the headers
@@ -57,9 +61,17 @@ class FakeHub:
     """`with FakeHub(token) as hub:` serves on hub.url until the block ends."""
 
     def __init__(
-        self, token: str, *, fail_first: int = 0, read_only: tuple[str, ...] = (), ignored: tuple[str, ...] = ()
+        self,
+        token: str,
+        *,
+        fail_first: int = 0,
+        read_only: tuple[str, ...] = (),
+        ignored: tuple[str, ...] = (),
+        port: int = 0,
+        say=None,
     ):
         self.token, self.fail_first, self.read_only, self.ignored = token, fail_first, set(read_only), ignored
+        self.port, self.say = port, say  # say(line): told of each commit (the command line's server)
         self.repos: dict[str, dict] = {}  # id -> {"private", "branches": {name: oid}, "commits": {oid: {path: Blob}}}
         self.lfs: dict[str, bytes] = {}  # sha256 -> content, as PUT by clients
         self.requests: list[tuple[str, str, int]] = []  # (method, path, status)
@@ -94,7 +106,7 @@ class FakeHub:
             def log_message(self, *args):  # quiet; `requests` keeps the log
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, args=(0.02,), daemon=True).start()
         return self
@@ -271,6 +283,8 @@ class FakeHub:
             else:
                 raise Refusal(400, f"unsupported commit operation {line['key']!r}")
         oid = self._new_commit(repo, branch, tree)
+        if self.say is not None:
+            self.say(f"commit {oid[:8]} to {repo} branch {branch}: {', '.join(sorted(tree))}")
         return 200, {}, {"success": True, "commitOid": oid, "commitUrl": f"{self.url}/{repo}/commit/{oid}"}
 
     # -- read endpoints -----------------------------------------------------------------------------
@@ -325,3 +339,25 @@ def _read_body(req: BaseHTTPRequestHandler) -> bytes:
         req.rfile.readline()
         return b"".join(chunks)
     return req.rfile.read(int(req.headers.get("Content-Length") or 0))
+
+
+def main() -> None:
+    import argparse
+    import time
+
+    parser = argparse.ArgumentParser(description="an in-memory Hub on 127.0.0.1 for trying pushes offline")
+    parser.add_argument("--port", type=int, default=8999, help="port to listen on (default 8999)")
+    parser.add_argument("--token", default="hf_local", help="the token clients must send (default hf_local)")
+    args = parser.parse_args()
+    with FakeHub(args.token, port=args.port, say=lambda line: print(line, flush=True)) as hub:
+        print(f"serving an in-memory Hub on {hub.url}; use it with", flush=True)
+        print(f"  HF_ENDPOINT={hub.url} HF_HUB_DISABLE_XET=1 HF_TOKEN={args.token}", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

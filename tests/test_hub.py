@@ -445,12 +445,20 @@ def test_checkpoint_pushes_refuse_a_damaged_checkpoint_and_never_hold_the_caller
 
 
 def test_a_refused_checkpoint_push_is_one_line(tmp_path, hub_env):
+    from hf3d.hf.folders import EXPORT
+    from hf3d.utils import files
+
+    staging = tmp_path / "run" / "hub_push"
+    files.make_dir(staging / "step_3", EXPORT)  # what a killed run left: removed at the start
+    (staging / "mine").mkdir()  # a user's folder there: kept
+    (staging / "mine" / "notes.txt").write_text("keep me")
     with FakeHub(TOKEN, read_only=("user/ckpts",)) as hub:
         lines, news, _ = _pusher_run(tmp_path, hub, hub_env, [4])
     (warning,) = [line for line in lines if line.startswith("hf3d: warning:")]
     assert "checkpoint step_4 to user/ckpts (branch step_4) failed: no write access (403)" in warning
     assert "hub_pushed" not in news and "no write access (403)" in news["hub_push_error"]
-    assert not (tmp_path / "run" / "hub_push").exists()
+    assert [p.name for p in staging.iterdir()] == ["mine"]
+    assert (staging / "mine" / "notes.txt").read_text() == "keep me"
 
 
 def test_rotation_keeps_a_checkpoint_pinned_for_its_push(tmp_path):

@@ -431,8 +431,10 @@ RUN_FILES = (
     "sample.txt",
     "memory.json",
     "checkpoints/latest",
+    "hub_push",
 )
-"""The files `hf3d train` writes (and replaces) in its output folder."""
+"""The files `hf3d train` writes (and replaces) in its output folder, and the folder checkpoint.push_to_hub converts
+checkpoints into."""
 
 
 def check_launch(cfg: TrainConfig, *, world_size: int) -> int:

@@ -50,8 +50,19 @@ class CheckpointPusher:
         self.pushed: list[int] = []
         self.failed: list[int] = []
         self.news: dict = {}  # for the next metrics record
+        self._clean()
         self.thread = threading.Thread(target=self._work, name="hf3d-hub-push", daemon=True)
         self.thread.start()
+
+    def _clean(self) -> None:
+        """What a killed run left in the staging folder: its converted folders (of hf3d's, holding only an
+        export's files) go; anything else stays."""
+        from ..hf.folders import EXPORT
+        from ..utils import files
+
+        for d in sorted(self.staging.iterdir()) if self.staging.is_dir() else []:
+            if files.refusal(d, EXPORT) is None:
+                files.remove_dir(d, EXPORT)
 
     # -- the training loop's side: each call returns at once -----------------------------------------
     def submit(self, ckpt: Path, step: int) -> None:
