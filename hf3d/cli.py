@@ -149,9 +149,7 @@ def _average(args) -> None:
 
 
 def _average_parser(sub) -> None:
-    """`hf3d average`'s arguments."""
-    from .checkpoint.average import OUTPUT_DTYPES
-
+    """`hf3d average`'s arguments (no import of torch: `hf3d --help` answers without it)."""
     p = sub.add_parser(
         "average",
         help="the mean of several checkpoints' weights (e.g. the last ones of a WSD decay) as an HF directory, "
@@ -160,7 +158,7 @@ def _average_parser(sub) -> None:
     p.add_argument("ckpts", nargs="+", metavar="CKPT", help="hf3d checkpoint folders (2 or more, any mesh each)")
     p.add_argument("--out", required=True, help="HF directory to write (replaced if it is one already)")
     p.add_argument(
-        "--dtype", choices=OUTPUT_DTYPES, default="bfloat16", help="output weights dtype (default bfloat16; "
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="output weights dtype (default bfloat16; "
         "the mean is summed in float32 either way)"
     )  # fmt: skip
     p.add_argument("--max-shard-size", default="5GB", help="shard the safetensors past this size: 5GB, 500MB, bytes")

@@ -47,7 +47,7 @@ def test_train_tp2_writes_metrics_and_a_stock_loadable_model(tmp_path):
 
 def test_import_and_the_command_line_load_torch_only_when_needed():
     """`import hf3d` imports neither torch nor transformers; the public names and the submodules load on first
-    use; `hf3d --help` and `hf3d convert --help` answer without torch."""
+    use; `hf3d --help`, `hf3d convert --help` and `hf3d average --help` answer without torch."""
     probe = (
         "import sys, hf3d\n"
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
@@ -60,7 +60,7 @@ def test_import_and_the_command_line_load_torch_only_when_needed():
     proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "module 'hf3d' has no attribute 'nope'"
-    for args in (["--help"], ["convert", "to-hf", "--help"]):
+    for args in (["--help"], ["convert", "to-hf", "--help"], ["average", "--help"]):
         code = f"import sys; from hf3d.cli import main\ntry:\n    main({args!r})\nexcept SystemExit:\n    pass\n"
         code += "assert 'torch' not in sys.modules, 'torch imported'"
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
