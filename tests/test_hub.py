@@ -435,7 +435,7 @@ def test_checkpoint_pushes_refuse_a_damaged_checkpoint_and_never_hold_the_caller
     assert "the Hub push of checkpoint step_1 to user/ckpts (branch step_1) failed: checkpoint" in warning
     assert "is damaged" in warning and "training goes on" in warning and "\n" not in warning
     assert news == {"hub_push_error": warning.removeprefix("hf3d: warning: ").removesuffix("; training goes on"),
-                    "hub_pushed": [2]}  # fmt: skip
+                    "hub_pushed": 2}  # fmt: skip
     assert lines[-1] == "hf3d: Hub pushes to user/ckpts: steps [2] pushed; failed: steps [1] (see the warnings above)"
     original = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).state_dict()
     from safetensors.torch import load

@@ -78,7 +78,8 @@ class CheckpointPusher:
             return frozenset(self.pins)
 
     def take_news(self) -> dict:
-        """{"hub_pushed": [steps], "hub_push_error": line} since the last call, for a metrics record."""
+        """Since the last call, for a metrics record (scalars and text, as trackers take them): "hub_pushed", the
+        newest step pushed, and "hub_push_error", the newest failure's line."""
         with self.lock:
             news, self.news = self.news, {}
         return news
@@ -125,7 +126,7 @@ class CheckpointPusher:
                 self.say(f"hf3d: pushed checkpoint {ckpt.name} to {self.cfg.repo} branch {branch_of(step)}: {url}")
                 with self.lock:
                     self.pushed.append(step)
-                    self.news.setdefault("hub_pushed", []).append(step)
+                    self.news["hub_pushed"] = step
             finally:
                 with self.lock:
                     self.pins.discard(ckpt)
