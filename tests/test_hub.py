@@ -373,8 +373,8 @@ def _train_with_pushes(tmp_path: Path, hub: FakeHub, *sets: str) -> subprocess.C
 def test_train_pushes_its_checkpoints_each_to_its_branch(tmp_path):
     """`checkpoint.push_to_hub` (every: 2) with async saves (queued from their background publication; the
     docs' offline example runs the synchronous ones): the saves of steps 2 and 3 (the last) converted and
-    pushed in the background to branches step_2 and step_3, private; not step 1's. keep_last=1 rotation leaves the pushes
-    whole; the last one is the run's own final export, bit for bit."""
+    pushed in the background to branches step_2 and step_3, private; not step 1's. keep_last=1 rotation
+    leaves the pushes whole; the last one is the run's own final export, bit for bit."""
     with FakeHub(TOKEN) as hub:
         proc = _train_with_pushes(tmp_path, hub, "checkpoint.push_to_hub.every=2", "checkpoint.async=true")
         assert proc.returncode == 0, proc.stderr[-3000:]
