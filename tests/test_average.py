@@ -38,6 +38,9 @@ def _save_worker(model_dir: str, out: str) -> None:
         _, _, opt = hf3d_run(pm, batches(1, 4, 8, VOCAB, seed=len(name) + int(name[-1])), rows, lr=LRS[name])
         hf3d.save_checkpoint(Path(out) / name, pm, opt, step=1)
         pm.save_pretrained(Path(out) / f"{name}-export")
+    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(tp=2), dtype=torch.bfloat16)  # bf16 + fp32 masters
+    _, _, opt = hf3d_run(pm, batches(1, 4, 8, VOCAB, seed=7), slice(None), lr=2e-2)
+    hf3d.save_checkpoint(Path(out) / "bf16", pm, opt, step=1)
     report(None, Path(out) / "done.pt")
 
 
@@ -82,3 +85,16 @@ def test_the_order_of_the_inputs_does_not_matter_beyond_rounding(saved):
     sa, sb = _state(a), _state(b)
     worst = max((sa[k] - sb[k]).abs().max().item() for k in sa)
     assert worst <= 4e-6, worst  # fp32 sums in another order: measured 2.4e-7
+
+
+def test_a_bf16_run_contributes_its_fp32_masters(saved):
+    from safetensors.torch import load_file
+
+    from hf3d.checkpoint.convert import checkpoint_to_hf
+
+    masters = load_file(checkpoint_to_hf(saved / "bf16", saved / "bf16-masters", dtype="float32") / "model.safetensors")
+    other = _state(saved / "tp2-export")
+    got = _state(average_checkpoints([saved / "bf16", saved / "tp2"], saved / "mixed", dtype="float32"))
+    for k in masters:  # fp32 masters, not the bf16 weights upcast: bit for bit the fp32 mean
+        assert torch.equal(got[k], (masters[k] + other[k]) / 2), k
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters.values())
