@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
@@ -24,6 +25,7 @@ from reference import batches, hf3d_run  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d.checkpoint.average import average_checkpoints  # noqa: E402
+from hf3d.checkpoint.convert import checkpoint_to_hf  # noqa: E402
 from hf3d.cli import main as cli_main  # noqa: E402
 
 MESHES = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict()}
@@ -41,6 +43,9 @@ def _save_worker(model_dir: str, out: str) -> None:
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(tp=2), dtype=torch.bfloat16)  # bf16 + fp32 masters
     _, _, opt = hf3d_run(pm, batches(1, 4, 8, VOCAB, seed=7), slice(None), lr=2e-2)
     hf3d.save_checkpoint(Path(out) / "bf16", pm, opt, step=1)
+    if dist.get_rank() == 0:  # one rank alone under the process group, as checkpoint.push_to_hub converts
+        checkpoint_to_hf(Path(out) / "tp2", Path(out) / "tp2-alone")  # no collective: rank 1 waits in report
+        average_checkpoints([Path(out) / "tp2", Path(out) / "pp2"], Path(out) / "avg-alone", dtype="float32")
     report(None, Path(out) / "done.pt")
 
 
@@ -68,6 +73,10 @@ def test_the_mean_of_three_meshes_is_the_plain_torch_mean(saved, capsys):
     for k in expected:  # the same fp32 sums in the same order, then one division: bit for bit
         assert torch.equal(got[k], expected[k]), k
     assert not torch.equal(got["model.norm.weight"], runs[0]["model.norm.weight"])
+    alone = _state(saved / "avg-alone")  # written by rank 0 alone under a process group of 2
+    assert all(torch.equal(alone[k], (runs[0][k] + runs[1][k]) / 2) for k in alone)
+    tp2 = _state(saved / "tp2-alone")
+    assert all(torch.equal(tp2[k], runs[0][k]) for k in tp2)
 
     average_checkpoints(ckpts, saved / "avg16", max_shard_size=20_000)  # bf16 by default, several shards
     shards = sorted(p.name for p in (saved / "avg16").glob("*.safetensors"))
@@ -89,8 +98,6 @@ def test_the_order_of_the_inputs_does_not_matter_beyond_rounding(saved):
 
 def test_a_bf16_run_contributes_its_fp32_masters(saved):
     from safetensors.torch import load_file
-
-    from hf3d.checkpoint.convert import checkpoint_to_hf
 
     masters = load_file(checkpoint_to_hf(saved / "bf16", saved / "bf16-masters", dtype="float32") / "model.safetensors")
     other = _state(saved / "tp2-export")

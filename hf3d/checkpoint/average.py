@@ -59,7 +59,7 @@ class _Input:
 
         self.path = path
         self.meta = marker.read_marker(path)
-        marker.refuse_damaged(path, self.meta, checksums=False)  # sizes now, checksums before publishing
+        marker.refuse_damaged(path, self.meta, checksums=False, collective=False)  # sizes now, sums at the end
         if not (path / "config.json").is_file():
             raise ValueError(f"checkpoint {path} has no config.json; hf3d average needs each checkpoint's config")
         self.config = AutoConfig.from_pretrained(path)
@@ -144,7 +144,7 @@ def average_checkpoints(
 
     def check() -> None:  # before publishing: every input's checksums
         for i in inputs:
-            marker.refuse_damaged(i.path, i.meta)
+            marker.refuse_damaged(i.path, i.meta, collective=False)
 
     config = first.config
     config.dtype = out_dtype

@@ -161,12 +161,14 @@ def checkpoint_to_hf(
     dtype: "float32", "bfloat16" or "float16" (default: the training dtype in the checkpoint's marker).
     When it differs from the stored parameters' dtype and the checkpoint has fp32 master weights, the
     weights are taken from the masters (e.g. `--dtype float32` of a bf16 run gives its fp32 masters).
+    No collective, even under a process group: this process checks every file (checkpoint.push_to_hub runs
+    it in a thread of rank 0 while the ranks train).
     """
     from transformers import AutoConfig
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     meta = marker.read_marker(ckpt)
-    marker.refuse_damaged(ckpt, meta, checksums=False)  # sizes now, checksums beside the conversion
+    marker.refuse_damaged(ckpt, meta, checksums=False, collective=False)  # sizes now, checksums beside the conversion
     name = dtype or meta.get("dtype")
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPE_NAMES)}; pass --dtype")
@@ -214,13 +216,19 @@ def checkpoint_to_hf(
                 config,
                 src_dir=ckpt,
                 max_shard_bytes=max_shard_bytes,
-                check=lambda: marker.refuse_damaged(ckpt, meta, problem=damage()),
+                check=lambda: _refuse(ckpt, meta, damage()),
                 extra_files=_training_summary(ckpt),
             )
         except ValueError:  # a damaged file can fail the read first: say that it is damaged
-            marker.refuse_damaged(ckpt, meta, problem=damage())
+            _refuse(ckpt, meta, damage())
             raise
     return out_dir
+
+
+def _refuse(ckpt: Path, meta: dict, problem: str | None) -> None:
+    """The refusal of a damaged checkpoint when the checksums found `problem`; nothing when None."""
+    if problem is not None:
+        marker.refuse_damaged(ckpt, meta, problem=problem)
 
 
 @contextlib.contextmanager
@@ -229,7 +237,7 @@ def _checksums_beside(ckpt: Path, meta: dict):
     releases the GIL, so on a second core it costs no time): yields a function that waits for it and
     returns its verdict. The output is published only after that verdict (`write_hf_dir`'s check)."""
     pool = ThreadPoolExecutor(1)
-    verdict = pool.submit(marker.find_damage, ckpt, meta)
+    verdict = pool.submit(marker.find_damage, ckpt, meta, collective=False)  # one process reads every file
     try:
         yield verdict.result
     finally:

@@ -106,7 +106,7 @@ def _not_a_file(path: Path) -> str | None:
     return None
 
 
-def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None:
+def find_damage(path: Path, meta: dict, *, checksums: bool = True, collective: bool = True) -> str | None:
     """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
     words naming the first damaged file; None when every file has the size and CRC-32 its marker records.
     A file that is a link is damaged. A marker that records no files (written before hf3d recorded them)
@@ -115,7 +115,8 @@ def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None
 
     Under a process group every rank must call this: each checksums its share of the files and the
     verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank;
-    `checksums=False` checks only them (no file is read)."""
+    `checksums=False` checks only them (no file is read). `collective=False`: this process checks every file
+    alone, whatever process group there is (a conversion in a thread of rank 0 while the ranks train)."""
     files = meta.get("files")
     if not isinstance(files, dict):
         ours = (p for p in sorted(path.iterdir()) if is_checkpoint_file(p.name))
@@ -130,7 +131,7 @@ def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None
             return f"{name} has {size} bytes where {files[name].get('size')} were written"
     if not checksums:
         return None
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if collective and dist.is_initialized() else (0, 1)
     bad = [n for n in names[rank::world] if crc32_file(path / n) != files[n].get("crc32")]
     if world > 1:
         everyone = [None] * world
@@ -139,9 +140,11 @@ def find_damage(path: Path, meta: dict, *, checksums: bool = True) -> str | None
     return f"{bad[0]} does not match the checksum written with it" if bad else None
 
 
-def refuse_damaged(path: Path, meta: dict, *, checksums: bool = True, problem: str | None = None) -> None:
+def refuse_damaged(
+    path: Path, meta: dict, *, checksums: bool = True, problem: str | None = None, collective: bool = True
+) -> None:
     """Raise the one-line refusal of a damaged checkpoint: `problem` when given, else `find_damage`'s."""
-    problem = problem or find_damage(path, meta, checksums=checksums)
+    problem = problem or find_damage(path, meta, checksums=checksums, collective=collective)
     if problem is not None:
         raise ValueError(
             f"checkpoint {path} is damaged: {problem}; use another checkpoint (an older step_<N>) or delete this folder"
