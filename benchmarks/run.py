@@ -9,10 +9,11 @@ from benchmarks/results/*.json (nothing in a table is typed by hand).
                                                   #   --strict: exit 2, writing nothing, if a row is not current)
 
 The tables live between marker comments and are replaced whole: `perf` in docs/performance.md, `default-run` (the
-quick start's measured run) in README.md, `results` in benchmarks/README.md. Every results file records the git commit it measured (the `env` block;
-HF3D_BENCH_COMMIT names it for a tree copied without .git). A row is current when `git diff <commit> HEAD --
-hf3d` is empty and no uncommitted hf3d/ change was recorded at measurement; otherwise it is marked STALE (hf3d/
-changed since), UNCOMMITTED (measured on changes in no commit) or UNKNOWN (commit not in this repository).
+quick start's measured run) in README.md, `results` in benchmarks/README.md. Every results file records the git
+commit it measured (the `env` block; HF3D_BENCH_COMMIT names it for a tree copied without .git). A row is current
+when `git diff <commit> HEAD -- hf3d` is empty and no uncommitted hf3d/ change was recorded at measurement;
+otherwise it is marked STALE (hf3d/ changed since), UNCOMMITTED (measured on changes in no commit) or UNKNOWN
+(commit not in this repository).
 Marked rows, rows that miss their target and benchmarks not measured yet are shown, never left out.
 """
 

@@ -132,8 +132,8 @@ def _tiny_example(tmp: Path, model_path: Path, out: Path) -> Path:
 
 
 def test_the_tiny_variant_is_the_recipe_at_1_1024_of_its_rows():
-    """The small variant the README and the example's comments point to is the full recipe scaled: the same stages,
-    RoPE bases, schedule and recompute, rows and positions / 1024, cp=2 on 2 processes, local data only."""
+    """The small variant docs/long-context.md and the example's comments point to is the full recipe scaled: the same
+    stages, RoPE bases, schedule and recompute, rows and positions / 1024, cp=2 on 2 processes, local data only."""
     big, tiny = yaml.safe_load(EXAMPLE.read_text()), yaml.safe_load(TINY_EXAMPLE.read_text())
     pairs = list(zip(big["data"]["stages"], tiny["data"]["stages"]))
     assert len(pairs) == 2 and [t["start_step"] for _, t in pairs] == [0, TINY["switch"]]

@@ -235,7 +235,7 @@ def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
     assert (out / "final" / "config.json").is_file()
 
 
-def test_the_examples_run_as_the_readme_launches_them(tmp_path):
+def test_the_examples_run_as_the_docs_launch_them(tmp_path):
     """examples/accelerate_loop.py under `accelerate launch` and examples/trainer.py under torchrun, a few
     steps each: both exit 0 (they end with hf3d.finish) and write a stock HF directory."""
     acc = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/cpu.yaml"]
