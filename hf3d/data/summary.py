@@ -38,7 +38,11 @@ def summary_lines(pipe) -> list[str]:
         )
         if not pipe.eval_source and len(pipe.eval_names) > 1:  # each source's rows: its eval loss is over these
             where += (
-                " (" + ", ".join(f"{n} {k} rows" for n, k in zip(pipe.eval_names, pipe.eval_rows_per_source())) + ")"
+                " ("
+                + ", ".join(
+                    f"{n} {k} row{'s' * (k != 1)}" for n, k in zip(pipe.eval_names, pipe.eval_rows_per_source())
+                )
+                + ")"
             )
         lines.append(
             f"data eval: every {pipe.eval_every} steps, {pipe.cfg.eval.batches} batches of {pipe.eval_batch} "

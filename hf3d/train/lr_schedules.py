@@ -117,9 +117,8 @@ def fitted_warmup(cfg: ScheduleConfig, total_steps: int) -> tuple[int, str | Non
     if cfg.schedule == "wsd" or asked <= room:
         return asked, None
     fitted = total_steps // 10
-    if fitted < 2:  # a one-step warm-up runs its step at the peak lr: no warm-up at all
-        fitted = 0
-    how = f"it warms up over {fitted} steps, a tenth of the run" if fitted else "it does not warm up"
+    # a one-step warm-up runs its step at the peak lr already: no warm-up at all
+    how = f"it warms up over {fitted} steps, a tenth of the run" if fitted > 1 else "it does not warm up"
     return fitted, (
         f"lr warm-up: optim.warmup_steps={asked} does not fit the {total_steps}-step run, so {how}; set "
         "optim.warmup_steps to choose"
@@ -181,7 +180,7 @@ def describe_schedule(cfg: ScheduleConfig, total_steps: int) -> list[str]:
     if warmup > 1:
         lines.append(f"lr warm-up: {steps_span(1, warmup)}, linear from {cfg.lr / warmup:g} to {cfg.lr:g}")
     elif warmup == 1:  # its one step runs at lr / 1
-        lines.append(f"lr warm-up: none (optim.warmup_steps=1: step 1 runs at the peak lr {cfg.lr:g} already)")
+        lines.append(f"lr warm-up: none (step 1 runs at the peak lr {cfg.lr:g} already)")
     else:
         lines.append("lr warm-up: none")
     if start is None:
