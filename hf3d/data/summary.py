@@ -37,13 +37,8 @@ def summary_lines(pipe) -> list[str]:
             else f"the last {pipe.cfg.eval.fraction:.1%} of each first-stage source"
         )
         if not pipe.eval_source and len(pipe.eval_names) > 1:  # each source's rows: its eval loss is over these
-            where += (
-                " ("
-                + ", ".join(
-                    f"{n} {k} row{'s' * (k != 1)}" for n, k in zip(pipe.eval_names, pipe.eval_rows_per_source())
-                )
-                + ")"
-            )
+            shares = zip(pipe.eval_names, pipe.eval_rows_per_source())
+            where += " (" + ", ".join(f"{n} {k} row{'s' * (k != 1)}" for n, k in shares) + ")"
         lines.append(
             f"data eval: every {pipe.eval_every} steps, {pipe.cfg.eval.batches} batches of {pipe.eval_batch} "
             f"rows from {where}"
