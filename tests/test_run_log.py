@@ -21,6 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
+EVAL_ATOL = 3e-6  # ~20x the largest |eval loss - stock| measured (1.6e-7)
 CONFIG = {
     "model": {"path": "examples/models/tiny-smollm"},
     "data": {
@@ -116,7 +117,7 @@ def test_the_eval_losses_are_stock_transformers_on_the_same_rows(run):
     """The last evaluation (after step 4, at cp=2) against stock transformers on the exported weights of
     that step: each source's token-mean cross-entropy over its own held-out rows, and the total over all of
     them. Each row is checked to be one of its source's held-out windows, so a row counted under the wrong source
-    fails too. Measured |difference|: at most 1.5e-6 (fp32)."""
+    fails too. Measured |difference|: at most 1.6e-7 (fp32, cp=2); tolerance EVAL_ATOL."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf3d.data import DataPipeline
@@ -146,9 +147,9 @@ def test_the_eval_losses_are_stock_transformers_on_the_same_rows(run):
             sums[name][1] += int((targets != -100).sum())
     last = records[-1]
     for name, (s, n) in sums.items():
-        assert abs(last[f"eval_loss/{name}"] - s / n) < 2e-5, (name, last[f"eval_loss/{name}"], s / n)
+        assert abs(last[f"eval_loss/{name}"] - s / n) < EVAL_ATOL, (name, last[f"eval_loss/{name}"], s / n)
     total = sum(s for s, _ in sums.values()) / sum(n for _, n in sums.values())
-    assert abs(last["eval_loss"] - total) < 2e-5, (last["eval_loss"], total)
+    assert abs(last["eval_loss"] - total) < EVAL_ATOL, (last["eval_loss"], total)
     assert abs(last["eval_loss/plays"] - last["eval_loss/poems"]) > 1e-3  # two different numbers, not one copied
 
 
