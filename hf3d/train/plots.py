@@ -104,7 +104,7 @@ def draw_loss_curve(records: list[dict], *, title: str | None = None, stages=(),
     if min(every) > 0 and max(every) / min(every) > 3:
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # 3, 4, 6 rather than 3x10^0
-        if max(every) / min(every) < 10:  # within a decade the minor ticks are the only labels
+        if max(every) / min(every) < 100:  # within two decades the minor ticks carry labels: plain numbers too
             ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
     _mark_stages(ax, stage_marks(stages, steps + eval_steps))
     _mark_resumes(ax, resume_marks(records))
