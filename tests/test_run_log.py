@@ -134,10 +134,8 @@ def test_the_eval_losses_are_stock_transformers_on_the_same_rows(run):
         name: {tuple(src.read(k)[0][:-1].tolist()) for k in range(pipe.num_train[name], src.num_windows)}
         for name, src in pipe.sources.items()
     }
-    for batch in pipe.eval_batches():
-        for ids, targets, pos, source in zip(
-            batch["input_ids"], batch["shift_labels"], batch["position_ids"], batch["source_ids"]
-        ):
+    for batch, sources in zip(pipe.eval_batches(), pipe.eval_sources()):
+        for ids, targets, pos, source in zip(batch["input_ids"], batch["shift_labels"], batch["position_ids"], sources):
             name = names[int(source)]
             assert tuple(ids.tolist()) in held[name], name
             with torch.no_grad():

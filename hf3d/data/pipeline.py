@@ -347,36 +347,41 @@ class DataPipeline:
         return ["eval"] if self.eval_source is not None else [s.label for s in self.stages[0].sources]
 
     def eval_batches(self) -> list[dict]:
-        """This dp rank's rows of each eval batch (like next_batch's, plus `source_ids`: each row's index into
-        `eval_names`, LongTensor [rows]); the same every call; [] when off."""
+        """This dp rank's rows of each eval batch (like next_batch's); the same every call; [] when off."""
         if not self.eval_every:
             return []
         if self._eval is None:
-            rows = self.eval_batch * self.cfg.eval.batches
-            if self.eval_source is not None:
-                src = self.eval_source
-                picks = [("eval", k % src.num_windows) for k in range(rows)]
-                sources = {"eval": src}
-            else:  # the held-out tail of each first-stage source, its share of the rows by the first stage's weights
-                stage = self.stages[0].sources
-                rng = np.random.default_rng([self.cfg.seed, _EVAL, 0, 0])
-                choice = rng.permutation(np.repeat(np.arange(len(stage)), self.eval_rows_per_source()))
-                seen = [0] * len(stage)
-                picks = []
-                for i in choice:
-                    name = stage[i].label
-                    held = self.sources[name].num_windows - self.num_train[name]
-                    picks.append((name, self.num_train[name] + seen[i] % held))
-                    seen[i] += 1
-                sources = self.sources
-            b, index = self.eval_batch, {name: i for i, name in enumerate(self.eval_names)}
-            self._eval = []
-            for i in range(0, rows, b):
-                batch = self._pack(picks[i : i + b], sources)
-                ids = [index[name] for name, _ in self._mine(picks[i : i + b])]
-                batch["source_ids"] = torch.tensor(ids, dtype=torch.long)
-                self._eval.append(batch)
+            picks, sources, b = *self._eval_picks(), self.eval_batch
+            self._eval = [self._pack(picks[i : i + b], sources) for i in range(0, len(picks), b)]
         return self._eval
+
+    def eval_sources(self) -> list[torch.Tensor]:
+        """Where the rows of `eval_batches()` come from, batch by batch: this dp rank's rows' indices into
+        `eval_names`, LongTensor [rows]; [] when evaluation is off."""
+        if not self.eval_every:
+            return []
+        (picks, _), b = self._eval_picks(), self.eval_batch
+        index = {name: i for i, name in enumerate(self.eval_names)}
+        mine = [self._mine(picks[i : i + b]) for i in range(0, len(picks), b)]
+        return [torch.tensor([index[name] for name, _ in rows], dtype=torch.long) for rows in mine]
+
+    def _eval_picks(self) -> tuple[list[tuple[str, int]], dict[str, TokenSource]]:
+        """(source, window) of every global eval row, batch after batch, and the sources they are read from."""
+        rows = self.eval_batch * self.cfg.eval.batches
+        if self.eval_source is not None:
+            return [("eval", k % self.eval_source.num_windows) for k in range(rows)], {"eval": self.eval_source}
+        # the held-out tail of each first-stage source, its share of the rows by the first stage's weights
+        stage = self.stages[0].sources
+        rng = np.random.default_rng([self.cfg.seed, _EVAL, 0, 0])
+        choice = rng.permutation(np.repeat(np.arange(len(stage)), self.eval_rows_per_source()))
+        seen = [0] * len(stage)
+        picks = []
+        for i in choice:
+            name = stage[i].label
+            held = self.sources[name].num_windows - self.num_train[name]
+            picks.append((name, self.num_train[name] + seen[i] % held))
+            seen[i] += 1
+        return picks, self.sources
 
     # --- reporting --------------------------------------------------------------------------------
 

@@ -21,23 +21,24 @@ from .metrics import (
 from .metrics import throughput as throughput_metrics
 
 
-def evaluate(pmodel, batches: list[dict], sources: list[str] = ()) -> dict[str, float]:
-    """The token-mean cross-entropy over the held-out batches (all dp ranks' rows) as `eval_loss`, with its
-    `eval_ppl`, on every rank. With rows of several sources (`sources`, indexed by the batches' `source_ids`),
-    also each source's token mean over its own rows as `eval_loss/<source>`, from the same forward."""
+def evaluate(pmodel, pipe) -> dict[str, float]:
+    """The token-mean cross-entropy over the held-out batches of the data pipeline (all dp ranks' rows) as
+    `eval_loss`, with its `eval_ppl`, on every rank. With rows of several sources, also each source's token mean
+    over its own rows as `eval_loss/<source>`, from the same forward."""
     was_training = pmodel.training
     pmodel.eval()
-    groups = len(sources) if len(sources) > 1 else 0
+    names = pipe.eval_names
+    groups = len(names) if len(names) > 1 else 0
     sums = torch.zeros(2, max(groups, 1), dtype=torch.float64)  # [loss sum, targets] per source
-    for b in batches:
-        by = {"groups": b["source_ids"], "num_groups": groups} if groups else {}
+    for b, source_ids in zip(pipe.eval_batches(), pipe.eval_sources()):
+        by = {"groups": source_ids, "num_groups": groups} if groups else {}
         s, n = pmodel.eval_loss(b["input_ids"], shift_labels=b["shift_labels"], position_ids=b["position_ids"], **by)
         sums += torch.stack([s, n]).view(2, -1).double().cpu()
     pmodel.train(was_training)
     loss_sum, count = sums.sum(1).tolist()
     out = {"eval_loss": loss_sum / max(count, 1.0)}
     out["eval_ppl"] = float(torch.tensor(out["eval_loss"]).exp())
-    for name, (s, n) in zip(sources, sums.T.tolist()) if groups else ():
+    for name, (s, n) in zip(names, sums.T.tolist()) if groups else ():
         if n:  # a source the eval rows never drew has no loss of its own
             out[f"eval_loss/{name}"] = s / n
     return out

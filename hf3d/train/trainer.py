@@ -66,7 +66,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
             if step == run.start and cfg.checkpoint.async_ and cfg.checkpoint.every:
                 prepare_async_save(run.pmodel, run.opt)  # the optimizer's state exists: stage buffers now
             if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
-                record.update(evaluate(run.pmodel, eval_batches, run.pipe.eval_names))
+                record.update(evaluate(run.pmodel, run.pipe))
             if run.evaluator is not None and downstream_due(cfg.evals, step + 1, r.steps):
                 record.update(downstream(run, step + 1))
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
