@@ -327,16 +327,7 @@ class DataPipeline:
         """Held-out rows of each first-stage source in the eval batches (data.eval.fraction): its share of them by
         weight (largest remainders), and at least one for every source of positive weight where there are rows
         enough, so that each has an eval loss of its own."""
-        weights = np.array([s.weight for s in self.stages[0].sources], dtype=np.float64)
-        rows = self.eval_batch * self.cfg.eval.batches
-        exact = weights / weights.sum() * rows
-        counts = np.floor(exact).astype(np.int64)
-        counts[np.argsort(counts - exact, kind="stable")[: rows - counts.sum()]] += 1
-        for i in np.flatnonzero((counts == 0) & (weights > 0)):
-            most = int(np.argmax(counts))
-            if counts[most] > 1:
-                counts[most], counts[i] = counts[most] - 1, 1
-        return counts.tolist()
+        return _shares([s.weight for s in self.stages[0].sources], self.eval_batch * self.cfg.eval.batches)
 
     @property
     def eval_names(self) -> list[str]:
@@ -371,20 +362,39 @@ class DataPipeline:
         if self.eval_source is not None:
             return [("eval", k % self.eval_source.num_windows) for k in range(rows)], {"eval": self.eval_source}
         # the held-out tail of each first-stage source, its share of the rows by the first stage's weights
-        stage = self.stages[0].sources
+        names = [s.label for s in self.stages[0].sources]
         rng = np.random.default_rng([self.cfg.seed, _EVAL, 0, 0])
-        choice = rng.permutation(np.repeat(np.arange(len(stage)), self.eval_rows_per_source()))
-        seen = [0] * len(stage)
-        picks = []
-        for i in choice:
-            name = stage[i].label
-            held = self.sources[name].num_windows - self.num_train[name]
-            picks.append((name, self.num_train[name] + seen[i] % held))
-            seen[i] += 1
-        return picks, self.sources
+        order = rng.permutation(np.repeat(np.arange(len(names)), self.eval_rows_per_source()))
+        return _held_out_rows([names[i] for i in order], self.num_train, self.sources), self.sources
 
     # --- reporting --------------------------------------------------------------------------------
 
     def summary(self) -> list[str]:
         """Lines for the start of a run: each source, each stage, the eval split (hf3d/data/summary.py)."""
         return summary_lines(self)
+
+
+def _shares(weights: list[float], rows: int) -> list[int]:
+    """`rows` split by `weights` (largest remainders), at least one row for each positive weight where the
+    largest share can give one."""
+    w = np.array(weights, dtype=np.float64)
+    exact = w / w.sum() * rows
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[: rows - counts.sum()]] += 1
+    for i in np.flatnonzero((counts == 0) & (w > 0)):
+        most = int(np.argmax(counts))
+        if counts[most] > 1:
+            counts[most], counts[i] = counts[most] - 1, 1
+    return counts.tolist()
+
+
+def _held_out_rows(names: list[str], num_train: dict[str, int], sources: dict[str, TokenSource]) -> list[tuple]:
+    """(source, window) for rows drawn from `names` in order: each source's held-out windows (those after its
+    training windows) one after another, from the first again when a source has fewer than it is drawn."""
+    seen = dict.fromkeys(names, 0)
+    picks = []
+    for name in names:
+        held = sources[name].num_windows - num_train[name]
+        picks.append((name, num_train[name] + seen[name] % held))
+        seen[name] += 1
+    return picks
