@@ -14,8 +14,6 @@ import sys
 import time
 from typing import NoReturn
 
-import torch
-
 from ..checkpoint.rotation import finish_save
 from ..checkpoint.save import prepare_async_save, save_checkpoint
 from ..parallel.mesh import on_rank0
@@ -63,11 +61,12 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         state.step = step + 1
         try:
             record, signum = one_step(run, step, health, stop)
+            if step == run.start and run.resume_from is not None:  # the loss curve marks where a run resumed
+                record["resumed_from"] = str(run.resume_from)
             if step == run.start and cfg.checkpoint.async_ and cfg.checkpoint.every:
                 prepare_async_save(run.pmodel, run.opt)  # the optimizer's state exists: stage buffers now
             if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
-                record["eval_loss"] = evaluate(run.pmodel, eval_batches)
-                record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
+                record.update(evaluate(run.pmodel, run.pipe))
             if run.evaluator is not None and downstream_due(cfg.evals, step + 1, r.steps):
                 record.update(downstream(run, step + 1))
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
