@@ -13,6 +13,35 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _launch_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N worker processes on this machine (as torchrun --standalone does) and end cleanly: Ctrl-C "
+        "leaves the workers' last line on screen and exits 130; a failure is one line. Under torchrun leave it out",
+    )
+
+
+def _launch(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
+    """`--nproc-per-node N`: check what can be checked here (one line, no worker started), then run the command
+    on N workers (utils.launch)."""
+    from .utils.launch import launch, worker_argv
+
+    if args.func is _train:
+        from .train.config import TrainConfig
+
+        TrainConfig.from_yaml(args.config, args.set or [])
+    elif args.func is _generate:
+        from .generation.command import read_prompts
+
+        read_prompts(args.prompt, args.prompts)
+    workers = worker_argv(argv)
+    if parser.parse_args(workers).nproc_per_node is not None:  # an abbreviation argparse accepted
+        raise ValueError("spell --nproc-per-node N in full (the workers' command line leaves it out)")
+    return launch(f"hf3d {args.command}", args.nproc_per_node, workers)
+
+
 def _collective(command: str, body, *, steps: bool) -> int:
     """Run `body(state)` as a command of every rank: it ends with 0, or the code of faults.fail (one line for
     the whole job, no rank left waiting on a dead peer). A command that got as far as its process group leaves
@@ -126,6 +155,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
     p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    _launch_option(p)
     p.set_defaults(func=_generate)
 
 
@@ -190,6 +220,7 @@ def _eval_parser(sub) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
     p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    _launch_option(p)
     p.set_defaults(func=_eval)
 
 
@@ -199,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("train", help="train from a YAML config; launch with torchrun or accelerate launch")
     p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
     p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
+    _launch_option(p)
     p.set_defaults(func=_train)
     _eval_parser(sub)
     _generate_parser(sub)
@@ -229,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 5xx answers")
     p.add_argument("--retry-wait", type=float, default=1.0, help="seconds before the first retry, doubling after")
     p.set_defaults(func=_push)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "nproc_per_node", None) is not None:
+            return _launch(parser, args, argv)
         code = args.func(args)
     except (ValueError, FileNotFoundError) as e:
         if _is_main_rank():
