@@ -32,10 +32,14 @@ def _launch(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
         from .train.config import TrainConfig
 
         TrainConfig.from_yaml(args.config, args.set or [])
-    elif args.func is _generate:
-        from .generation.command import read_prompts
+    else:  # eval, generate
+        from .evaluation.command import check_model
 
-        read_prompts(args.prompt, args.prompts)
+        if args.func is _generate:
+            from .generation.command import read_prompts
+
+            read_prompts(args.prompt, args.prompts)
+        check_model(args.model)
     workers = worker_argv(argv)
     if parser.parse_args(workers).nproc_per_node is not None:  # an abbreviation argparse accepted
         raise ValueError("spell --nproc-per-node N in full (the workers' command line leaves it out)")
@@ -48,7 +52,7 @@ def _collective(command: str, body, *, steps: bool) -> int:
     through faults.leave (or faults.fail), under a launcher or not: no interpreter teardown, which with gloo's
     threads up can abort and turn 0 into 134 (it did so in a one-process run, its process group destroyed
     first). steps: the command trains in steps (a failure names its step)."""
-    from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
+    from .utils.faults import RunState, die_with_parent, fail, interrupted, leave, started_by_launcher
 
     if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
         die_with_parent()
@@ -57,6 +61,8 @@ def _collective(command: str, body, *, steps: bool) -> int:
         body(state)
     except Exception as e:
         return fail(e, state, command)  # it returns only before the process group
+    except KeyboardInterrupt:  # Ctrl-C before training's own handler, or in eval / generate: one line
+        return interrupted(command, state)
     leave(0)
 
 
@@ -224,7 +230,8 @@ def _eval_parser(sub) -> None:
     p.set_defaults(func=_eval)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf3d` command line: every subcommand and option (each with its help text)."""
     parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train from a YAML config; launch with torchrun or accelerate launch")
@@ -257,10 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")
     p.add_argument("--private", action="store_true", help="make a new repo private (an existing one keeps its setting)")
     p.add_argument("--revision", help="branch to commit to (created if missing; default: main)")
-    p.add_argument("--commit-message")
+    p.add_argument("--commit-message", help="the commit's message (default: \"Upload <folder name> with hf3d\")")
     p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 5xx answers")
     p.add_argument("--retry-wait", type=float, default=1.0, help="seconds before the first retry, doubling after")
     p.set_defaults(func=_push)
+    for subparsers in (sub, directions):  # `hf3d X --help` opens with what `hf3d --help` says of X
+        for choice in subparsers._choices_actions:
+            subparsers.choices[choice.dest].description = choice.help
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import uuid
 
 # an agent that forwarded a stop signal waits this long for the workers to save their checkpoint and exit
-STOP_WAIT_S = 3600
+STOP_WAIT_S = 300
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -49,7 +50,15 @@ def _quiet_agent() -> None:
 
 def launch(command: str, nproc: int, argv: list[str]) -> int:
     """Run `python -m hf3d ARGV` on `nproc` local worker processes (torchrun --standalone's rendezvous) and
-    return the exit code this process should end with; prints at most one line (a worker that died silently)."""
+    return the exit code this process should end with: 0, the first failing worker's code, or 128 + N after
+    signal N (130 for Ctrl-C). Prints a line only for a worker that died without hf3d's own."""
+    try:
+        return _run_agent(command, nproc, argv)
+    except KeyboardInterrupt:  # Ctrl-C before the agent set its handlers: no worker started yet
+        return 128 + int(signal.SIGINT)
+
+
+def _run_agent(command: str, nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, launch_agent
@@ -76,10 +85,10 @@ def launch(command: str, nproc: int, argv: list[str]) -> int:
     except SignalException as e:  # the workers got the signal, saved and exited: their line is the last one
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        if not str(failure.message).startswith(command):  # hf3d's first failing rank printed nothing
-            print(f"{command}: rank {rank} {_how_it_died(failure)}", file=sys.stderr)
-        code = failure.exitcode
+        for rank, failure in sorted(e.failures.items()):
+            if not str(failure.message).startswith(command):  # a rank that died without hf3d's line
+                print(f"{command}: rank {rank} {_how_it_died(failure)}", file=sys.stderr)
+        code = e.get_first_failure()[1].exitcode
         return 128 - code if code < 0 else code
     return 0
 
