@@ -85,10 +85,10 @@ def _run_agent(command: str, nproc: int, argv: list[str]) -> int:
     except SignalException as e:  # the workers got the signal, saved and exited: their line is the last one
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        for rank, failure in sorted(e.failures.items()):
-            if not str(failure.message).startswith(command):  # a rank that died without hf3d's line
-                print(f"{command}: rank {rank} {_how_it_died(failure)}", file=sys.stderr)
-        code = e.get_first_failure()[1].exitcode
+        silent = [(r, f) for r, f in sorted(e.failures.items()) if not str(f.message).startswith(command)]
+        for rank, failure in silent:  # a rank that died without hf3d's line (its peers' lines are effects)
+            print(f"{command}: rank {rank} {_how_it_died(failure)}", file=sys.stderr)
+        code = (silent[0][1] if silent else e.get_first_failure()[1]).exitcode
         return 128 - code if code < 0 else code
     return 0
 
