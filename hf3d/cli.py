@@ -39,7 +39,7 @@ def _launch(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
             from .generation.command import read_prompts
 
             read_prompts(args.prompt, args.prompts)
-        check_model(args.model)
+        check_model(args.model, scratch=args.func is _eval)
     workers = worker_argv(argv)
     if parser.parse_args(workers).nproc_per_node is not None:  # an abbreviation argparse accepted
         raise ValueError("spell --nproc-per-node N in full (the workers' command line leaves it out)")
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")
     p.add_argument("--private", action="store_true", help="make a new repo private (an existing one keeps its setting)")
     p.add_argument("--revision", help="branch to commit to (created if missing; default: main)")
-    p.add_argument("--commit-message", help="the commit's message (default: \"Upload <folder name> with hf3d\")")
+    p.add_argument("--commit-message", help='the commit\'s message (default: "Upload <folder name> with hf3d")')
     p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 5xx answers")
     p.add_argument("--retry-wait", type=float, default=1.0, help="seconds before the first retry, doubling after")
     p.set_defaults(func=_push)

@@ -2047,14 +2047,6 @@ CASES: list[Case] = [
         how="main",
     ),
     _c(
-        "eval-config-only",
-        EVAL,
-        "`hf3d eval` of a folder of a config.json alone (it would score random weights)",
-        lambda fx: _eval(fx, "shakespeare-word", model="config_only"),
-        ["hf3d eval: error: model <tmp>/models/config-only holds a config.json but no weights"],
-        how="main",
-    ),
-    _c(
         "eval-train-unknown-task",
         EVAL,
         "`evals.tasks` naming an unknown task in `hf3d train`",

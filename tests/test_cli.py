@@ -143,7 +143,6 @@ def test_a_hub_model_on_the_wrong_world_size_is_refused_before_any_hub_lookup(tm
     assert not (tmp_path / "hf-home").exists() and not (tmp_path / "out").exists()
 
 
-
 def _parsers(parser, path: tuple[str, ...]):
     """(command path, parser) for `parser` and each of its subcommands, recursively."""
     import argparse

@@ -102,7 +102,6 @@ def test_a_refusal_appears_once_on_the_whole_screen(tmp_path):
     assert not (tmp_path / "run" / "final").exists()
 
 
-
 def test_a_config_refused_before_the_workers_start_is_one_line(tmp_path, capsys):
     from hf3d.cli import main
 

@@ -44,11 +44,11 @@ def parallel_config(overrides: list[str]) -> ParallelConfig:
     return build_section(ParallelConfig, values, "parallel")
 
 
-def check_model(model: str) -> None:
+def check_model(model: str, *, scratch: bool = False) -> None:
     """Refuse, in one line and before any model work, what holds no model to read: a path that does not exist, a
     file, a training run's output folder, a checkpoint whose save did not finish, a folder without config.json, and
-    one with a config.json alone (which parallelize would initialise from scratch: random text, random scores),
-    one without a tokenizer."""
+    one without a tokenizer, and, unless `scratch`, a config.json alone (which parallelize initialises from
+    scratch: `hf3d eval` scores that as a baseline, `hf3d generate` would print random text)."""
     from ..checkpoint.marker import MARKER, is_complete
     from ..parallel.init_weights import has_weights
 
@@ -65,20 +65,17 @@ def check_model(model: str) -> None:
             f"model {model} is a training run's folder: give one of its checkpoints ({path / 'checkpoints'}/"
             f"step_<N>) or its export {path / 'final'}"
         )
-    if is_complete(path) or has_weights(path):
-        if not any(path.glob("tokenizer*")) and not (path / "vocab.json").is_file():
-            raise ValueError(
-                f"model {model} has no tokenizer (tokenizer.json, tokenizer_config.json): copy the tokenizer files "
-                "of the model it was trained from into it"
-            )
-        return
-    if any(path.glob("*.distcp")):
+    if not is_complete(path) and any(path.glob("*.distcp")):
         raise ValueError(f"model {model} is a checkpoint whose save did not finish (no {MARKER}): use another step_<N>")
     if not (path / "config.json").is_file():
         raise ValueError(f"model {model} holds no model (no config.json): {give}")
-    raise ValueError(
-        f"model {model} holds a config.json but no weights (a folder to train from scratch): {give}"
-    )
+    if not (is_complete(path) or has_weights(path) or scratch):
+        raise ValueError(f"model {model} holds a config.json but no weights (a folder to train from scratch): {give}")
+    if not any(path.glob("tokenizer*")) and not (path / "vocab.json").is_file():
+        raise ValueError(
+            f"model {model} has no tokenizer (tokenizer.json, tokenizer_config.json): copy the tokenizer files of "
+            "the model it was trained from into it"
+        )
 
 
 def check_output_dir(output_dir: Path, tasks, log_samples: bool) -> None:
@@ -119,7 +116,7 @@ def run_eval(
     out = Path(output_dir)
     tasks = load_tasks(cfg)  # every file read and checked before the model is built
     check_output_dir(out, tasks, cfg.log_samples)
-    check_model(model)
+    check_model(model, scratch=True)
     pmodel = load_model(model, pcfg, dtype=dtype, attn_implementation=attn_implementation)
     if state is not None:
         state.locate(pmodel.mesh)
