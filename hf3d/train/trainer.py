@@ -132,6 +132,7 @@ def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, 
             tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")
     if signum:
         code = 128 + signum
+        bar.update(1)  # the step the signal stopped was trained and saved
         bar.close()
         if run.rank0:
             tqdm.write(
