@@ -1259,7 +1259,7 @@ CASES: list[Case] = [
         LAUNCH,
         "1 process launched for `parallel.tp: 2`",
         lambda fx: _check_run("parallel.tp=2", world_size=1),
-        ["world size 1 is not tp·pp·dp·cp = 2·1·?·1", "torchrun --nproc-per-node 2"],
+        ["world size 1 is not tp·pp·dp·cp = 2·1·?·1", "hf3d train --nproc-per-node 2"],
     ),
     _c(
         "launch-dp-product",
@@ -1273,7 +1273,7 @@ CASES: list[Case] = [
         LAUNCH,
         "2 processes launched for `parallel.tp: 2, cp: 2`",
         lambda fx: _check_run("parallel.tp=2", "parallel.cp=2", world_size=2),
-        ["world size 2 is not tp·pp·dp·cp = 2·1·?·2", "torchrun --nproc-per-node 4", "parallel.tp/pp/dp/cp"],
+        ["world size 2 is not tp·pp·dp·cp = 2·1·?·2", "hf3d train --nproc-per-node 4", "parallel.tp/pp/dp/cp"],
     ),
     _c(
         "launch-cp-seq-len",
