@@ -133,3 +133,19 @@ def test_a_worker_killed_without_a_word_gets_one_line_from_the_launcher(tmp_path
     assert sum(line.startswith("hf3d train: rank 0") for line in screen) <= 1, screen[-20:]
     assert not any("Traceback" in line or "ChildFailedError" in line for line in screen), screen[-40:]
     assert proc.returncode == 137, screen[-20:]
+
+
+def test_ctrl_c_outside_training_is_one_line_and_130(capsys):
+    """A KeyboardInterrupt where hf3d has no handler of its own (before training's first step, in eval and
+    generate): one line from rank 0, exit 130, no traceback."""
+    from hf3d.cli import _collective
+
+    def body(state) -> None:
+        raise KeyboardInterrupt
+
+    assert _collective("hf3d train", body, steps=True) == 130
+    assert _collective("hf3d generate", body, steps=False) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "hf3d train: stopped by SIGINT before the first step (nothing saved); exit code 130",
+        "hf3d generate: stopped by SIGINT; exit code 130",
+    ]
