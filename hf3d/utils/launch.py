@@ -6,8 +6,10 @@ turns it into a `SignalException`, forwards SIGINT to the workers (hf3d saves a 
 resume), waits for them, then raises the exception out of `torchrun`'s main and exits 1. A worker's failure ends
 on torchrun's `ChildFailedError` summary, which repeats the worker's line. Here the agent runs in this process:
 
-- Ctrl-C (or SIGTERM): the agent forwards the signal and waits for the workers to save and exit; this process
-  then prints nothing and exits 128 + the signal (130 for Ctrl-C), so the workers' resume line stays last.
+- Ctrl-C (or SIGTERM): the agent forwards the signal and waits for the workers to save and exit (as under
+  torchrun, 30 s or TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds, then SIGKILL: the same wait ends the peers of a
+  failed rank); this process then prints nothing and exits 128 + the signal (130 for Ctrl-C), so the workers'
+  resume line stays last.
 - A worker fails: hf3d's first failing rank has printed its one line (faults.fail); this process prints nothing
   more and exits with that worker's code. A worker that died without hf3d's line (killed by a signal, the OOM
   killer) gets one line here.
@@ -23,9 +25,6 @@ import os
 import signal
 import sys
 import uuid
-
-# an agent that forwarded a stop signal waits this long for the workers to save their checkpoint and exit
-STOP_WAIT_S = 300
 
 
 def worker_argv(argv: list[str]) -> list[str]:
@@ -77,7 +76,7 @@ def _run_agent(command: str, nproc: int, argv: list[str]) -> int:
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        shutdown_timeout=STOP_WAIT_S,
+        shutdown_timeout=None,  # torchrun's: 30 s, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT; then SIGKILL
     )
     _quiet_agent()
     try:
