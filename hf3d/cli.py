@@ -145,7 +145,7 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text at any mesh from a checkpoint, an HF folder or a Hub id (greedy unless a sampling "
-        "option is given); launch with torchrun for tp / pp / dp / cp / ep",
+        "option is given); on several processes (--nproc-per-node N, or torchrun) for tp / pp / dp / cp / ep",
     )
     p.add_argument("model", help="hf3d checkpoint (saved at any mesh), HF model directory or Hub id")
     p.add_argument("--prompt", help="one prompt")
@@ -197,7 +197,7 @@ def _eval_parser(sub) -> None:
     p = sub.add_parser(
         "eval",
         help="score multiple-choice tasks (cloze) at any mesh, from a checkpoint, an HF folder or a Hub id; "
-        "launch with torchrun for tp / pp / dp / cp / ep",
+        "on several processes (--nproc-per-node N, or torchrun) for tp / pp / dp / cp / ep",
     )
     p.add_argument("model", help="hf3d checkpoint (saved at any mesh), HF model directory or Hub id")
     p.add_argument(
@@ -234,7 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The `hf3d` command line: every subcommand and option (each with its help text)."""
     parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train from a YAML config; launch with torchrun or accelerate launch")
+    p = sub.add_parser(
+        "train",
+        help="train from a YAML config; on several processes of this machine with --nproc-per-node N, on several "
+        "machines under torchrun (or accelerate launch)",
+    )
     p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
     p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
     _launch_option(p)
