@@ -495,7 +495,7 @@ def _check_world(cfg: TrainConfig, world_size: int) -> int:
         dp = "dp" if p.dp is None else f"dp={p.dp}"
         raise ValueError(
             f"world size {world_size} is not tp·pp·{dp}·cp = {p.tp}·{p.pp}·{p.dp or '?'}·{p.cp}: launch "
-            f"tp·pp·dp·cp processes (e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
+            f"tp·pp·dp·cp processes (e.g. hf3d train --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
             "parallel.tp/pp/dp/cp"
         )
     dp = world_size // tp_pp

@@ -70,7 +70,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
             if run.evaluator is not None and downstream_due(cfg.evals, step + 1, r.steps):
                 record.update(downstream(run, step + 1))
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
-            _checkpoint_and_stop(run, step, record, health, signum)
+            _checkpoint_and_stop(run, step, record, health, signum, bar)
         except Exception as e:
             _let_the_write_finish(run, e)
             raise
@@ -97,9 +97,10 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     return record
 
 
-def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, signum: int) -> None:
+def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, signum: int, bar) -> None:
     """A checkpoint every checkpoint.every steps, at the last step and when a stop signal came; after a
-    signal, leave with 128 + its number."""
+    signal, leave with 128 + its number, the progress bar closed first so the resume line is the last on
+    screen."""
     from tqdm.auto import tqdm
 
     c = run.cfg.checkpoint
@@ -130,6 +131,8 @@ def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, 
             tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")
     if signum:
         code = 128 + signum
+        bar.update(1)  # the step the signal stopped was trained and saved
+        bar.close()
         if run.rank0:
             tqdm.write(
                 f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {run.saved_to} "
