@@ -182,9 +182,9 @@ def write_rank(out: str, rec: dict) -> None:
 
 
 def hf3d_train(config: str, settings: list[str], *, nproc: int = 2) -> tuple[subprocess.CompletedProcess, float]:
-    """`torchrun --nproc-per-node N -m hf3d train CONFIG --set SETTINGS...` from the repository root, as the
-    README launches it; returns the finished process and its wall time in seconds."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m", "hf3d", "train"]
+    """`hf3d train --nproc-per-node N CONFIG --set SETTINGS...` from the repository root, as the README
+    launches it; returns the finished process and its wall time in seconds."""
+    cmd = [sys.executable, "-m", "hf3d", "train", "--nproc-per-node", str(nproc)]
     t0 = time.perf_counter()
     proc = subprocess.run([*cmd, config, "--set", *settings], cwd=REPO, capture_output=True, text=True)
     return proc, time.perf_counter() - t0

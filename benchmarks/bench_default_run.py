@@ -1,6 +1,6 @@
 """The README's main command, run as written: the embedded default `hf3d train` on 2 processes.
 
-Runs `torchrun --nproc-per-node 2 -m hf3d train examples/configs/tiny-smollm.yaml` from the repository
+Runs `hf3d train --nproc-per-node 2 examples/configs/tiny-smollm.yaml` from the repository
 root (into a temporary output dir, so `outputs/` is left alone) and records what a user sees: the wall
 time, the first and last training loss, the eval losses, the downstream scores, the log lines, the
 checkpoints and files written, the generated sample, and the loss curve (copied to
@@ -49,7 +49,7 @@ def main() -> None:
         ]
         data = {
             "env": env,
-            "command": "torchrun --nproc-per-node 2 -m hf3d train " + CONFIG,
+            "command": "hf3d train --nproc-per-node 2 " + CONFIG,
             "quick": args.quick,
             "wall_s": wall,
             "steps": records[-1]["step"],

@@ -21,7 +21,7 @@ batch (random tokens, labels = inputs).
     − steady), in steps (target ≤ 0.1); a step beside a write = the worst interval of steps 2-10 after a save,
     over the steady step (target ≤ 1.05x).
 (c) hf3d FP8 compiled, tensorwise and rowwise, against (a)'s hf3d bf16 compiled row at the 1.7B shape (target:
-    ≥ 1.2x for the recipe the README recommends).
+    ≥ 1.2x for the recipe docs/fp8.md recommends).
 (d) MoE: a Qwen3-MoE of ~472M (hidden 1024, 12 layers, 32 experts of width 288, top-4), 4 x 2048 tokens: hf3d
     ep=1 bf16 against stock with `experts_implementation="grouped_mm"` (fp32 parameters under autocast, fused
     AdamW); both eager. Target ≥ 1.8x.

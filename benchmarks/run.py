@@ -1,4 +1,4 @@
-"""The benchmarks' runner: runs them, then writes the performance tables of README.md and benchmarks/README.md
+"""The benchmarks' runner: runs them, then writes the performance tables of docs/performance.md and benchmarks/README.md
 from benchmarks/results/*.json (nothing in a table is typed by hand).
 
     python benchmarks/run.py                      # every benchmark, its command, and the state of its results
@@ -8,11 +8,12 @@ from benchmarks/results/*.json (nothing in a table is typed by hand).
     python benchmarks/run.py --report             # the tables only (--check: exit 1 if one is out of date;
                                                   #   --strict: exit 2, writing nothing, if a row is not current)
 
-The tables live between marker comments and are replaced whole: `perf` and `default-run` in README.md,
-`results` in benchmarks/README.md. Every results file records the git commit it measured (the `env` block;
-HF3D_BENCH_COMMIT names it for a tree copied without .git). A row is current when `git diff <commit> HEAD --
-hf3d` is empty and no uncommitted hf3d/ change was recorded at measurement; otherwise it is marked STALE (hf3d/
-changed since), UNCOMMITTED (measured on changes in no commit) or UNKNOWN (commit not in this repository).
+The tables live between marker comments and are replaced whole: `perf` in docs/performance.md, `default-run` (the
+quick start's measured run) in README.md, `results` in benchmarks/README.md. Every results file records the git
+commit it measured (the `env` block; HF3D_BENCH_COMMIT names it for a tree copied without .git). A row is current
+when `git diff <commit> HEAD -- hf3d` is empty and no uncommitted hf3d/ change was recorded at measurement;
+otherwise it is marked STALE (hf3d/ changed since), UNCOMMITTED (measured on changes in no commit) or UNKNOWN
+(commit not in this repository).
 Marked rows, rows that miss their target and benchmarks not measured yet are shown, never left out.
 """
 
@@ -270,7 +271,7 @@ def default_run_block(results: Path = RESULTS) -> str:
         "curve (`outputs/tiny-smollm/loss_curve.png`, train and eval):\n\n"
         "![loss curve of the default run](benchmarks/results/default_run_loss_curve.png)\n\n"
         f"and the sample it wrote (`outputs/tiny-smollm/sample.txt`, from the exported model): `{sample[:160]}`"
-        + (f". Its last log line:\n\n```\n{d['log_lines'][-1]}\n```" if d.get("log_lines") else "")
+        + (f". Its last log line:\n\n```text\n{d['log_lines'][-1]}\n```" if d.get("log_lines") else "")
         + _mesh_sample(d)
     )
 
@@ -292,11 +293,11 @@ def replace_block(text: str, name: str, body: str) -> str:
 
 
 def render(results: Path = RESULTS) -> tuple[dict[Path, str], list[str]]:
-    """{README file: its new text}, and the results files the table uses that are not current."""
+    """{file with marker blocks: its new text}, and the results files the table uses that are not current."""
     table, not_current = perf_table(results)
-    readme, bench_readme = REPO / "README.md", BENCH_DIR / "README.md"
-    text = replace_block(readme.read_text(), "perf", table)
-    out = {readme: replace_block(text, "default-run", default_run_block(results))}
+    readme, perf_doc, bench_readme = REPO / "README.md", REPO / "docs" / "performance.md", BENCH_DIR / "README.md"
+    out = {readme: replace_block(readme.read_text(), "default-run", default_run_block(results))}
+    out[perf_doc] = replace_block(perf_doc.read_text(), "perf", table)
     out[bench_readme] = replace_block(bench_readme.read_text(), "results", table)
     return out, not_current
 

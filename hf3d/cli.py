@@ -13,13 +13,46 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _launch_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start N worker processes on this machine (as torchrun --standalone does) and end cleanly: Ctrl-C "
+        "leaves the workers' last line on screen and exits 130; a failure is one line. Under torchrun leave it out",
+    )
+
+
+def _launch(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
+    """`--nproc-per-node N`: check what can be checked here (one line, no worker started), then run the command
+    on N workers (utils.launch)."""
+    from .utils.launch import launch, worker_argv
+
+    if args.func is _train:
+        from .train.config import TrainConfig
+
+        TrainConfig.from_yaml(args.config, args.set or [])
+    else:  # eval, generate
+        from .evaluation.command import check_model
+
+        if args.func is _generate:
+            from .generation.command import read_prompts
+
+            read_prompts(args.prompt, args.prompts)
+        check_model(args.model, scratch=args.func is _eval)
+    workers = worker_argv(argv)
+    if parser.parse_args(workers).nproc_per_node is not None:  # an abbreviation argparse accepted
+        raise ValueError("spell --nproc-per-node N in full (the workers' command line leaves it out)")
+    return launch(f"hf3d {args.command}", args.nproc_per_node, workers)
+
+
 def _collective(command: str, body, *, steps: bool) -> int:
     """Run `body(state)` as a command of every rank: it ends with 0, or the code of faults.fail (one line for
     the whole job, no rank left waiting on a dead peer). A command that got as far as its process group leaves
     through faults.leave (or faults.fail), under a launcher or not: no interpreter teardown, which with gloo's
     threads up can abort and turn 0 into 134 (it did so in a one-process run, its process group destroyed
     first). steps: the command trains in steps (a failure names its step)."""
-    from .utils.faults import RunState, die_with_parent, fail, leave, started_by_launcher
+    from .utils.faults import RunState, die_with_parent, fail, interrupted, leave, started_by_launcher
 
     if started_by_launcher():  # before anything slow: a launcher killed from now on takes this worker along
         die_with_parent()
@@ -28,6 +61,8 @@ def _collective(command: str, body, *, steps: bool) -> int:
         body(state)
     except Exception as e:
         return fail(e, state, command)  # it returns only before the process group
+    except KeyboardInterrupt:  # Ctrl-C before training's own handler, or in eval / generate: one line
+        return interrupted(command, state)
     leave(0)
 
 
@@ -110,7 +145,7 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text at any mesh from a checkpoint, an HF folder or a Hub id (greedy unless a sampling "
-        "option is given); launch with torchrun for tp / pp / dp / cp / ep",
+        "option is given); on several processes (--nproc-per-node N, or torchrun) for tp / pp / dp / cp / ep",
     )
     p.add_argument("model", help="hf3d checkpoint (saved at any mesh), HF model directory or Hub id")
     p.add_argument("--prompt", help="one prompt")
@@ -126,6 +161,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
     p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    _launch_option(p)
     p.set_defaults(func=_generate)
 
 
@@ -185,7 +221,7 @@ def _eval_parser(sub) -> None:
     p = sub.add_parser(
         "eval",
         help="score multiple-choice tasks (cloze) at any mesh, from a checkpoint, an HF folder or a Hub id; "
-        "launch with torchrun for tp / pp / dp / cp / ep",
+        "on several processes (--nproc-per-node N, or torchrun) for tp / pp / dp / cp / ep",
     )
     p.add_argument("model", help="hf3d checkpoint (saved at any mesh), HF model directory or Hub id")
     p.add_argument(
@@ -214,15 +250,22 @@ def _eval_parser(sub) -> None:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
     p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    _launch_option(p)
     p.set_defaults(func=_eval)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `hf3d` command line: every subcommand and option (each with its help text)."""
     parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("train", help="train from a YAML config; launch with torchrun or accelerate launch")
+    p = sub.add_parser(
+        "train",
+        help="train from a YAML config; on several processes of this machine with --nproc-per-node N, on several "
+        "machines under torchrun (or accelerate launch)",
+    )
     p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
     p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
+    _launch_option(p)
     p.set_defaults(func=_train)
     _eval_parser(sub)
     _generate_parser(sub)
@@ -250,12 +293,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")
     p.add_argument("--private", action="store_true", help="make a new repo private (an existing one keeps its setting)")
     p.add_argument("--revision", help="branch to commit to (created if missing; default: main)")
-    p.add_argument("--commit-message")
+    p.add_argument("--commit-message", help='the commit\'s message (default: "Upload <folder name> with hf3d")')
     p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 5xx answers")
     p.add_argument("--retry-wait", type=float, default=1.0, help="seconds before the first retry, doubling after")
     p.set_defaults(func=_push)
+    for subparsers in (sub, directions):  # `hf3d X --help` opens with what `hf3d --help` says of X
+        for choice in subparsers._choices_actions:
+            subparsers.choices[choice.dest].description = choice.help
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "nproc_per_node", None) is not None:
+            return _launch(parser, args, argv)
         code = args.func(args)
     except (ValueError, FileNotFoundError) as e:
         if _is_main_rank():

@@ -238,9 +238,12 @@ class ParallelModel(nn.Module):
         labels: torch.Tensor | None = None,
         shift_labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        groups: torch.Tensor | None = None,
+        num_groups: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of token losses, number of non-ignored targets) over this dp rank's rows, summed over dp
-        (and over cp, whose ranks each count their own tokens).
+        (and over cp, whose ranks each count their own tokens). With groups (each row's group, LongTensor [rows]
+        in [0, num_groups): e.g. its data source), both are [num_groups] tensors, from the same one forward.
 
         Collective over the whole mesh; every rank gets the global values (their ratio is the token-mean
         loss). One forward, no grad, no micro-batches: the batch size bounds the memory. The vocab-parallel
@@ -260,10 +263,13 @@ class ParallelModel(nn.Module):
                 local_logits = relay_forward(self, input_ids, position_ids)
         finally:
             self.train(was_training)
-        sums = torch.zeros(2, device=self.device)
+        sums = torch.zeros(2, device=self.device) if groups is None else torch.zeros(2, num_groups, device=self.device)
         if local_logits is not None:
-            loss_sum = self.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten()).sum()
-            sums = torch.stack([loss_sum, (targets != IGNORE_INDEX).sum().float()])
+            losses = self.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten())
+            if groups is None:
+                sums = torch.stack([losses.sum(), (targets != IGNORE_INDEX).sum().float()])
+            else:
+                sums = _group_sums(losses.view_as(targets), targets != IGNORE_INDEX, groups.to(self.device), num_groups)
         del local_logits
         if self.pcfg.pp > 1:
             dist.broadcast(sums, group=self.mesh.get_group("pp"), group_src=self.stage_owners[-1])
@@ -324,3 +330,10 @@ class ParallelModel(nn.Module):
         from .hf.export import save_hf
 
         save_hf(self, out_dir, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
+
+
+def _group_sums(losses: torch.Tensor, counted: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[2, num_groups]: each group's loss sum and number of counted targets, from the per-token losses and
+    target mask [rows, tokens] and each row's group [rows]."""
+    per_row = torch.stack([losses.sum(1), counted.sum(1).float()])  # [2, rows]
+    return torch.zeros(2, num_groups, device=losses.device).index_add_(1, groups, per_row)

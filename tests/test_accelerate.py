@@ -71,7 +71,7 @@ def _fresh_accelerator():
 
 
 def _loop(model_dir, pkw, steps: range, *, save_to=None, load_from=None):
-    """The README's accelerate loop; returns (losses, lrs, pmodel)."""
+    """The accelerate loop of docs/accelerate.md; returns (losses, lrs, pmodel)."""
     acc = _fresh_accelerator()
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)

@@ -286,6 +286,7 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     fx["honest"] = str(honest)
     fx["wide_ckpt"] = str(hf_to_checkpoint(fx["llama_wide"], ck / "wide"))  # another model: hidden size 72
     _crafted_reads(fx, tmp, honest)
+    _model_folders(fx, tmp)
     shutil.copytree(honest, ck / "honest-copy")  # a copy: its owner file names the folder it was made as
     annotated = hf_to_checkpoint(fx["llama"], ck / "annotated")  # hf3d's own, then the user's notes in it
     (annotated / "NOTES.md").write_text("the loss spike at step 40\n")
@@ -305,6 +306,26 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     fx["damaged_step"] = str(ck / "damaged" / "checkpoints" / "step_2")
     fx["hf_home"] = str(tmp / "hf-home")
     return fx
+
+
+def _model_folders(fx: dict, tmp: Path) -> None:
+    """What `hf3d generate` and `hf3d eval` read: the tiny SmolLM with weights (seeded) and its tokenizer, its
+    config.json alone, a training run's output folder, an empty folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_SMOLLM)).save_pretrained(tmp / "models" / "smollm")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_SMOLLM / name, tmp / "models" / "smollm")
+    fx["smollm"] = str(tmp / "models" / "smollm")
+    (tmp / "models" / "config-only").mkdir()
+    shutil.copy(TINY_SMOLLM / "config.json", tmp / "models" / "config-only")
+    fx["config_only"] = str(tmp / "models" / "config-only")
+    (tmp / "a-run" / "checkpoints" / "step_2").mkdir(parents=True)
+    (tmp / "a-run" / "metrics.jsonl").write_text("")
+    fx["a_run"] = str(tmp / "a-run")
+    (tmp / "models" / "empty").mkdir()
+    fx["no_model"] = str(tmp / "models" / "empty")
 
 
 def _crafted_reads(fx: dict, tmp: Path, honest: Path) -> None:
@@ -366,9 +387,9 @@ def _yaml(fx, name: str, *overrides: str):
     return TrainConfig.from_yaml(fx[f"yaml_{name}"], list(overrides))
 
 
-def _eval(fx, tasks: str, *more: str) -> list[str]:
-    """An `hf3d eval` command line on the embedded tiny model (initialised from its config)."""
-    return ["eval", str(TINY_SMOLLM), "--tasks", tasks, "--output-dir", fx["tmp"] + "/eval-out", *more]
+def _eval(fx, tasks: str, *more: str, model: str = "smollm") -> list[str]:
+    """An `hf3d eval` command line on the tiny SmolLM (seeded weights, the embedded tokenizer)."""
+    return ["eval", fx[model], "--tasks", tasks, "--output-dir", fx["tmp"] + "/eval-out", *more]
 
 
 def _set(*overrides: str):
@@ -1318,7 +1339,7 @@ CASES: list[Case] = [
         LAUNCH,
         "1 process launched for `parallel.tp: 2`",
         lambda fx: _check_run("parallel.tp=2", world_size=1),
-        ["world size 1 is not tp·pp·dp·cp = 2·1·?·1", "torchrun --nproc-per-node 2"],
+        ["world size 1 is not tp·pp·dp·cp = 2·1·?·1", "hf3d train --nproc-per-node 2"],
     ),
     _c(
         "launch-dp-product",
@@ -1332,7 +1353,7 @@ CASES: list[Case] = [
         LAUNCH,
         "2 processes launched for `parallel.tp: 2, cp: 2`",
         lambda fx: _check_run("parallel.tp=2", "parallel.cp=2", world_size=2),
-        ["world size 2 is not tp·pp·dp·cp = 2·1·?·2", "torchrun --nproc-per-node 4", "parallel.tp/pp/dp/cp"],
+        ["world size 2 is not tp·pp·dp·cp = 2·1·?·2", "hf3d train --nproc-per-node 4", "parallel.tp/pp/dp/cp"],
     ),
     _c(
         "launch-cp-seq-len",
@@ -1384,16 +1405,25 @@ CASES: list[Case] = [
         LAUNCH,
         "a data stage starting after `run.steps`",
         lambda fx: _check_run("run.steps=10", _stages(fx, 0, 20)),
-        ["data stage 'anneal' starts at step 20, at or after the run's last step (10)"],
+        ["data stage 'anneal' (start_step 20) would start at step 21, after the run's last step (10)"],
     ),
     _c(
         "launch-warmup-too-long",
         LAUNCH,
         "`optim.warmup_steps` as long as the run (a short try of a long run's config)",
-        lambda fx: next(line for line in _check_run("run.steps=10", "optim.warmup_steps=10") if "warm-up" in line),
-        ["optim.warmup_steps=10 does not fit the 10-step run, so it warms up over 1 step(s), a tenth of the run"],
+        lambda fx: next(line for line in _check_run("run.steps=30", "optim.warmup_steps=30") if "warm-up" in line),
+        ["optim.warmup_steps=30 does not fit the 30-step run, so it warms up over 3 steps, a tenth of the run"],
         error=False,
         behaviour="the run warms up over a tenth of the run and says so in its derived values",
+    ),
+    _c(
+        "launch-warmup-too-long-short-run",
+        LAUNCH,
+        "`optim.warmup_steps` as long as a run shorter than 20 steps (a tenth of it is under 2 steps)",
+        lambda fx: next(line for line in _check_run("run.steps=10", "optim.warmup_steps=10") if "warm-up" in line),
+        ["optim.warmup_steps=10 does not fit the 10-step run, so it does not warm up"],
+        error=False,
+        behaviour="the run does not warm up (a one-step warm-up would run at the peak lr) and says so",
     ),
     _c(
         "launch-wsd-warmup-too-long",
@@ -1439,6 +1469,22 @@ CASES: list[Case] = [
         "`parallel.compile: true` on CPU where inductor finds no C++ compiler",
         lambda fx: _without_cxx(lambda: _check_run("parallel.compile=true")),
         ["parallel.compile=True on CPU needs a C++ compiler", "hf3d-no-such-cxx", "install g++", "CXX"],
+    ),
+    _c(
+        "launch-nproc-zero",
+        LAUNCH,
+        "`hf3d train --nproc-per-node 0`",
+        lambda fx: ["train", "--nproc-per-node", "0", "--set", f"run.output_dir={fx['tmp']}/nproc-zero"],
+        ["hf3d train: error: --nproc-per-node must be at least 1, got 0"],
+        how="main",
+    ),
+    _c(
+        "launch-nproc-abbreviated",
+        LAUNCH,
+        "`hf3d train --nproc 2` (the launch option abbreviated)",
+        lambda fx: ["train", "--nproc", "2", "--set", f"run.output_dir={fx['tmp']}/nproc-short"],
+        ["spell --nproc-per-node N in full"],
+        how="main",
     ),
     # --- data files ------------------------------------------------------------------------------------
     _c(
@@ -2113,7 +2159,7 @@ CASES: list[Case] = [
         "generate-empty-prompt",
         GEN,
         '`hf3d generate --prompt ""`',
-        lambda fx: ["generate", str(TINY_SMOLLM), "--prompt", ""],
+        lambda fx: ["generate", fx["smollm"], "--prompt", ""],
         ["hf3d generate: error: --prompt is empty"],
         how="main",
     ),
@@ -2121,7 +2167,7 @@ CASES: list[Case] = [
         "generate-empty-prompt-in-file",
         GEN,
         "an empty prompt in `--prompts FILE`",
-        lambda fx: ["generate", str(TINY_SMOLLM), "--prompts", fx["prompts_empty"]],
+        lambda fx: ["generate", fx["smollm"], "--prompts", fx["prompts_empty"]],
         ["prompts_empty.jsonl line 2: the prompt is empty"],
         how="main",
     ),
@@ -2129,15 +2175,71 @@ CASES: list[Case] = [
         "generate-both-prompts",
         GEN,
         "`--prompt` and `--prompts` together",
-        lambda fx: ["generate", str(TINY_SMOLLM), "--prompt", "a", "--prompts", fx["prompts_empty"]],
+        lambda fx: ["generate", fx["smollm"], "--prompt", "a", "--prompts", fx["prompts_empty"]],
         ["give exactly one of --prompt TEXT and --prompts FILE"],
+        how="main",
+    ),
+    _c(
+        "generate-run-folder",
+        GEN,
+        "a training run's output folder as the model (not one of its checkpoints)",
+        lambda fx: ["generate", fx["a_run"], "--prompt", "a"],
+        ["model <tmp>/a-run is a training run's folder", "<tmp>/a-run/checkpoints/step_<N>", "<tmp>/a-run/final"],
+        how="main",
+    ),
+    _c(
+        "generate-missing-model",
+        GEN,
+        "a model path that does not exist",
+        lambda fx: ["generate", fx["tmp"] + "/nowhere/checkpoints/step_9", "--prompt", "a"],
+        ["model <tmp>/nowhere/checkpoints/step_9 does not exist", "give an hf3d checkpoint (a step_<N> folder)"],
+        how="main",
+    ),
+    _c(
+        "generate-empty-folder",
+        GEN,
+        "an empty folder as the model",
+        lambda fx: ["generate", fx["no_model"], "--prompt", "a"],
+        ["model <tmp>/models/empty holds no model (no config.json)"],
+        how="main",
+    ),
+    _c(
+        "generate-config-only",
+        GEN,
+        "a folder of a config.json alone (no weights: a model to train from scratch)",
+        lambda fx: ["generate", fx["config_only"], "--prompt", "a"],
+        ["model <tmp>/models/config-only holds a config.json but no weights"],
+        how="main",
+    ),
+    _c(
+        "generate-unfinished-checkpoint",
+        GEN,
+        "a checkpoint whose save was interrupted (no marker)",
+        lambda fx: ["generate", fx["partial_step"], "--prompt", "a"],
+        ["<tmp>/ckpt/partial/checkpoints/step_3 is a checkpoint whose save did not finish", "use another step_<N>"],
+        how="main",
+    ),
+    _c(
+        "generate-no-tokenizer",
+        GEN,
+        "a model folder with weights and no tokenizer",
+        lambda fx: ["generate", fx["llama"], "--prompt", "a"],
+        ["model <tmp>/models/llama has no tokenizer", "copy the tokenizer files"],
+        how="main",
+    ),
+    _c(
+        "generate-model-is-a-file",
+        GEN,
+        "a file as the model",
+        lambda fx: ["generate", fx["blocker"], "--prompt", "a"],
+        ["model <tmp>/ckpt/a-file is a file"],
         how="main",
     ),
     _c(
         "generate-unknown-option",
         GEN,
         "`hf3d generate --num-beams 4` (an option it does not have; real subprocess)",
-        lambda fx: (["generate", str(TINY_SMOLLM), "--prompt", "a", "--num-beams", "4"], None),
+        lambda fx: (["generate", fx["smollm"], "--prompt", "a", "--num-beams", "4"], None),
         ["hf3d: error: unrecognized arguments: --num-beams 4"],
         how="subprocess",
     ),
@@ -2145,7 +2247,7 @@ CASES: list[Case] = [
         "generate-past-the-window",
         GEN,
         "`--max-new-tokens` past the model's window (real subprocess)",
-        lambda fx: (["generate", str(TINY_SMOLLM), "--prompt", "ROMEO:", "--max-new-tokens", "600"], None),
+        lambda fx: (["generate", fx["smollm"], "--prompt", "ROMEO:", "--max-new-tokens", "600"], None),
         ["hf3d generate: rank 0", "600 new tokens after a prompt of", "window of 512 tokens", "at most 507"],
         how="subprocess",
     ),

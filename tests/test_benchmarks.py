@@ -109,8 +109,9 @@ def test_runner_marks_rows_by_commit_and_shows_every_row(tmp_path):
 
 
 def test_runner_finds_the_blocks_it_rewrites():
-    texts, _ = run.render()  # raises when README.md or benchmarks/README.md lost a marker block
-    assert set(texts) == {REPO / "README.md", BENCH / "README.md"}
+    texts, _ = run.render()  # raises when README.md, docs/performance.md or benchmarks/README.md lost a marker block
+    assert set(texts) == {REPO / "README.md", REPO / "docs" / "performance.md", BENCH / "README.md"}
+    assert "<!-- perf:start -->" not in (REPO / "README.md").read_text()  # the table lives in docs/performance.md
     readme = (BENCH / "README.md").read_text()
     for b in run.BENCHMARKS:
         assert f"`{b.script}`" in readme, f"benchmarks/README.md does not say what {b.script} measures"

@@ -84,14 +84,17 @@ def test_bad_config_is_one_clear_error_and_nonzero_exit(tmp_path):
     assert proc.returncode == 1 and "config file 'missing.yaml' does not exist" in proc.stderr
 
 
-def test_every_value_the_readme_shows_parses():
-    """Each `key: a | b | c` of the README's section table, and every `--set` of its commands, parses as written
-    (YAML reads a bare off as false: `precision.fp8: off` is "off")."""
+def test_every_value_the_docs_show_parses():
+    """Each `key: a | b | c` of the section table (docs/train.md), and every `--set` of the commands of README.md and
+    the user guide in docs/ (all but its list of bad input), parses as written (YAML reads a bare off as false:
+    `precision.fp8: off` is "off")."""
     import re
 
     from hf3d.train.config import TrainConfig
 
-    readme = (ROOT / "README.md").read_text()
+    guide = [ROOT / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "bad-input.md")]
+    readme = "\n".join(p.read_text() for p in guide)  # bad-input.md lists wrong values on purpose
+    assert "| `optim` |" in (ROOT / "docs" / "train.md").read_text()  # the section table is where the docs say
     stand_in = {"every_<k>": "every_2", "PATH": "some/checkpoints/step_20"}
     wsd = ["optim.schedule=wsd", "optim.decay_steps=0.1"]  # what a wsd key needs beside it
     tried = 0
@@ -141,3 +144,36 @@ def test_a_hub_model_on_the_wrong_world_size_is_refused_before_any_hub_lookup(tm
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("hf3d train: error: world size 1 is not tp·pp·dp·cp")
     assert not (tmp_path / "hf-home").exists() and not (tmp_path / "out").exists()
+
+
+def _parsers(parser, path: tuple[str, ...]):
+    """(command path, parser) for `parser` and each of its subcommands, recursively."""
+    import argparse
+
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, path + (name,))
+
+
+def test_every_subcommand_and_option_has_help_text():
+    """`hf3d X --help` explains each option: the test walks every subcommand's parser (train, eval, generate,
+    convert to-hf / from-hf, push, and any added later) and fails on an option or a positional without help
+    text, or a subcommand whose --help opens with no description."""
+    import argparse
+
+    from hf3d.cli import build_parser
+
+    parsers = dict(_parsers(build_parser(), ("hf3d",)))
+    assert {("hf3d", c) for c in ("train", "eval", "generate", "convert", "push")} <= set(parsers)
+    assert {("hf3d", "convert", "to-hf"), ("hf3d", "convert", "from-hf")} <= set(parsers)
+    bare = [
+        f"{' '.join(path)} {'/'.join(a.option_strings) or a.dest}"
+        for path, p in parsers.items()
+        for a in p._actions
+        if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not (a.help or "").strip()
+    ]  # a subcommand's own help is its description, below
+    assert not bare, f"no help text: {bare}"
+    undescribed = [" ".join(path) for path, p in parsers.items() if len(path) > 1 and not (p.description or "").strip()]
+    assert not undescribed, f"--help opens with no description: {undescribed}"

@@ -407,6 +407,35 @@ def test_eval_fraction_is_never_trained_on(tmp_path):
     assert make_pipe(tmp_path, path=str(path)).eval_batches() == []
 
 
+def test_the_eval_rows_of_a_mixture_give_each_source_its_share_and_say_whose_they_are(tmp_path):
+    """data.eval.fraction over two sources weighted 0.95 / 0.05, 2 batches of 4 rows: the light source still
+    gets a row (7 + 1, not 8 + 0), every row is one of its own source's held-out windows (never trained on),
+    `eval_sources()` name that source, `eval_batches()` keeps next_batch's keys (a loop passes them on as they
+    are), and the two dp ranks' rows and ids together are the whole eval set's."""
+    a = write_jsonl(tmp_path / "a.jsonl", texts(60, seed=7))
+    b = write_jsonl(tmp_path / "b.jsonl", texts(30, seed=9))
+    sources = [{"path": str(a), "weight": 0.95}, {"path": str(b), "weight": 0.05}]
+    eval_cfg = {"fraction": 0.2, "every": 5, "batches": 2, "batch": 4}
+    pipe = make_pipe(tmp_path, sources=sources, eval=eval_cfg)
+    assert pipe.eval_names == ["a", "b"] and pipe.eval_rows_per_source() == [7, 1]
+    held = {
+        name: {tuple(src.read(k)[0][:-1].tolist()) for k in range(pipe.num_train[name], src.num_windows)}
+        for name, src in pipe.sources.items()
+    }
+    batches = zip(pipe.eval_batches(), pipe.eval_sources())
+    rows = [(row, pipe.eval_names[int(i)]) for e, ids in batches for row, i in zip(rows_of(e), ids)]
+    assert sorted(name for _, name in rows) == ["a"] * 7 + ["b"]
+    assert all(row in held[name] for row, name in rows)
+    dp = [make_pipe(tmp_path, sources=sources, eval=eval_cfg, dp_rank=r, dp_size=2) for r in (0, 1)]
+    halves = [
+        [(r, int(i)) for r, i in zip(rows_of(e), ids)] for p in dp for e, ids in zip(p.eval_batches(), p.eval_sources())
+    ]
+    ranks = [x for pair in zip(halves[:2], halves[2:]) for half in pair for x in half]  # batch by batch, rank 0 first
+    assert [(row, pipe.eval_names[i]) for row, i in ranks] == rows
+    assert any("(a 7 rows, b 1 row)" in line for line in pipe.summary())
+    assert all(set(e) == {"input_ids", "shift_labels", "position_ids"} for e in pipe.eval_batches())
+
+
 # --- the default config and errors ------------------------------------------------------------------
 
 

@@ -372,7 +372,7 @@ def test_mutations_are_caught(world4, moe_dirs, references, mutation):
         _check_case(results, out, moe_dirs, references, MUTATION_CASE, prefix=f"mutation/{mutation}")
 
 
-def test_the_moe_example_runs_as_the_readme_launches_it(tmp_path):
+def test_the_moe_example_runs_as_the_docs_launch_it(tmp_path):
     """`torchrun --nproc-per-node 2 -m hf3d train examples/configs/qwen3-moe-tiny.yaml` (ep=2), a few steps:
     metrics.jsonl has the load-balancing loss and the expert load, and stock loads the export."""
     import json

@@ -6,7 +6,8 @@
   (world 4: marked slow);
   and bit-identical to `train_step(ids, labels)` on the same targets.
 - eval_loss: (sum of token losses, non-ignored count) against stock's summed cross-entropy, on every
-  rank, at the same meshes; forward(shift_labels=...) in eval mode against stock's mean.
+  rank, at the same meshes, in total and per group of rows (`groups=`, as `hf3d train` splits by source);
+  forward(shift_labels=...) in eval mode against stock's mean.
 - z-loss: 3 AdamW steps with z_loss=Z against stock whose loss adds Z * mean(logsumexp(logits)^2)
   over non-ignored tokens: the returned loss (cross-entropy only), `last_z_loss`, grad norms and the
   exported weights; the z term moves the weights measurably, so the check can fail. Every export holds
@@ -89,6 +90,10 @@ def _windows(num: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+EVAL_GROUPS = torch.tensor([2, 0, 2, 1])  # each eval row's group (a data source in `hf3d train`); group 3 has none
+NUM_GROUPS = 4
+
+
 def _train_data():
     return _windows(STEPS, seed=1)
 
@@ -110,6 +115,8 @@ def _train_job(path: str, pcfg_kw: dict, z: float, out: Path) -> dict:
     rows = _rows(pm)
     eids, esl = _eval_data()
     rec = {"eval": [t.item() for t in pm.eval_loss(eids[rows], shift_labels=esl[rows])]}
+    grouped = pm.eval_loss(eids[rows], shift_labels=esl[rows], groups=EVAL_GROUPS[rows], num_groups=NUM_GROUPS)
+    rec["eval_groups"] = [t.tolist() for t in grouped]
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
     rec["losses"], rec["z"], rec["norms"] = [], [], []
     for ids, sl in _train_data():
@@ -194,7 +201,12 @@ def _stock_run(model_dir: Path, z: float) -> dict:
         keep = esl != -100
         eval_sum = F.cross_entropy(logits.flatten(0, 1), esl.flatten(), reduction="sum").item()
         eval_mean = model(eids, labels=esl, shift_labels=esl).loss.item()
+        per_row = F.cross_entropy(logits.transpose(1, 2), esl, reduction="none").sum(1)  # [rows]
     rec = {"eval": (eval_sum, float(keep.sum())), "eval_mean": eval_mean, "losses": [], "z": [], "norms": []}
+    rec["eval_groups"] = [
+        [per_row[EVAL_GROUPS == g].sum().item() for g in range(NUM_GROUPS)],
+        [float(keep[EVAL_GROUPS == g].sum()) for g in range(NUM_GROUPS)],
+    ]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
     for ids, sl in _train_data():
         out = model(ids, labels=sl, shift_labels=sl)
@@ -301,6 +313,10 @@ def test_eval_loss_matches_stock(request, stock, name):
         loss_sum, count = r[name]["eval"]
         assert count == ref_count, (rank, count, ref_count)
         assert _rel(loss_sum, ref_sum) <= EVAL_RTOL, (rank, loss_sum, ref_sum)
+        # per group (eval_loss(groups=...)): each group's sum and count from the same forward; the empty one 0
+        (sums, counts), (ref_sums, ref_counts) = r[name]["eval_groups"], stock[0.0]["eval_groups"]
+        assert counts == ref_counts and counts[3] == 0 == sums[3], (rank, counts, ref_counts, sums)
+        assert all(_rel(a, b) <= EVAL_RTOL for a, b in zip(sums[:3], ref_sums[:3])), (rank, sums, ref_sums)
 
 
 @pytest.mark.parametrize("name", _cases(n for n in JOBS if n.endswith("+rc")))

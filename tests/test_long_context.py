@@ -132,8 +132,8 @@ def _tiny_example(tmp: Path, model_path: Path, out: Path) -> Path:
 
 
 def test_the_tiny_variant_is_the_recipe_at_1_1024_of_its_rows():
-    """The small variant the README and the example's comments point to is the full recipe scaled: the same stages,
-    RoPE bases, schedule and recompute, rows and positions / 1024, cp=2 on 2 processes, local data only."""
+    """The small variant docs/long-context.md and the example's comments point to is the full recipe scaled: the same
+    stages, RoPE bases, schedule and recompute, rows and positions / 1024, cp=2 on 2 processes, local data only."""
     big, tiny = yaml.safe_load(EXAMPLE.read_text()), yaml.safe_load(TINY_EXAMPLE.read_text())
     pairs = list(zip(big["data"]["stages"], tiny["data"]["stages"]))
     assert len(pairs) == 2 and [t["start_step"] for _, t in pairs] == [0, TINY["switch"]]
@@ -177,7 +177,10 @@ def test_the_long_context_example_ships_the_smollm3_recipe(tmp_path):
     shape = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16)
     four_k = LlamaConfig(**shape, num_key_value_heads=4, vocab_size=128256, max_position_embeddings=4096)
     lines = check_run(cfg, world_size=8, model_config=four_k)
-    assert any("data stage 'long-64k' starts at step 2000" in line and "seq_len 65536" in line for line in lines)
+    assert any(
+        "data stage 'long-64k' starts at step 2001 (start_step 2000)" in line and "seq_len 65536" in line
+        for line in lines
+    )
     assert any("rope_theta 5000000.0" in line for line in lines)
 
 
@@ -221,6 +224,7 @@ def test_the_long_context_example_runs_switches_resumes_and_exports(tmp_path):
         rows * s for s in seq[1:]
     ]
     assert "data stage 'long-64k', seq_len 64; the model's RoPE is now" in full.stdout
+    assert "hf3d: data packing: seq_len 32 (steps 1..3), 64 (steps 4..6), document masking" in full.stdout
     assert "'rope_theta': 5000000.0" in full.stdout
     config = json.loads((tmp_path / "full" / "final" / "config.json").read_text())
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e6}

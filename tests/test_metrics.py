@@ -137,3 +137,58 @@ def test_loss_curve_of_no_losses_is_an_error(tmp_path):
     path = _write_metrics(tmp_path / "metrics.jsonl", [{"step": 1, "loss": float("nan")}])
     with pytest.raises(ValueError, match="has no finite `loss` or `eval_loss` to plot"):
         plot_loss_curve(path, tmp_path / "loss_curve.png")
+
+
+def _legend_labels(fig) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+def test_the_loss_curve_names_the_run_shows_every_eval_series_and_marks_each_resume():
+    """What a reader gets from the figure, read from its artists: the title given (the run's name), one legend
+    that lists the train loss, the eval loss, each source's eval loss and each downstream task's acc_norm, one
+    dashed line with a label per resume (records with `resumed_from`, just before them), and legend boxes that
+    lie outside the loss axes (so they cover no point)."""
+    pytest.importorskip("matplotlib")
+    from hf3d.train.plots import draw_loss_curve, resume_marks
+
+    records = [{"step": s, "loss": 8.0 / s**0.5} for s in range(1, 13)]
+    for s in (4, 8, 12):
+        records[s - 1].update({"eval_loss": 7.0 / s**0.5, "eval_loss/plays": 6.9 / s**0.5, "eval_loss/poems": 7.3})
+        records[s - 1].update({"downstream/word/acc_norm": 0.3, "downstream/average/acc_norm": 0.3})
+    records[4]["resumed_from"] = "out/checkpoints/step_4"  # the first record of a run resumed after step 4
+    records[8]["resumed_from"] = "out/checkpoints/step_8"
+    assert resume_marks(records) == [(4.5, "resumed from step_4"), (8.5, "resumed from step_8")]
+
+    fig = draw_loss_curve(records, title="my-run")
+    loss_ax = fig.axes[0]
+    assert loss_ax.get_title() == "my-run"
+    assert _legend_labels(fig) == [
+        "train loss",
+        "eval loss",
+        "eval loss: plays",
+        "eval loss: poems",
+        "word acc_norm",
+        "average acc_norm",
+    ]
+    resume_lines = [a for a in loss_ax.lines if a.get_gid() == "resume"]
+    assert [line.get_xdata()[0] for line in resume_lines] == [4.5, 8.5]
+    assert [t.get_text() for t in loss_ax.texts if t.get_gid() == "resume"] == [
+        "resumed from step_4",
+        "resumed from step_8",
+    ]
+    fig.canvas.draw()
+    for legend in fig.legends:
+        assert not any(legend.get_window_extent().overlaps(ax.get_window_extent()) for ax in fig.axes)
+
+    plain = draw_loss_curve([{"step": s, "loss": 3.0} for s in (1, 2)])
+    assert [a for a in plain.axes[0].lines if a.get_gid() == "resume"] == [] and _legend_labels(plain) == ["train loss"]
+
+
+def test_the_png_carries_its_title(tmp_path):
+    """The title is also in the PNG's metadata, where a test (or a tool) reads it without looking."""
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    path = _write_metrics(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.5}])
+    out = plot_loss_curve(path, tmp_path / "loss_curve.png", title="run-7")
+    assert Image.open(out).text["Title"] == "run-7"

@@ -192,7 +192,7 @@ def test_rerunning_a_finished_run_trains_nothing_and_writes_the_final_outputs_ag
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 NOT_HF3D_READS = {
     "device_mesh.py": "a DeviceMesh's rank tensor always lives on the host",
-    "masking_utils.py": "stock transformers' packed-sequence detection: one read per forward (README)",
+    "masking_utils.py": "stock transformers' packed-sequence detection: one read per forward (docs/inside.md)",
 }
 
 

@@ -81,8 +81,8 @@ def test_wsd_windows_by_start_and_length():
     assert lrs[59:] == pytest.approx([MIN] * 41, rel=1e-12)
     assert describe_schedule(cfg, 100) == [
         "lr schedule: wsd over 100 steps, peak lr 0.001, min lr 0.0001",
-        "lr warm-up: steps [0, 5), linear from 0.0002 to 0.001",
-        "lr decay (linear): steps [40, 60), 20 steps, to 0.0001; at min lr after it until step 100",
+        "lr warm-up: steps 1..5, linear from 0.0002 to 0.001",
+        "lr decay (linear): steps 41..60 (20 steps), to 0.0001; at min lr after it until step 100",
     ]
 
 
@@ -221,28 +221,45 @@ def _wsd_ref(decay: int) -> list[float]:
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_a_warm_up_that_does_not_fit_a_short_run_takes_a_tenth_of_it_and_says_so(schedule):
-    """A short try of a config written for a long run (20 warm-up steps, 10 steps): the warm-up takes a tenth of
-    the run, the derived values say so, and the schedule is that of warmup_steps=1."""
+    """A short try of a config written for a long run (40 warm-up steps, 30 steps): the warm-up takes a tenth of
+    the run, the derived values say so, and the schedule is that of warmup_steps=3."""
     from hf3d.train.lr_schedules import describe_schedule
 
-    long_warmup = ScheduleConfig(lr=1e-3, warmup_steps=20, schedule=schedule)
-    lines = describe_schedule(long_warmup, 10)
-    assert "lr warm-up: optim.warmup_steps=20 does not fit the 10-step run, so it warms up over 1 step(s)" in lines[1]
-    assert "lr warm-up: steps [0, 1)" in lines[2]
-    fitted = ScheduleConfig(lr=1e-3, warmup_steps=1, schedule=schedule)
-    assert _lrs(long_warmup, 10) == _lrs(fitted, 10)
+    long_warmup = ScheduleConfig(lr=1e-3, warmup_steps=40, schedule=schedule)
+    lines = describe_schedule(long_warmup, 30)
+    assert "lr warm-up: optim.warmup_steps=40 does not fit the 30-step run, so it warms up over 3 steps" in lines[1]
+    assert lines[2] == "lr warm-up: steps 1..3, linear from 0.000333333 to 0.001"
+    fitted = ScheduleConfig(lr=1e-3, warmup_steps=3, schedule=schedule)
+    assert _lrs(long_warmup, 30) == _lrs(fitted, 30)
+    assert _lrs(fitted, 30)[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3], rel=1e-12)  # it does warm up
     assert describe_schedule(ScheduleConfig(lr=1e-3, warmup_steps=20, schedule=schedule), 200)[1].startswith(
-        "lr warm-up: steps [0, 20)"
+        "lr warm-up: steps 1..20"
     )  # where it fits, nothing changes
 
 
-def test_a_short_run_that_would_not_warm_up_at_all_says_so():
-    """5 steps with 20 warm-up steps: a tenth of the run is no step, and the line says that, not '0 step(s)'."""
+@pytest.mark.parametrize("steps, like, line", [(5, 0, ""), (10, 1, " (step 1 runs at the peak lr 0.001 already)")])
+def test_a_short_run_that_would_not_warm_up_at_all_says_so(steps, like, line):
+    """A run under 20 steps with 20 warm-up steps: a tenth of the run is under 2 steps (none, or one that runs at
+    the peak lr), so the run does not warm up, and the lines say that, not '1 step(s)' or '0 step(s)'."""
     from hf3d.train.lr_schedules import describe_schedule
 
-    lines = describe_schedule(ScheduleConfig(lr=1e-3, warmup_steps=20, schedule="cosine"), 5)
-    assert "does not fit the 5-step run, so it does not warm up; set optim.warmup_steps" in lines[1], lines
-    assert lines[2] == "lr warm-up: none"
+    too_long = ScheduleConfig(lr=1e-3, warmup_steps=20, schedule="cosine")
+    lines = describe_schedule(too_long, steps)
+    assert f"does not fit the {steps}-step run, so it does not warm up; set optim.warmup_steps" in lines[1], lines
+    assert lines[2] == "lr warm-up: none" + line
+    lrs = _lrs(too_long, steps)
+    assert lrs == _lrs(ScheduleConfig(lr=1e-3, warmup_steps=like, schedule="cosine"), steps)
+    assert max(lrs[1:]) < lrs[0] <= 1e-3  # no step's lr rises above the first's
+
+
+def test_a_one_step_warm_up_is_said_to_be_none():
+    """optim.warmup_steps=1 runs step 1 at lr / 1: the line says there is no warm-up, and the lr of step 1 is the
+    peak indeed."""
+    from hf3d.train.lr_schedules import describe_schedule
+
+    one = ScheduleConfig(lr=2e-4, warmup_steps=1, schedule="wsd", decay_steps=1)
+    assert describe_schedule(one, 6)[1] == "lr warm-up: none (step 1 runs at the peak lr 0.0002 already)"
+    assert _lrs(one, 6)[0] == 2e-4
 
 
 @pytest.mark.parametrize(

@@ -376,7 +376,7 @@ def test_valid_tp_sizes():
     assert valid_tp_sizes(tiny_config("smollm3")) == [1, 2, 4]  # 4/2: tp=4 replicates KV heads
     assert valid_tp_sizes(_config("llama-6x3")) == [1, 3, 6]
     assert valid_tp_sizes(_config("llama-6x1")) == [1, 2, 3, 6]
-    # SmolLM3-3B: 16 query / 4 KV heads, intermediate 11008 = 2^8 * 43 (the README's tp table)
+    # SmolLM3-3B: 16 query / 4 KV heads, intermediate 11008 = 2^8 * 43 (the tp table of docs/python-api.md)
     assert valid_tp_sizes(_smollm3_3b_config()) == [1, 2, 4, 8, 16]
     # so the logits sweep above covers tp 1, 2, 4 on the five families and tp 3 only on the variants
     assert {t for _, t in LOGIT_CASES} == {1, 2, 3, 4}

@@ -100,7 +100,7 @@ def test_resume_from_a_middle_checkpoint_trains_the_same_steps(runs):
     base, _, proc = runs
     full, resumed = _records(base / "full"), _records(base / "resumed")
     assert [r["step"] for r in resumed] == [9, 10, 11, 12]
-    assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
+    assert "8 steps done, training goes on at step 9" in proc.stdout
     for a, b in zip(full[8:], resumed):  # the same mesh: bit for bit
         for key in ("loss", "lr", "grad_norm", "consumed_tokens"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
@@ -186,10 +186,12 @@ def test_stages_example_config_checks_out():
     model_config = AutoConfig.from_pretrained(ROOT / cfg.model.path)
     lines = check_run(cfg, world_size=2, model_config=model_config)
     assert [s.name for s in cfg.data.resolved_stages()] == ["stable-1", "stable-2", "decay"]
-    assert "data stage 'decay' starts at step 180 = the lr decay start" in lines
-    assert any("lr decay (1-sqrt): steps [180, 200)" in line for line in lines)
+    assert "data stage 'decay' starts at step 181 (start_step 180), with the lr decay" in lines
+    assert any("lr decay (1-sqrt): steps 181..200 (20 steps)" in line for line in lines)
     late = TrainConfig.from_yaml(str(ROOT / path), ["run.steps=150"])
-    with pytest.raises(ValueError, match="data stage 'decay' starts at step 180, at or after the run's last step"):
+    with pytest.raises(
+        ValueError, match=r"data stage 'decay' \(start_step 180\) would start at step 181, after the run's last step"
+    ):
         check_run(late, world_size=2, model_config=model_config)
 
 
@@ -235,7 +237,7 @@ def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
     assert (out / "final" / "config.json").is_file()
 
 
-def test_the_examples_run_as_the_readme_launches_them(tmp_path):
+def test_the_examples_run_as_the_docs_launch_them(tmp_path):
     """examples/accelerate_loop.py under `accelerate launch` and examples/trainer.py under torchrun, a few
     steps each: both exit 0 (they end with hf3d.finish) and write a stock HF directory."""
     acc = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate/cpu.yaml"]

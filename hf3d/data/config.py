@@ -80,7 +80,8 @@ class StageConfig:
     does not give it keeps from the stages before it)."""
 
     start_step: int = 0
-    """First step of this stage; the first stage starts at 0, later ones in increasing order."""
+    """Steps done before this stage: 0 for the first stage, later ones in increasing order. A stage with
+    start_step s starts at step s + 1 (steps count from 1 in the log and metrics.jsonl)."""
     sources: list[SourceConfig] = field(default_factory=list)
     """The mixture: each row of a global batch comes from one source, drawn by weight."""
     name: str | None = None

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .config import DataConfig, SourceConfig
 from .packing import collate, pack_window
@@ -79,8 +80,8 @@ class DataPipeline:
         for i, stage in enumerate(self.stages):
             if stage.start_step >= total_steps:
                 raise ValueError(
-                    f"data.stages[{i}] ({stage.name}) starts at step {stage.start_step}, but the run has only "
-                    f"{total_steps} steps (0..{total_steps - 1}); move or remove it"
+                    f"data.stages[{i}] ({stage.name}) would start at step {stage.start_step + 1} (start_step "
+                    f"{stage.start_step}), but the run has only {total_steps} steps; move or remove it"
                 )
         self.eval_every = cfg.eval.every
         self.eval_batch = cfg.eval.batch or global_batch
@@ -237,11 +238,14 @@ class DataPipeline:
         self._next_step = step + 1
         return rows
 
-    def _pack(self, rows: list[tuple[str, int]], source: dict[str, TokenSource] | None = None) -> dict:
+    def _mine(self, rows: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """This dp rank's part of a global batch's rows."""
         per = len(rows) // self.dp_size
-        mine = rows[self.dp_rank * per : (self.dp_rank + 1) * per]
+        return rows[self.dp_rank * per : (self.dp_rank + 1) * per]
+
+    def _pack(self, rows: list[tuple[str, int]], source: dict[str, TokenSource] | None = None) -> dict:
         packed = []
-        for name, k in mine:
+        for name, k in self._mine(rows):
             tokens, starts = (source or self.sources)[name].read(k)
             packed.append(pack_window(tokens, starts, document_masking=self.cfg.document_masking))
         return collate(packed)
@@ -319,35 +323,78 @@ class DataPipeline:
 
     # --- evaluation ---------------------------------------------------------------------------------
 
+    def eval_rows_per_source(self) -> list[int]:
+        """Held-out rows of each first-stage source in the eval batches (data.eval.fraction): its share of them by
+        weight (largest remainders), and at least one for every source of positive weight where there are rows
+        enough, so that each has an eval loss of its own."""
+        return _shares([s.weight for s in self.stages[0].sources], self.eval_batch * self.cfg.eval.batches)
+
+    @property
+    def eval_names(self) -> list[str]:
+        """The sources the eval rows come from, in the order of the eval batches' `source_ids`: the first stage's
+        (data.eval.fraction), or "eval" (data.eval.path); [] when evaluation is off."""
+        if not self.eval_every:
+            return []
+        return ["eval"] if self.eval_source is not None else [s.label for s in self.stages[0].sources]
+
     def eval_batches(self) -> list[dict]:
         """This dp rank's rows of each eval batch (like next_batch's); the same every call; [] when off."""
         if not self.eval_every:
             return []
         if self._eval is None:
-            rows = self.eval_batch * self.cfg.eval.batches
-            if self.eval_source is not None:
-                src = self.eval_source
-                picks = [("eval", k % src.num_windows) for k in range(rows)]
-                sources = {"eval": src}
-            else:  # the held-out tail of each first-stage source, drawn by the first stage's weights
-                stage = self.stages[0].sources
-                weights = np.array([s.weight for s in stage], dtype=np.float64)
-                rng = np.random.default_rng([self.cfg.seed, _EVAL, 0, 0])
-                choice = rng.choice(len(stage), size=rows, p=weights / weights.sum())
-                seen = [0] * len(stage)
-                picks = []
-                for i in choice:
-                    name = stage[i].label
-                    held = self.sources[name].num_windows - self.num_train[name]
-                    picks.append((name, self.num_train[name] + seen[i] % held))
-                    seen[i] += 1
-                sources = self.sources
-            b = self.eval_batch
-            self._eval = [self._pack(picks[i : i + b], sources) for i in range(0, rows, b)]
+            picks, sources, b = *self._eval_picks(), self.eval_batch
+            self._eval = [self._pack(picks[i : i + b], sources) for i in range(0, len(picks), b)]
         return self._eval
+
+    def eval_sources(self) -> list[torch.Tensor]:
+        """Where the rows of `eval_batches()` come from, batch by batch: this dp rank's rows' indices into
+        `eval_names`, LongTensor [rows]; [] when evaluation is off."""
+        if not self.eval_every:
+            return []
+        (picks, _), b = self._eval_picks(), self.eval_batch
+        index = {name: i for i, name in enumerate(self.eval_names)}
+        mine = [self._mine(picks[i : i + b]) for i in range(0, len(picks), b)]
+        return [torch.tensor([index[name] for name, _ in rows], dtype=torch.long) for rows in mine]
+
+    def _eval_picks(self) -> tuple[list[tuple[str, int]], dict[str, TokenSource]]:
+        """(source, window) of every global eval row, batch after batch, and the sources they are read from."""
+        rows = self.eval_batch * self.cfg.eval.batches
+        if self.eval_source is not None:
+            return [("eval", k % self.eval_source.num_windows) for k in range(rows)], {"eval": self.eval_source}
+        # the held-out tail of each first-stage source, its share of the rows by the first stage's weights
+        names = [s.label for s in self.stages[0].sources]
+        rng = np.random.default_rng([self.cfg.seed, _EVAL, 0, 0])
+        order = rng.permutation(np.repeat(np.arange(len(names)), self.eval_rows_per_source()))
+        return _held_out_rows([names[i] for i in order], self.num_train, self.sources), self.sources
 
     # --- reporting --------------------------------------------------------------------------------
 
     def summary(self) -> list[str]:
         """Lines for the start of a run: each source, each stage, the eval split (hf3d/data/summary.py)."""
         return summary_lines(self)
+
+
+def _shares(weights: list[float], rows: int) -> list[int]:
+    """`rows` split by `weights` (largest remainders), at least one row for each positive weight where the
+    largest share can give one."""
+    w = np.array(weights, dtype=np.float64)
+    exact = w / w.sum() * rows
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[: rows - counts.sum()]] += 1
+    for i in np.flatnonzero((counts == 0) & (w > 0)):
+        most = int(np.argmax(counts))
+        if counts[most] > 1:
+            counts[most], counts[i] = counts[most] - 1, 1
+    return counts.tolist()
+
+
+def _held_out_rows(names: list[str], num_train: dict[str, int], sources: dict[str, TokenSource]) -> list[tuple]:
+    """(source, window) for rows drawn from `names` in order: each source's held-out windows (those after its
+    training windows) one after another, from the first again when a source has fewer than it is drawn."""
+    seen = dict.fromkeys(names, 0)
+    picks = []
+    for name in names:
+        held = sources[name].num_windows - num_train[name]
+        picks.append((name, num_train[name] + seen[name] % held))
+        seen[name] += 1
+    return picks

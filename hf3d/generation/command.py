@@ -101,8 +101,9 @@ def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new
     """What `hf3d generate` does; collective over the launched processes. Returns every prompt's record."""
     from transformers import AutoTokenizer
 
-    from ..evaluation.command import load_model
+    from ..evaluation.command import check_model, load_model
 
+    check_model(model)
     if output is not None:
         files.refuse_link(Path(output))
     pmodel = load_model(model, pcfg, dtype=dtype, attn_implementation=attn)

@@ -34,7 +34,9 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> Path:
     try:
         local = snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
     except (RepositoryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-        raise ValueError(f"could not fetch {text!r} from the Hub ({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"could not fetch {text!r} from the Hub, and no local folder has that name ({type(e).__name__}: {e})"
+        ) from e
     return Path(local)
 
 

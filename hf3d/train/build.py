@@ -260,7 +260,12 @@ def announce(run: Run, derived: list[str], missing: list[str]) -> None:
         if run.resume_from is not None:
             parts = [k for k in ("optimizer", "scheduler", "step", "data_position") if getattr(c, f"load_{k}")]
             restored = ", ".join(parts) or "weights only"
-            say(f"hf3d: resumed from {run.resume_from} at step {run.start} (restored: {restored})")
+            at = (
+                f"{run.start} steps done, training goes on at step {run.start + 1}"
+                if run.start
+                else "the step count starts over at step 1"
+            )
+            say(f"hf3d: resumed from {run.resume_from} (restored: {restored}): {at}")
             if run.schedule_change:
                 say(f"hf3d: {run.schedule_change}")
         if run.start == cfg.run.steps:

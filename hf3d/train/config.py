@@ -538,7 +538,7 @@ def _check_world(cfg: TrainConfig, world_size: int) -> int:
         dp = "dp" if p.dp is None else f"dp={p.dp}"
         raise ValueError(
             f"world size {world_size} is not tp·pp·{dp}·cp = {p.tp}·{p.pp}·{p.dp or '?'}·{p.cp}: launch "
-            f"tp·pp·dp·cp processes (e.g. torchrun --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
+            f"tp·pp·dp·cp processes (e.g. hf3d train --nproc-per-node {tp_pp * (p.dp or 1)}) or change "
             "parallel.tp/pp/dp/cp"
         )
     dp = world_size // tp_pp
@@ -556,26 +556,27 @@ def _stage_lines(cfg: TrainConfig, stages) -> list[str]:
     r, seq = cfg.run, stages[0].seq_len
     decay = decay_start_step(cfg.optim, r.steps)
     lines = []
-    for (start, name), stage in zip(stage_starts(cfg.data), stages):
+    for (start, name), stage in zip(stage_starts(cfg.data), stages):  # start_step: the steps done before it
         if start >= r.steps:
             raise ValueError(
-                f"data stage {name!r} starts at step {start}, at or after the run's last step ({r.steps}): "
-                "move its start_step before run.steps or remove the stage"
+                f"data stage {name!r} (start_step {start}) would start at step {start + 1}, after the run's last "
+                f"step ({r.steps}): move its start_step below run.steps or remove the stage"
             )
         if start == 0:
             continue
         if decay is None or cfg.optim.schedule != "wsd":
             where = ""
         elif start == decay:
-            where = " = the lr decay start"
+            where = ", with the lr decay"
         else:
             where = (
-                f" — {abs(start - decay)} steps {'after' if start > decay else 'before'} the lr decay start ({decay})"
+                f" — {abs(start - decay)} step{'s' * (abs(start - decay) != 1)} "
+                f"{'after' if start > decay else 'before'} the lr decay, which starts at step {decay + 1}"
             )
         if (stage.seq_len, stage.model_overrides()) != (seq, stages[0].model_overrides()):
             model = "".join(f", {k} {v}" for k, v in stage.model_overrides().items())
             where += f"; seq_len {stage.seq_len} ({r.global_batch * stage.seq_len:,} tokens per step){model}"
-        lines.append(f"data stage {name!r} starts at step {start}{where}")
+        lines.append(f"data stage {name!r} starts at step {start + 1} (start_step {start}){where}")
     return lines
 
 

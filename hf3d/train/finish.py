@@ -24,7 +24,7 @@ def finish_run(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: di
     curve = None
     if rank0:
         stages = [(s.start_step, s.name) for s in cfg.data.resolved_stages()]
-        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=Path(cfg.model.path).name, stages=stages)
+        curve = plot_loss_curve(metrics_path, out / "loss_curve.png", title=run_name(out), stages=stages)
         tqdm.write(f"hf3d: loss curve {curve}" if curve else "hf3d: no loss curve (pip install matplotlib)")
     if not cfg.run.save_final:
         return
@@ -43,6 +43,11 @@ def finish_run(cfg: TrainConfig, pmodel, out: Path, metrics_path: Path, last: di
             tqdm.write(f"hf3d: sample from {final}:\n{text}")
     if cfg.export.push_to_hub:
         _push_final(cfg, final)
+
+
+def run_name(out: Path) -> str:
+    """The name a run goes by in its loss curve: its output folder's."""
+    return out.resolve().name
 
 
 def _sample(model_dir: Path, prompt: str, max_new_tokens: int = 48) -> str:

@@ -8,6 +8,7 @@ only what they lack:
   of optimizer steps done before it) is transformers' curve at i + 1. So the first warm-up step runs
   at lr / warmup_steps instead of 0, the last warm-up step at lr, and the last step of the run
   exactly at min_lr. Stepping past the run stays at the end value (cosine does not swing back up).
+  What the run prints counts steps from 1, as metrics.jsonl does: step n is the one with index n - 1.
 - warm-up is linear from 0 in every schedule (transformers' WSD warms up from min_lr).
 - an explicit, absolute min_lr, and warm-up / decay lengths as a number of steps or a fraction of
   the run, validated with a message per mistake.
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
+from ..data.summary import steps_span
+
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
 
@@ -39,7 +42,8 @@ class ScheduleConfig:
     min_lr: float = 0.0
     """Learning rate at the end of the decay (absolute, not a ratio of lr); unused by `constant`."""
     warmup_steps: int | float = 0
-    """Linear warm-up from 0: an int number of steps, or a float in (0, 1), a fraction of the run."""
+    """Linear warm-up from 0: an int number of steps (step k of n runs at k/n of lr, so 1 is no warm-up), or a
+    float in (0, 1), a fraction of the run."""
     schedule: str = "cosine"
     """cosine | linear (decay from lr to min_lr over the whole run after warm-up) | wsd (warm-up,
     stable at lr, decay to min_lr over the window set by decay_start / decay_steps) | constant."""
@@ -113,7 +117,8 @@ def fitted_warmup(cfg: ScheduleConfig, total_steps: int) -> tuple[int, str | Non
     if cfg.schedule == "wsd" or asked <= room:
         return asked, None
     fitted = total_steps // 10
-    how = f"it warms up over {fitted} step(s), a tenth of the run" if fitted else "it does not warm up"
+    # a one-step warm-up runs its step at the peak lr already: no warm-up at all
+    how = f"it warms up over {fitted} steps, a tenth of the run" if fitted > 1 else "it does not warm up"
     return fitted, (
         f"lr warm-up: optim.warmup_steps={asked} does not fit the {total_steps}-step run, so {how}; set "
         "optim.warmup_steps to choose"
@@ -148,7 +153,7 @@ def _window(cfg: ScheduleConfig, total_steps: int) -> tuple[int, int | None, int
     if warmup > start:
         raise ValueError(
             f"optim.warmup_steps ({warmup}) + optim.decay_steps ({length}) do not fit in the "
-            f"run: the decay would start at step {start}, before the warm-up ends at step {warmup}; set "
+            f"run: the decay would start at step {start + 1}, before the warm-up ends at step {warmup}; set "
             f"optim.warmup_steps to at most {start} (a short try: --set optim.warmup_steps=0) or run longer"
             if cfg.decay_start is None
             else f"optim.decay_start ({start}) is before the end of the warm-up (optim.warmup_steps = {warmup}): "
@@ -172,15 +177,18 @@ def describe_schedule(cfg: ScheduleConfig, total_steps: int) -> list[str]:
     note = fitted_warmup(cfg, total_steps)[1]
     if note is not None:
         lines.append(note)
-    if warmup:
-        lines.append(f"lr warm-up: steps [0, {warmup}), linear from {cfg.lr / warmup:g} to {cfg.lr:g}")
+    if warmup > 1:
+        lines.append(f"lr warm-up: {steps_span(1, warmup)}, linear from {cfg.lr / warmup:g} to {cfg.lr:g}")
+    elif warmup == 1:  # its one step runs at lr / 1
+        lines.append(f"lr warm-up: none (step 1 runs at the peak lr {cfg.lr:g} already)")
     else:
         lines.append("lr warm-up: none")
     if start is None:
         lines.append(f"lr decay: none (constant at {cfg.lr:g})")
     else:
         tail = f"; at min lr after it until step {total_steps}" if end < total_steps else ""
-        lines.append(f"lr decay ({shape}): steps [{start}, {end}), {end - start} steps, to {cfg.min_lr:g}{tail}")
+        what = steps_span(start + 1, end) + (f" ({end - start} steps)" if end - start > 1 else "")
+        lines.append(f"lr decay ({shape}): {what}, to {cfg.min_lr:g}{tail}")
     return lines
 
 

@@ -21,19 +21,31 @@ from .metrics import (
 from .metrics import throughput as throughput_metrics
 
 
-def evaluate(pmodel, batches: list[dict]) -> float:
-    """The token-mean cross-entropy over the held-out batches (all dp ranks' rows), on every rank."""
+def evaluate(pmodel, pipe) -> dict[str, float]:
+    """The token-mean cross-entropy over the held-out batches of the data pipeline (all dp ranks' rows) as
+    `eval_loss`, with its `eval_ppl`, on every rank. With rows of several sources, also each source's token mean
+    over its own rows as `eval_loss/<source>`, from the same forward."""
     was_training = pmodel.training
     pmodel.eval()
-    loss_sum = count = 0.0
-    for b in batches:
-        s, n = pmodel.eval_loss(b["input_ids"], shift_labels=b["shift_labels"], position_ids=b["position_ids"])
-        loss_sum, count = loss_sum + float(s), count + float(n)
+    names = pipe.eval_names
+    groups = len(names) if len(names) > 1 else 0
+    sums = torch.zeros(2, max(groups, 1), dtype=torch.float64)  # [loss sum, targets] per source
+    for b, source_ids in zip(pipe.eval_batches(), pipe.eval_sources()):
+        by = {"groups": source_ids, "num_groups": groups} if groups else {}
+        s, n = pmodel.eval_loss(b["input_ids"], shift_labels=b["shift_labels"], position_ids=b["position_ids"], **by)
+        sums += torch.stack([s, n]).view(2, -1).double().cpu()
     pmodel.train(was_training)
-    return loss_sum / max(count, 1.0)
+    loss_sum, count = sums.sum(1).tolist()
+    out = {"eval_loss": loss_sum / max(count, 1.0)}
+    out["eval_ppl"] = float(torch.tensor(out["eval_loss"]).exp())
+    for name, (s, n) in zip(names, sums.T.tolist()) if groups else ():
+        if n:  # a source the eval rows never drew has no loss of its own
+            out[f"eval_loss/{name}"] = s / n
+    return out
 
 
 DOWNSTREAM = "downstream/average/acc_norm"  # a record with downstream scores has this key
+MAX_SOURCES_ON_LINE = 4  # more sources' eval losses would not fit a readable log line
 
 
 def downstream_due(evals, step: int, steps: int) -> bool:
@@ -133,7 +145,13 @@ def log_line(record: dict, steps: int) -> str:
         f"grad_norm {record['grad_norm']:.3f} tokens/s {record['tokens_per_sec']:.0f}"
     )
     if "eval_loss" in record:
-        line += f" eval_loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
+        line += f" eval_loss {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f}"
+        by_source = [(k[len("eval_loss/") :], v) for k, v in record.items() if k.startswith("eval_loss/")]
+        if 0 < len(by_source) <= MAX_SOURCES_ON_LINE:
+            line += "; " + ", ".join(f"{name} {v:.4f}" for name, v in by_source)
+        elif by_source:
+            line += f"; {len(by_source)} sources' losses in metrics.jsonl"
+        line += ")"
     if DOWNSTREAM in record:
         prefix, suffix = "downstream/", "/acc_norm"
         tasks = [k[len(prefix) : -len(suffix)] for k in record if k.startswith(prefix) and k.endswith(suffix)]

@@ -14,8 +14,6 @@ import sys
 import time
 from typing import NoReturn
 
-import torch
-
 from ..checkpoint.rotation import finish_save, prune_saves, step_dirs
 from ..checkpoint.save import prepare_async_save, save_checkpoint
 from ..parallel.mesh import on_rank0
@@ -66,17 +64,18 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         state.step = step + 1
         try:
             record, signum = one_step(run, step, health, stop)
+            if step == run.start and run.resume_from is not None:  # the loss curve marks where a run resumed
+                record["resumed_from"] = str(run.resume_from)
             if step == run.start and cfg.checkpoint.async_ and cfg.checkpoint.every:
                 prepare_async_save(run.pmodel, run.opt)  # the optimizer's state exists: stage buffers now
             if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
-                record["eval_loss"] = evaluate(run.pmodel, eval_batches)
-                record["eval_ppl"] = float(torch.tensor(record["eval_loss"]).exp())
+                record.update(evaluate(run.pmodel, run.pipe))
             if run.evaluator is not None and downstream_due(cfg.evals, step + 1, r.steps):
                 record.update(downstream(run, step + 1))
             if run.pusher is not None:  # what the background pushes did since the last record
                 record.update(run.pusher.take_news())
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
-            _checkpoint_and_stop(run, step, record, health, signum)
+            _checkpoint_and_stop(run, step, record, health, signum, bar)
         except Exception as e:
             _let_the_write_finish(run, e)
             raise
@@ -114,9 +113,10 @@ def _finish_pushes(run: Run) -> None:
         prune_saves(root, run.cfg.checkpoint.keep_last, saves[-1][1], told=run.told)
 
 
-def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, signum: int) -> None:
+def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, signum: int, bar) -> None:
     """A checkpoint every checkpoint.every steps, at the last step and when a stop signal came; after a
-    signal, leave with 128 + its number."""
+    signal, leave with 128 + its number, the progress bar closed first so the resume line is the last on
+    screen."""
     from tqdm.auto import tqdm
 
     c = run.cfg.checkpoint
@@ -155,13 +155,15 @@ def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, 
             tqdm.write(f"hf3d: {how} {run.saved_to} in {time.perf_counter() - t1:.2f} s")
     if signum:
         code = 128 + signum
+        bar.update(1)  # the step the signal stopped was trained and saved
+        bar.close()
+        if run.pusher is not None:  # the Hub pushes left undone, said before the resume line
+            run.pusher.finish(wait=False)
         if run.rank0:
             tqdm.write(
                 f"hf3d: stopped by {signal.Signals(signum).name} after step {step + 1}; resume from {run.saved_to} "
                 f"(checkpoint.resume=auto); exit code {code}"
             )
-        if run.pusher is not None:
-            run.pusher.finish(wait=False)
         _leave(code, run.acc)
 
 

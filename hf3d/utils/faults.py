@@ -43,6 +43,7 @@ from . import files
 
 EXIT_ERROR = 1
 EXIT_COMMUNICATION = 3
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # errors a user can cause: one line, no traceback
 USER_ERRORS = (ValueError, TypeError, OSError)
@@ -171,6 +172,18 @@ def fail(e: BaseException, state: RunState, command: str) -> int:
     if not group:
         return code
     _exit_now(code)
+
+
+def interrupted(command: str, state: RunState) -> int:
+    """Ctrl-C (KeyboardInterrupt) where no handler of hf3d's own records it (before training's first step, in
+    eval and generate): rank 0 prints one line, every rank ends with 130 at once, no traceback. Returns the code
+    when no process group was started."""
+    if state.rank == 0:
+        before = " before the first step (nothing saved)" if state.steps and not state.step else ""
+        print(f"{command}: stopped by SIGINT{before}; exit code {EXIT_INTERRUPTED}", file=sys.stderr)
+    if not (dist.is_available() and dist.is_initialized()):
+        return EXIT_INTERRUPTED
+    _exit_now(EXIT_INTERRUPTED)
 
 
 def _tell_the_launcher(line: str) -> None:

@@ -1,0 +1,151 @@
+"""How a run ends on screen under hf3d's own launch (`hf3d train --nproc-per-node N ...`, hf3d/utils/launch.py).
+
+The launcher is started in a session of its own and signalled with os.killpg, as a terminal's Ctrl-C reaches
+every process of the foreground group; what the tests read is what a terminal would show: stdout and stderr
+together, carriage returns (the progress bar) overwriting their line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
+
+from hf3d.checkpoint.marker import is_complete  # noqa: E402
+from hf3d.utils.launch import worker_argv  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=3", "run.log_every=1", "evals.tasks=[]"]
+TINY += ["samples.prompts=[]", "run.sample_prompt=null", "checkpoint.every=0", "run.save_final=false"]
+
+
+def _start(out: Path, *extra: str) -> subprocess.Popen:
+    """`hf3d train --nproc-per-node 2` of the tiny run, in a new session (its own process group)."""
+    cmd = [sys.executable, "-m", "hf3d", "train", "--nproc-per-node", "2", "examples/configs/tiny-smollm.yaml"]
+    cmd += ["--set", *TINY, f"run.output_dir={out}", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _screen(raw: bytes) -> list[str]:
+    """The lines a terminal would show: each carriage return rewrites its line from the start; blank lines out."""
+    lines = []
+    for line in raw.decode(errors="replace").split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part) :]
+        if shown.strip():
+            lines.append(shown.rstrip())
+    return lines
+
+
+def _wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    path, end = out / "metrics.jsonl", time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        lines = path.read_text().splitlines() if path.is_file() else []
+        if len(lines) >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach step {step} (exit code {proc.poll()})")
+
+
+def test_worker_argv_leaves_out_the_launch_option():
+    argv = ["train", "--nproc-per-node", "2", "c.yaml", "--set", "a=1"]
+    assert worker_argv(argv) == ["train", "c.yaml", "--set", "a=1"]
+    assert worker_argv(["generate", "m", "--nproc-per-node=4", "--prompt", "x"]) == ["generate", "m", "--prompt", "x"]
+
+
+def test_ctrl_c_ends_on_the_resume_line_with_130(tmp_path):
+    """Ctrl-C (SIGINT to the launcher's whole process group): the workers finish their step, save it, rank 0
+    prints where to resume, and that line is the last on screen; the launch exits 130, no traceback."""
+    out = tmp_path / "run"
+    proc = _start(out, "run.steps=100000")
+    try:
+        _wait_for_step(out, 2, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        raw, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    screen = _screen(raw)
+    assert proc.returncode == 130, screen[-20:]
+    step = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    saved = out / "checkpoints" / f"step_{step}"
+    expected = f"hf3d: stopped by SIGINT after step {step}; resume from {saved} (checkpoint.resume=auto); exit code 130"
+    assert screen[-1] == expected, screen[-20:]
+    assert sum("stopped by SIGINT" in line for line in screen) == 1, screen[-20:]
+    assert not any("Traceback" in line or "SignalException" in line for line in screen), screen[-40:]
+    assert is_complete(saved)
+
+
+def test_a_refusal_appears_once_on_the_whole_screen(tmp_path):
+    """A config the workers refuse (3 dp replicas on 2 processes): every rank raises it, the first prints it,
+    the launcher adds nothing (no ChildFailedError summary repeating it), exit 1."""
+    proc = _start(tmp_path / "run", "parallel.dp=3")
+    raw, _ = proc.communicate(timeout=300)
+    screen = _screen(raw)
+    assert proc.returncode == 1, screen[-20:]
+    said = [line for line in screen if line.startswith("hf3d train:")]
+    assert len(said) == 1 and screen[-1] == said[0], screen[-20:]
+    assert "world size 2 is not tp·pp·dp=3·cp" in said[0] and screen[-1].startswith("hf3d train: rank "), said
+    assert not any("Traceback" in line or "ChildFailedError" in line for line in screen), screen[-40:]
+    assert not (tmp_path / "run" / "final").exists()
+
+
+def test_a_config_refused_before_the_workers_start_is_one_line(tmp_path, capsys):
+    from hf3d.cli import main
+
+    argv = ["train", "--nproc-per-node", "2", "--set", "optim.lr=fast", f"run.output_dir={tmp_path}/run"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "hf3d train: error: optim.lr must be a number, got 'fast' (str)\n"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_killed_without_a_word_gets_one_line_from_the_launcher(tmp_path):
+    """A worker SIGKILLed (as the OOM killer does) prints nothing itself: the launcher names it, once, and
+    exits 137; the surviving rank reports its broken collective once."""
+    out = tmp_path / "run"
+    proc = _start(out, "run.steps=100000")
+    try:
+        _wait_for_step(out, 2, proc)
+        workers = [p for p in psutil.Process(proc.pid).children() if "hf3d" in " ".join(p.cmdline())]
+        ranks = {int(p.environ()["RANK"]): p for p in workers}
+        ranks[1].kill()
+        raw, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    screen = _screen(raw)
+    killed = [line for line in screen if "was killed by SIGKILL" in line]
+    assert killed == [killed[0]] and killed[0].startswith("hf3d train: rank 1 was killed by SIGKILL"), screen[-20:]
+    assert sum(line.startswith("hf3d train: rank 0") for line in screen) <= 1, screen[-20:]
+    assert not any("Traceback" in line or "ChildFailedError" in line for line in screen), screen[-40:]
+    assert proc.returncode == 137, screen[-20:]
+
+
+def test_ctrl_c_outside_training_is_one_line_and_130(capsys):
+    """A KeyboardInterrupt where hf3d has no handler of its own (before training's first step, in eval and
+    generate): one line from rank 0, exit 130, no traceback."""
+    from hf3d.cli import _collective
+
+    def body(state) -> None:
+        raise KeyboardInterrupt
+
+    assert _collective("hf3d train", body, steps=True) == 130
+    assert _collective("hf3d generate", body, steps=False) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "hf3d train: stopped by SIGINT before the first step (nothing saved); exit code 130",
+        "hf3d generate: stopped by SIGINT; exit code 130",
+    ]
