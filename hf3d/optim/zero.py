@@ -100,6 +100,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             self.optimizer = optimizer_cls(self._param_groups, **optimizer_kwargs)
         except TypeError as e:
             raise TypeError(f"{optimizer_cls.__name__} rejected the optimizer arguments {optimizer_kwargs}: {e}") from e
+        self._scale_lrs()
         self._step_started = False
         self.last_step_skipped = False
         self.last_grad_norm: torch.Tensor | None = None
@@ -160,7 +161,12 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if rule is True:
             stock = no_decay_names(self.pmodel.hf_model)
             rule = lambda name, _p: name in stock  # noqa: E731
-        decay, no_decay = [], []
+        par = self.pmodel.parametrization
+        # one group per (lr scale, decay): µP's scales of the whole model, so the same groups on every rank
+        scales = par.lr_scales() if par.rules else [1.0]
+        groups: dict[tuple[float, bool], list[torch.Tensor]] = {
+            (s, no_decay): [] for s in scales for no_decay in ((False, True) if rule else (False,))
+        }
         self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
         for b in self.buckets:
             lo, hi = b.buffer.stepped_range(b)
@@ -172,10 +178,22 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 flat = p.detach().view(-1)[a - start : z - start]
                 master = flat if self._aliased else flat.float().clone()
                 self._masters.append((p, master, a, z))
-                (no_decay if rule and rule(self.names[id(p)], p) else decay).append(master)
-        self._param_groups = [{"params": decay}]
-        if rule:  # the same groups on every rank, whatever parameters its fragments hold
-            self._param_groups.append({"params": no_decay, "weight_decay": 0.0})
+                no_decay = bool(rule and rule(self.names[id(p)], p))
+                groups[(_lr_scale(p, par), no_decay)].append(master)
+        self._param_groups = []
+        for (scale, no_decay), masters in groups.items():
+            group = {"params": masters}
+            if no_decay:
+                group["weight_decay"] = 0.0
+            if par.rules:
+                group["lr_scale"] = scale
+            self._param_groups.append(group)
+
+    def _scale_lrs(self) -> None:
+        """µP: each group's lr is the optimizer's lr times the group's `lr_scale` (hf3d/optim/parametrization.py)."""
+        for group in self.optimizer.param_groups:
+            if "lr_scale" in group:
+                group["lr"] = group["lr"] * group["lr_scale"]
 
     # -- gradient path -----------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
@@ -358,6 +376,15 @@ def no_decay_names(module: nn.Module) -> set[str]:
             if is_norm or "bias" in pname.rsplit(".", 1)[-1]:
                 out.add(pname)
     return out
+
+
+def _lr_scale(p: nn.Parameter, par) -> float:
+    """The µP lr scale of a runtime parameter: its pieces' HF parameters share one rule (a fused qkv or
+    gate_up projection, a stack of experts); a shard that holds only vocab padding has no piece and
+    takes 1 (its elements never change)."""
+    scales = {par.rule(piece.hf_name).lr_scale for piece in get_pieces(p)}
+    assert len(scales) <= 1, f"the pieces of one parameter have different µP lr scales: {get_pieces(p)}"
+    return scales.pop() if scales else 1.0
 
 
 def _owned_runs(p: torch.Tensor) -> list[tuple[int, int]]:
