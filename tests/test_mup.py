@@ -135,6 +135,14 @@ def _worker(world: int, dirs: dict, out: str) -> None:
         hf3d.load_checkpoint(out / "ckpt", pm, opt)
         res["resume-tp2-dp2"] = dict(losses=first + _train(pm, opt, data[2:], out / "resume-tp2-dp2"))
         res["resume-tp2-dp2"]["lrs"] = _group_lrs(opt)
+        pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(), seed=0)  # standard parametrization
+        opt = _optimizer(pm)
+        before = [p.detach().clone() for _, p in pm.unique_parameters()]
+        try:
+            hf3d.load_checkpoint(out / "ckpt", pm, opt)
+        except ValueError as e:
+            res["other-parametrization"] = str(e)
+        res["untouched"] = all(torch.equal(a, p) for a, (_, p) in zip(before, pm.unique_parameters()))
     torch.save(res, out / f"rank{dist.get_rank()}.pt")
 
 
@@ -284,6 +292,16 @@ def test_width_equal_to_base_is_standard(world1):
     a, b = _exported(world1["out"] / "standard"), _exported(world1["out"] / "mup-base-is-width")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert world1[0]["1x1x1"]["losses"] != std["losses"]  # while m = 2 is another run
+
+
+def test_resume_under_another_parametrization_is_refused(world2):
+    """A µP checkpoint's optimizer state does not load into a standard-parametrization optimizer: one line,
+    before anything is read."""
+    for r in range(2):
+        msg = world2[r].get("other-parametrization", "")
+        assert msg.startswith("the optimizer state was saved under other µP lr scales (spectral_mup, 1, 0.5)"), msg
+        assert "than this run's (standard parametrization)" in msg and "\n" not in msg
+        assert world2[r]["untouched"]
 
 
 def test_base_width_larger_than_the_model_is_refused():
