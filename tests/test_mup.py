@@ -44,6 +44,7 @@ LOSS_RTOL = 1e-6  # per-step loss, relative; measured 1.0e-7 (pp2, dp2 against 1
 WEIGHT_ATOL = 1e-5  # max |Δw| of the exported weights; measured 2.2e-6 (tp2 and its resume against 1x1x1)
 ORACLE_LOSS_RTOL = 3e-6  # hf3d 1x1x1 against stock + AdamW; measured 2.1e-7
 ORACLE_WEIGHT_ATOL = 2e-5  # measured 1.5e-6
+FP8_LOSS_RTOL = 1e-3  # FP8 tensorwise against fp32 µP, per-step loss; measured 4.7e-5
 # world 2: name -> (ParallelConfig kwargs besides µP)
 MESHES = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2-zero1": dict(zero_stage=1)}
 
@@ -117,6 +118,10 @@ def _worker(world: int, dirs: dict, out: str) -> None:
         res["standard"] = _run(dirs["llama"], out, "standard")
         res["mup-base-is-width"] = _run(dirs["llama"], out, "mup-base-is-width", parametrization="spectral_mup",
                                         mup_base_width=48)  # fmt: skip
+        pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(**MUP), seed=0, fp8="tensorwise")
+        pm.save_pretrained(out / "init-llama-fp8")
+        opt = _optimizer(pm)
+        res["fp8"] = dict(lrs=_group_lrs(opt), losses=_train(pm, opt, _data(), None), fp8=len(pm.fp8_projections))
         for fam in FAMILIES:  # the from-scratch init of every family, and its groups
             pm = hf3d.parallelize(dirs[fam], hf3d.ParallelConfig(**MUP), seed=0)
             pm.save_pretrained(out / f"init-{fam}")
@@ -261,6 +266,16 @@ def test_init_is_stock_times_the_rules(world1, family):
     assert set(lrs) == set(got)
 
 
+def test_fp8_keeps_the_rules(world1):
+    """With FP8 projections (torchao, tensorwise) µP's init and groups are the same, and the run follows the
+    fp32 one."""
+    fp8 = world1[0]["fp8"]
+    assert fp8["fp8"] > 0 and fp8["lrs"] == world1[0]["1x1x1"]["lrs"]
+    a, b = _exported(world1["out"] / "init-llama-fp8"), _exported(world1["out"] / "init-llama")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert_close(fp8["losses"], world1[0]["1x1x1"]["losses"], rtol=FP8_LOSS_RTOL, what="fp8 loss")
+
+
 def test_1x1x1_matches_stock_with_the_rules(world1):
     """hf3d µP at 1x1x1 equals stock + AdamW with the table's per-parameter lrs and init."""
     losses, sd = _oracle("llama")
@@ -311,3 +326,29 @@ def test_base_width_larger_than_the_model_is_refused():
     config = _config("llama")
     with pytest.raises(ValueError, match="mup_base_width=96 is larger than this model's hidden_size=48"):
         build_parametrization("spectral_mup", 96, config, {}, get_adapter("llama").fan_axes, final_norm_name="x")
+
+
+def test_lr_schedule_keeps_each_groups_scale():
+    """hf3d train's schedule scales every group's lr by the same factor: µP's ratios stay, and the lr it logs
+    (base_lr) is the schedule's value, before the scales."""
+    from hf3d.train.lr_schedules import ScheduleConfig, base_lr, build_lr_scheduler
+
+    w = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    opt = torch.optim.AdamW([dict(params=[w[0]], lr=1e-2, lr_scale=1.0), dict(params=[w[1]], lr=2.5e-3, lr_scale=0.25)])
+    sched = build_lr_scheduler(opt, ScheduleConfig(lr=1e-2, min_lr=1e-3, warmup_steps=2, schedule="cosine"), 10)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+        a, b = (g["lr"] for g in opt.param_groups)
+        assert b == pytest.approx(0.25 * a, rel=1e-12) and base_lr(opt) == pytest.approx(a, rel=1e-12)
+    bad = torch.optim.AdamW([dict(params=[w[0]], lr=1e-2, lr_scale=0.5)])  # lr not scaled: refused
+    with pytest.raises(ValueError, match="optimizer param group 0 has lr 0.02"):
+        build_lr_scheduler(bad, ScheduleConfig(lr=1e-2), 10)
+
+
+def test_train_config_takes_the_keys():
+    from hf3d.train.config import TrainConfig
+
+    cfg = TrainConfig.from_yaml(None, ["parallel.parametrization=spectral_mup", "parallel.mup_base_width=48"])
+    assert (cfg.parallel.parametrization, cfg.parallel.mup_base_width) == ("spectral_mup", 48)
+    assert cfg.to_dict()["parallel"]["mup_base_width"] == 48
