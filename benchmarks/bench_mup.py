@@ -19,8 +19,12 @@ shipped Shakespeare text tokenized with the example tokenizer (vocabulary 2,000)
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import json
 import math
+import multiprocessing
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -32,17 +36,19 @@ LAYERS, HEAD_DIM, VOCAB_DIR = 4, 16, REPO / "examples" / "tokenizer"
 BETAS = (0.9, 0.95)
 FULL = dict(
     coord=dict(widths=[64, 128, 256, 512, 1024], base=64, steps=5, lr=1e-2, batch=8, seq=64),
-    sweep=dict(widths=[128, 512], base=128, steps=200, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], batch=8, seq=32),
+    sweep=dict(widths=[128, 512], base=128, steps=150, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], batch=8, seq=32),
 )
 QUICK = dict(
     coord=dict(widths=[32, 64], base=32, steps=2, lr=1e-2, batch=2, seq=16),
     sweep=dict(widths=[32, 64], base=32, steps=4, lrs=[1e-3, 1e-2, 1e-1], batch=2, seq=16),
 )
 EVAL_ROWS = 32
+WORKERS = 2  # runs at a time, one thread each
 PARAMETRIZATIONS = ("standard", "spectral_mup")
 
 
 # -- data and models ------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=2)
 def token_rows(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(training rows in a fixed shuffled order, held-out rows) of `seq` tokens from the shipped corpus."""
     from transformers import AutoTokenizer
@@ -111,27 +117,34 @@ def outputs(pm, ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return seen
 
 
-def coord_check(root: Path, c: dict) -> dict:
+def coord_run(task: tuple) -> tuple:
+    """One (parametrization, width) of the coordinate check, in a pool worker."""
+    par, width, c = task
     train, held = token_rows(c["seq"])
     probe = held[: c["batch"]]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        pm, opt = build(Path(tmp), width, par, c["base"], c["lr"], None)
+        start = outputs(pm, probe)
+        rec = {k: {"activation": [rms(v)], "update": [0.0]} for k, v in start.items()}
+        for step in range(c["steps"]):
+            rows = train[step * c["batch"] : (step + 1) * c["batch"]]
+            pm.train_step(rows, rows)
+            opt.step()
+            opt.zero_grad()
+            for k, v in outputs(pm, probe).items():
+                rec[k]["activation"].append(rms(v))
+                rec[k]["update"].append(rms(v - start[k]))
+    print(f"coord {par} width {width}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return par, width, rec
+
+
+def coord_check(c: dict) -> dict:
     out = {}
-    for par in PARAMETRIZATIONS:
-        for width in c["widths"]:
-            t0 = time.perf_counter()
-            pm, opt = build(root, width, par, c["base"], c["lr"], None)
-            start = outputs(pm, probe)
-            rec = {k: {"activation": [rms(v)], "update": [0.0]} for k, v in start.items()}
-            for step in range(c["steps"]):
-                rows = train[step * c["batch"] : (step + 1) * c["batch"]]
-                pm.train_step(rows, rows)
-                opt.step()
-                opt.zero_grad()
-                for k, v in outputs(pm, probe).items():
-                    rec[k]["activation"].append(rms(v))
-                    rec[k]["update"].append(rms(v - start[k]))
-            out.setdefault(par, {})[str(width)] = rec
-            print(f"coord {par} width {width}: {time.perf_counter() - t0:.1f} s", flush=True)
-    return out
+    tasks = [(par, width, c) for par in PARAMETRIZATIONS for width in reversed(c["widths"])]  # longest first
+    for par, width, rec in in_pool(coord_run, tasks):
+        out.setdefault(par, {})[str(width)] = rec
+    return {par: {str(w): out[par][str(w)] for w in c["widths"]} for par in PARAMETRIZATIONS}
 
 
 def spread(coord: dict, par: str, kind: str) -> dict[str, float]:
@@ -144,7 +157,9 @@ def spread(coord: dict, par: str, kind: str) -> dict[str, float]:
 
 
 # -- learning-rate sweep --------------------------------------------------------------------------------
-def sweep(root: Path, s: dict) -> dict:
+def sweep_run(task: tuple) -> tuple:
+    """One (parametrization, width, lr) of the sweep, in a pool worker: the held-out loss at the end."""
+    par, width, lr, s = task
     train, held = token_rows(s["seq"])
     warmup = max(1, s["steps"] // 10)
 
@@ -154,27 +169,42 @@ def sweep(root: Path, s: dict) -> dict:
         t = (step - warmup) / max(1, s["steps"] - warmup)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
-    out = {}
-    for par in PARAMETRIZATIONS:
-        for width in s["widths"]:
-            for lr in s["lrs"]:
-                t0 = time.perf_counter()
-                pm, opt = build(root, width, par, s["base"], lr, 1.0)
-                sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
-                for step in range(s["steps"]):
-                    rows = train[(step * s["batch"]) % len(train) :][: s["batch"]]
-                    pm.train_step(rows, rows)
-                    opt.step()
-                    opt.zero_grad()
-                    sched.step()
-                total, n = pm.eval_loss(held, labels=held)
-                loss = float(total / n)
-                out.setdefault(par, {}).setdefault(str(width), {})[repr(lr)] = loss if math.isfinite(loss) else None
-                print(
-                    f"sweep {par} width {width} lr {lr:g}: loss {loss:.4f}, {time.perf_counter() - t0:.1f} s",
-                    flush=True,
-                )
-    return out
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        pm, opt = build(Path(tmp), width, par, s["base"], lr, 1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        for step in range(s["steps"]):
+            rows = train[(step * s["batch"]) % len(train) :][: s["batch"]]
+            pm.train_step(rows, rows)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        total, n = pm.eval_loss(held, labels=held)
+    loss = float(total / n)
+    print(f"sweep {par} width {width} lr {lr:g}: loss {loss:.4f}, {time.perf_counter() - t0:.1f} s", flush=True)
+    return par, width, lr, loss if math.isfinite(loss) else None
+
+
+def sweep(s: dict) -> dict:
+    tasks = [(par, w, lr, s) for w in reversed(s["widths"]) for par in PARAMETRIZATIONS for lr in s["lrs"]]
+    got = {(par, w, lr): loss for par, w, lr, loss in in_pool(sweep_run, tasks)}
+    return {
+        par: {str(w): {repr(lr): got[(par, w, lr)] for lr in s["lrs"]} for w in s["widths"]} for par in PARAMETRIZATIONS
+    }
+
+
+def _worker_init() -> None:
+    """One thread per worker (two workers on two cores; OpenMP's spinning threads cost more than they give on
+    these small matrices), and a world of one of its own: not the parent's rendezvous."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    torch.set_num_threads(1)
+
+
+def in_pool(fn, tasks: list) -> list:
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(WORKERS, mp_context=ctx, initializer=_worker_init) as pool:
+        return list(pool.map(fn, tasks))
 
 
 def best(losses: dict[str, float | None]) -> tuple[float, float]:
@@ -214,12 +244,17 @@ def figure(path: Path, coord: dict | None, swept: dict | None) -> None:
     fig.savefig(path)
 
 
+def _by_width(values: dict[str, float]) -> str:
+    return ", ".join(f"{w}: {v:.3g}" for w, v in values.items())
+
+
 def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, str]:
     data, md = {}, []
     if coord is not None:
         c = cfg["coord"]
         mup_act, mup_upd = spread(coord, "spectral_mup", "activation"), spread(coord, "spectral_mup", "update")
         sp_logits = {w: coord["standard"][w]["logits"]["activation"][-1] for w in coord["standard"]}
+        sp_init = {w: coord["standard"][w]["logits"]["activation"][0] for w in coord["standard"]}
         lo, hi = str(min(c["widths"])), str(max(c["widths"]))
         data["coord"] = dict(
             mup_activation_spread=mup_act,
@@ -230,6 +265,10 @@ def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, st
             standard_logit_rms=sp_logits,
             standard_logits_grow=all(sp_logits[a] < sp_logits[b] for a, b in zip(list(sp_logits), list(sp_logits)[1:])),
             standard_logit_growth=sp_logits[hi] / sp_logits[lo],
+            standard_logit_rms_init=sp_init,
+            standard_logits_grow_at_init=all(sp_init[a] < sp_init[b] for a, b in zip(list(sp_init), list(sp_init)[1:])),
+            standard_logit_growth_at_init=sp_init[hi] / sp_init[lo],
+            mup_max_spread=max([*mup_act.values(), *mup_upd.values()]),
         )
         rows = [
             [layer, mup_act[layer], mup_upd[layer], data["coord"]["standard_activation_spread"][layer],
@@ -241,7 +280,11 @@ def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, st
             f"{c['lr']:g}",
             "Largest over smallest RMS across the widths, per layer (1.0: flat).",
             md_table(["layer", "µP activation", "µP update", "SP activation", "SP update"], rows),
-            f"SP logit RMS by width: {', '.join(f'{w}: {v:.3g}' for w, v in sp_logits.items())}.",
+            f"µP: largest spread {data['coord']['mup_max_spread']:.3g}x (within 2x: {data['coord']['mup_within_2x']}).",
+            f"SP logit RMS by width after {c['steps']} steps: {_by_width(sp_logits)} "
+            f"({data['coord']['standard_logit_growth']:.3g}x from {lo} to {hi}; growing at every width: "
+            f"{data['coord']['standard_logits_grow']}); at step 0: {_by_width(sp_init)}"
+            f" ({data['coord']['standard_logit_growth_at_init']:.3g}x).",
         ]
     if swept is not None:
         s = cfg["sweep"]
@@ -255,11 +298,14 @@ def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, st
         )
         lrs = [repr(lr) for lr in s["lrs"]]
         rows = [[f"{par} width {w}", *(swept[par][w][k] for k in lrs)] for par in swept for w in swept[par]]
+        sw = data["sweep"]
         md += [
             f"## lr sweep: {s['steps']} steps of {s['batch']} x {s['seq']} tokens, held-out loss of {EVAL_ROWS} rows",
             md_table(["run", *(f"lr {float(k):g}" for k in lrs)], rows),
             "Best lr: "
-            + "; ".join(f"{par} width {w}: {b[0]:g} (loss {b[1]:.4f})" for par in bests for w, b in bests[par].items()),
+            + "; ".join(f"{par} width {w}: {b[0]:g} (loss {b[1]:.4f})" for par in bests for w, b in bests[par].items())
+            + f". µP: the same best lr at both widths: {sw['mup_same_best_lr']}, lower loss at {large}: "
+            f"{sw['mup_wider_is_better']}; SP: the best lr moves: {sw['standard_best_lr_moves']}.",
         ]  # fmt: skip
     return data, "\n\n".join(md)
 
@@ -271,16 +317,15 @@ def main() -> None:
     args = ap.parse_args()
     cfg = QUICK if args.quick else FULL
     env = env_info()
-    t0, c0 = time.perf_counter(), time.process_time()
-    with tempfile.TemporaryDirectory() as tmp:
-        coord = coord_check(Path(tmp), cfg["coord"]) if args.part in ("both", "coord") else None
-        t1, c1 = time.perf_counter(), time.process_time()
-        swept = sweep(Path(tmp), cfg["sweep"]) if args.part in ("both", "sweep") else None
-    t2, c2 = time.perf_counter(), time.process_time()
+    t0 = time.perf_counter()
+    coord = coord_check(cfg["coord"]) if args.part in ("both", "coord") else None
+    t1 = time.perf_counter()
+    swept = sweep(cfg["sweep"]) if args.part in ("both", "sweep") else None
+    t2 = time.perf_counter()
     data, md = summary(coord, swept, cfg)
     data.update(env=env, config=cfg, layers=LAYERS, coord_raw=coord, sweep_raw=swept, part=args.part)
-    # CPU seconds of this process (every thread): on a shared machine the wall time says little
-    data["wall_s"], data["cpu_s"] = dict(coord=t1 - t0, sweep=t2 - t1), dict(coord=c1 - c0, sweep=c2 - c1)
+    data["wall_s"] = dict(coord=t1 - t0, sweep=t2 - t1)
+    data["load_avg"] = os.getloadavg()
     path = write_results("mup", "Spectral µP against standard parametrization (CPU)", md, data, quick=args.quick)
     figure(path.with_suffix(".png"), coord, swept)
     print(md)
