@@ -100,7 +100,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             self.optimizer = optimizer_cls(self._param_groups, **optimizer_kwargs)
         except TypeError as e:
             raise TypeError(f"{optimizer_cls.__name__} rejected the optimizer arguments {optimizer_kwargs}: {e}") from e
-        self._scale_lrs()
+        for group in (g for g in self.optimizer.param_groups if "lr_scale" in g):  # µP: lr times the group's scale
+            group["lr"] = group["lr"] * group["lr_scale"]
         self._step_started = False
         self.last_step_skipped = False
         self.last_grad_norm: torch.Tensor | None = None
@@ -162,11 +163,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
             stock = no_decay_names(self.pmodel.hf_model)
             rule = lambda name, _p: name in stock  # noqa: E731
         par = self.pmodel.parametrization
-        # one group per (lr scale, decay): µP's scales of the whole model, so the same groups on every rank
-        scales = par.lr_scales() if par.rules else [1.0]
-        groups: dict[tuple[float, bool], list[torch.Tensor]] = {
-            (s, no_decay): [] for s in scales for no_decay in ((False, True) if rule else (False,))
-        }
+        grouped = []  # (master, lr scale, no decay)
         self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
         for b in self.buckets:
             lo, hi = b.buffer.stepped_range(b)
@@ -178,22 +175,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 flat = p.detach().view(-1)[a - start : z - start]
                 master = flat if self._aliased else flat.float().clone()
                 self._masters.append((p, master, a, z))
-                no_decay = bool(rule and rule(self.names[id(p)], p))
-                groups[(_lr_scale(p, par), no_decay)].append(master)
-        self._param_groups = []
-        for (scale, no_decay), masters in groups.items():
-            group = {"params": masters}
-            if no_decay:
-                group["weight_decay"] = 0.0
-            if par.rules:
-                group["lr_scale"] = scale
-            self._param_groups.append(group)
-
-    def _scale_lrs(self) -> None:
-        """µP: each group's lr is the optimizer's lr times the group's `lr_scale` (hf3d/optim/parametrization.py)."""
-        for group in self.optimizer.param_groups:
-            if "lr_scale" in group:
-                group["lr"] = group["lr"] * group["lr_scale"]
+                grouped.append((master, _lr_scale(p, par), bool(rule and rule(self.names[id(p)], p))))
+        self._param_groups = _param_groups(grouped, par, with_no_decay=bool(rule))
 
     # -- gradient path -----------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
@@ -376,6 +359,22 @@ def no_decay_names(module: nn.Module) -> set[str]:
             if is_norm or "bias" in pname.rsplit(".", 1)[-1]:
                 out.add(pname)
     return out
+
+
+def _param_groups(grouped: list[tuple[torch.Tensor, float, bool]], par, *, with_no_decay: bool) -> list[dict]:
+    """One group per (µP lr scale, weight decay or none) over the whole model's scales, so the same groups on
+    every rank whatever its fragments hold; a µP group records its `lr_scale` (hf3d/optim/parametrization.py)."""
+    scales = par.lr_scales() if par.rules else [1.0]
+    groups = []
+    for scale in scales:
+        for no_decay in (False, True) if with_no_decay else (False,):
+            group = {"params": [m for m, s, nd in grouped if s == scale and nd == no_decay]}
+            if no_decay:
+                group["weight_decay"] = 0.0
+            if par.rules:
+                group["lr_scale"] = scale
+            groups.append(group)
+    return groups
 
 
 def _lr_scale(p: nn.Parameter, par) -> float:
