@@ -166,6 +166,28 @@ def _gpu(d: dict) -> str:
     return f"{d['env'].get('gpu')}, torch {d['env'].get('torch')}: " + "; ".join(parts)
 
 
+def _mup(d: dict) -> str:
+    parts = []
+    if d.get("coord"):
+        c = d["coord"]
+        parts.append(
+            f"coordinate check (widths {', '.join(map(str, d['config']['coord']['widths']))}): µP's per-layer "
+            f"activation and update RMS spread {c['mup_max_spread']:.2f}x across widths (target ≤ 2x: "
+            f"{met(c['mup_within_2x'])}); SP's logit RMS {c['standard_logit_growth']:.1f}x from narrowest to widest "
+            f"after the steps ({c['standard_logit_growth_at_init']:.1f}x at step 0)"
+        )
+    if d.get("sweep"):
+        s, (small, large) = d["sweep"], map(str, d["config"]["sweep"]["widths"])
+        b = s["best"]
+        parts.append(
+            f"lr sweep: µP best lr {b['spectral_mup'][small][0]:g} at {small}, {b['spectral_mup'][large][0]:g} at "
+            f"{large} (same: {met(s['mup_same_best_lr'])}), best loss {b['spectral_mup'][small][1]:.3f} → "
+            f"{b['spectral_mup'][large][1]:.3f} (wider better: {met(s['mup_wider_is_better'])}); SP best lr "
+            f"{b['standard'][small][0]:g} → {b['standard'][large][0]:g} (moves: {s['standard_best_lr_moves']})"
+        )
+    return "; ".join(parts)
+
+
 @dataclass
 class Benchmark:
     name: str  # its results file: results/<name>.json
@@ -203,6 +225,8 @@ BENCHMARKS = [
               "tokens, at tp1, tp2 and pp2", "3", _eval),
     Benchmark("generate", "bench_generate.py", [], "generation at the mesh (`ParallelModel.generate`): tp1 / stock "
               "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
+    Benchmark("mup", "bench_mup.py", [], "spectral µP against standard parametrization: coordinate check and lr "
+              "transfer (tiny Llama, CPU)", "7", _mup),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
               "9 (GPU)", _gpu, gpu=True),
 ]  # fmt: skip

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .hf.save import DEFAULT_MAX_SHARD_BYTES
+from .optim.parametrization import Parametrization
 from .parallel.config import ParallelConfig, check_cp_seq_len
 from .parallel.context import CPContext
 from .parallel.expert import is_expert
@@ -67,6 +68,7 @@ class ParallelModel(nn.Module):
         # once (a sync before the forward). Either way the step raises the same ValueError.
         self.deferred_checks = False
         self.router_stats = None  # the MoE router statistics of the load-balancing loss, set by parallelize
+        self.parametrization = Parametrization()  # µP's rules when pcfg asks for them, set by parallelize
         self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/parallel/rng.py), set by parallelize
 
     # -- mesh coordinates -------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from .hf.folders import model_files, resolve_model_dir
 from .hf.load import SafetensorsSource, StateDictSource
 from .model import ParallelModel
 from .models import EPContext, TPContext, get_adapter
+from .optim.parametrization import ScaledSource, build_parametrization
 from .parallel.attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .parallel.compile import check_compile, compile_layers, resolve_compile
 from .parallel.config import ParallelConfig, check_attn_implementation
@@ -98,7 +99,16 @@ def parallelize(
         config, adapter, plan, ctx=ctx, ep=ep, attn=attn_implementation, dtype=dtype
     )
     fp8_projections = apply_fp8(hf_model, fp8, hf_shapes, tp_group=ctx.group, cp_group=cp.group)
-    _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device)
+    parametrization = build_parametrization(
+        pcfg.parametrization,
+        pcfg.mup_base_width,
+        config,
+        hf_shapes,
+        adapter.fan_axes,
+        final_norm_name=adapter.final_norm_name,
+    )
+    init_scales = parametrization.init_scales()
+    _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device, init_scales=init_scales)
     del source
     pmodel = _assemble(
         hf_model, config, pcfg, plan, mesh=mesh, cp=cp, rng=rng, hf_shapes=hf_shapes, tokenizer_dir=tokenizer_dir
@@ -107,6 +117,7 @@ def parallelize(
         compile_layers([layer for stage in pmodel.stages for layer in stage.layers])
     pmodel.router_stats = ep.stats
     pmodel.fp8, pmodel.fp8_projections = fp8, fp8_projections
+    pmodel.parametrization = parametrization
     return pmodel
 
 
@@ -249,16 +260,22 @@ def _swapped_skeleton(
     return hf_model, hf_shapes
 
 
-def _fill(hf_model: nn.Module, config, adapter, source, *, seed: int, dtype: torch.dtype, device) -> None:
+def _fill(
+    hf_model: nn.Module, config, adapter, source, *, seed: int, dtype: torch.dtype, device, init_scales: dict
+) -> None:
     """Give the swapped skeleton real storage and this rank's slices: from `source`, or from stock's seeded
-    init when it is None (fp32 draws, cast per tensor)."""
+    init when it is None (fp32 draws, cast per tensor; times µP's init scales, hf3d/optim/parametrization.py)."""
     _materialize(hf_model, device)
     with torch.device(device):
         hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config=config)  # computed buffers, not loaded
     if source is None:  # fp32 draws, cast per tensor by _load_pieces
         pieces = [piece for p in hf_model.parameters() for piece in get_pieces(p)]
         source = InitSource(config, seed=seed, pieces=adapter.source_pieces(pieces, config))
-    source = adapter.wrap_source(source, config, saved=isinstance(source, SafetensorsSource))
+        source = adapter.wrap_source(source, config, saved=False)
+        if init_scales:
+            source = ScaledSource(source, init_scales)
+    else:
+        source = adapter.wrap_source(source, config, saved=isinstance(source, SafetensorsSource))
     _load_pieces(hf_model, source, dtype)
 
 

@@ -99,6 +99,8 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
         for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, 0, p.numel(), owned_only=False):
             get_entry(entries, params_from + name, hf_shapes, name, p.dtype).add(off, view)
     if opt is not None:
+        if training:  # before anything is read: a refused state leaves the model and optimizer as they were
+            optim_state.check_group_scales(opt, meta["optim"]["param_groups"])
         keys = meta["optim"]["keys"] if training else []
         for k, name, off, _, view in optim_state.state_boxes(opt, keys, create=True, master=not opt._aliased):
             prefix = optim_key(k, "") if k != MASTER_KEY or has_master else MODEL_PREFIX

@@ -293,6 +293,8 @@ class DecoderAdapter:
     """
 
     model_types: tuple[str, ...] = ()
+    final_norm_name = "model.norm.weight"
+    """The norm in front of the head: under µP with tied embeddings it carries the readout's gain."""
 
     def check_tp(self, config, tp: int) -> None:
         valid = valid_tp_sizes(config)
@@ -318,6 +320,17 @@ class DecoderAdapter:
     def swap_mlp(self, mlp: nn.Module, prefix: str, ctx: TPContext, ep) -> nn.Module:
         return TPMLP(mlp, prefix, ctx)
 
+    def fan_axes(self, name: str, shape: tuple[int, ...], config) -> tuple[bool, bool]:
+        """(fan-in grows with width, fan-out grows with width) of the HF parameter `name` of global `shape`, for
+        µP (hf3d/optim/parametrization.py). A weight [out, in] maps in -> out; the token embedding [vocab,
+        hidden] is a lookup from a one-hot over the vocabulary, whose size is fixed; the head maps the width
+        to the vocabulary (a readout); a vector (norm weight, bias) has a fan-in of 1."""
+        if len(shape) == 1 or name == "model.embed_tokens.weight":
+            return False, True
+        if name == "lm_head.weight":
+            return True, False
+        return True, True
+
     def check_ep(self, config, ep: int) -> None:
         if ep > 1:
             raise ValueError(
@@ -342,7 +355,7 @@ class DecoderAdapter:
         return pieces
 
     def swap_final_norm(self, norm: nn.Module, ctx: TPContext) -> RMSNorm:
-        set_pieces(norm.weight, whole("model.norm.weight", norm.weight.shape[0], owner=ctx.rank == 0))
+        set_pieces(norm.weight, whole(self.final_norm_name, norm.weight.shape[0], owner=ctx.rank == 0))
         if ctx.sequence_parallel:
             mark_tp_partial(norm.weight, ctx)
         return RMSNorm(norm)

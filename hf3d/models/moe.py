@@ -148,6 +148,13 @@ class MoEAdapter(DecoderAdapter):
         "shared_expert_intermediate_size": "the shared expert is split over tp like a dense MLP",
     }
 
+    def fan_axes(self, name: str, shape: tuple[int, ...], config) -> tuple[bool, bool]:
+        """The router (`mlp.gate`, hidden -> num_experts) and the shared expert's gate (hidden -> 1) map the
+        width to a fixed count, as the head does: readouts. An expert is a hidden matrix of its own."""
+        if name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")):
+            return True, False
+        return super().fan_axes(name, shape, config)
+
     def check_tp(self, config, tp: int) -> None:
         super().check_tp(config, tp)
         for field, why in self.TP_SPLIT.items():

@@ -78,12 +78,34 @@ def restore_steps(opt, step: int) -> None:
                 opt.optimizer.state[m]["step"] = step_tensor(step, group, m)
 
 
+def check_group_scales(opt, saved: list[dict]) -> None:
+    """The groups' µP lr scales must be the ones saved: the state of another parametrization (or base width)
+    would restore each group's lr onto parameters of other rules."""
+    mine = [g.get("lr_scale") for g in opt.optimizer.param_groups]
+    theirs = [g.get("lr_scale") for g in saved]
+    if saved and mine != theirs:
+        raise ValueError(
+            f"the optimizer state was saved under other µP lr scales ({_scales(theirs)}) than this run's "
+            f"({_scales(mine)}): resume with the parametrization and mup_base_width it was trained with, or load "
+            "the weights without the optimizer state"
+        )
+
+
 def restore_group_settings(opt, saved: list[dict]) -> None:
     """Saved hyperparameters into the groups, by key (tuples stay tuples: betas read back from JSON)."""
+    check_group_scales(opt, saved)
     for group, settings in zip(opt.optimizer.param_groups, saved):
         group.update(
             {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in settings.items() if k in group}
         )
+
+
+def _scales(scales: list) -> str:
+    return (
+        "standard parametrization"
+        if all(s is None for s in scales)
+        else "spectral_mup, " + ", ".join(f"{s:g}" for s in sorted(set(scales), reverse=True))
+    )
 
 
 def state_dict(opt) -> dict:

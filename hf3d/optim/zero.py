@@ -100,6 +100,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
             self.optimizer = optimizer_cls(self._param_groups, **optimizer_kwargs)
         except TypeError as e:
             raise TypeError(f"{optimizer_cls.__name__} rejected the optimizer arguments {optimizer_kwargs}: {e}") from e
+        for group in (g for g in self.optimizer.param_groups if "lr_scale" in g):  # µP: lr times the group's scale
+            group["lr"] = group["lr"] * group["lr_scale"]
         self._step_started = False
         self.last_step_skipped = False
         self.last_grad_norm: torch.Tensor | None = None
@@ -160,7 +162,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         if rule is True:
             stock = no_decay_names(self.pmodel.hf_model)
             rule = lambda name, _p: name in stock  # noqa: E731
-        decay, no_decay = [], []
+        par = self.pmodel.parametrization
+        grouped = []  # (master, lr scale, no decay)
         self._masters: list[tuple[nn.Parameter, torch.Tensor, int, int]] = []  # (param, master, lo, hi)
         for b in self.buckets:
             lo, hi = b.buffer.stepped_range(b)
@@ -172,10 +175,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
                 flat = p.detach().view(-1)[a - start : z - start]
                 master = flat if self._aliased else flat.float().clone()
                 self._masters.append((p, master, a, z))
-                (no_decay if rule and rule(self.names[id(p)], p) else decay).append(master)
-        self._param_groups = [{"params": decay}]
-        if rule:  # the same groups on every rank, whatever parameters its fragments hold
-            self._param_groups.append({"params": no_decay, "weight_decay": 0.0})
+                grouped.append((master, _lr_scale(p, par), bool(rule and rule(self.names[id(p)], p))))
+        self._param_groups = _param_groups(grouped, par, with_no_decay=bool(rule))
 
     # -- gradient path -----------------------------------------------------------------------------
     def start_step(self, num_microbatches: int) -> None:
@@ -358,6 +359,31 @@ def no_decay_names(module: nn.Module) -> set[str]:
             if is_norm or "bias" in pname.rsplit(".", 1)[-1]:
                 out.add(pname)
     return out
+
+
+def _param_groups(grouped: list[tuple[torch.Tensor, float, bool]], par, *, with_no_decay: bool) -> list[dict]:
+    """One group per (µP lr scale, weight decay or none) over the whole model's scales, so the same groups on
+    every rank whatever its fragments hold; a µP group records its `lr_scale` (hf3d/optim/parametrization.py)."""
+    scales = par.lr_scales() if par.rules else [1.0]
+    groups = []
+    for scale in scales:
+        for no_decay in (False, True) if with_no_decay else (False,):
+            group = {"params": [m for m, s, nd in grouped if s == scale and nd == no_decay]}
+            if no_decay:
+                group["weight_decay"] = 0.0
+            if par.rules:
+                group["lr_scale"] = scale
+            groups.append(group)
+    return groups
+
+
+def _lr_scale(p: nn.Parameter, par) -> float:
+    """The µP lr scale of a runtime parameter: its pieces' HF parameters share one rule (a fused qkv or
+    gate_up projection, a stack of experts); a shard that holds only vocab padding has no piece and
+    takes 1 (its elements never change)."""
+    scales = {par.rule(piece.hf_name).lr_scale for piece in get_pieces(p)}
+    assert len(scales) <= 1, f"the pieces of one parameter have different µP lr scales: {get_pieces(p)}"
+    return scales.pop() if scales else 1.0
 
 
 def _owned_runs(p: torch.Tensor) -> list[tuple[int, int]]:

@@ -38,6 +38,31 @@ def check_attn_implementation(name: str, key: str = "attn_implementation") -> No
         )
 
 
+PARAMETRIZATIONS = ("standard", "spectral_mup")
+
+
+def check_parametrization(parametrization, base_width, *, where: str = "ParallelConfig.") -> None:
+    """One line for a parametrization that is unknown, or µP without a usable base width."""
+    if parametrization not in PARAMETRIZATIONS:
+        raise ValueError(
+            f"{where}parametrization must be one of {', '.join(PARAMETRIZATIONS)}, got {parametrization!r}"
+        )
+    if parametrization == "standard":
+        if base_width is not None:
+            raise ValueError(
+                f"{where}mup_base_width={base_width!r} is set but {where}parametrization is 'standard': set "
+                "parametrization: spectral_mup, or leave mup_base_width unset"
+            )
+        return
+    if base_width is None:
+        raise ValueError(
+            f"{where}parametrization 'spectral_mup' needs {where}mup_base_width: the hidden_size of the proxy "
+            "model whose learning rate you transfer (the model's own hidden_size makes µP equal to standard)"
+        )
+    if isinstance(base_width, bool) or not isinstance(base_width, int) or base_width < 1:
+        raise ValueError(f"{where}mup_base_width must be a positive integer (a hidden_size), got {base_width!r}")
+
+
 RECOMPUTE_FORMS = '"none", "full" or "every_<k>" with k a positive integer (e.g. "every_2")'
 # zbv / dualpipev split each backward into an input pass and weight passes, and a recomputed layer runs
 # its forward again in each of them: measured 4-8 forwards per layer and micro-batch instead of 2
@@ -124,6 +149,14 @@ class ParallelConfig:
     takes when the key is not written): on with CUDA where compile can run, off on a CPU
     (`compile.resolve_compile`)."""
 
+    parametrization: str = "standard"
+    """How init and learning rates scale with width: "standard" (stock init, one lr) or "spectral_mup"
+    (hf3d/optim/parametrization.py): stock init and the optimizer's lr scaled per parameter from its fan-in and
+    fan-out, so that an lr tuned at `mup_base_width` transfers to this width. Not a parallel degree: it is
+    here because parallelize (the init) and build_optimizer (the lrs) both read it, the same on every mesh."""
+    mup_base_width: int | None = None
+    """spectral_mup: the hidden_size of the narrow proxy the lr was tuned on (<= the model's hidden_size)."""
+
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
             v_shaped = self.pp_schedule in ("zbv", "dualpipev")
@@ -145,6 +178,7 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.compile must be true, false or 'auto', got {self.compile!r}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
+        check_parametrization(self.parametrization, self.mup_base_width)
         if self.pp_schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
             raise ValueError(
                 f"pp_schedule {self.pp_schedule!r} runs exactly 2 virtual stages per rank, got "

@@ -25,7 +25,7 @@ from ..parallel.rng import seed_streams
 from ..utils import files
 from ..utils.faults import RunState, store_barrier
 from .config import DTYPES, ModelConfig, TrainConfig, check_launch, check_run
-from .lr_schedules import build_lr_scheduler
+from .lr_schedules import base_lr, build_lr_scheduler
 from .metrics import (
     available_trackers,
     device_peak_flops,
@@ -203,8 +203,8 @@ def resume_run(run: Run) -> None:
         offset = run.start if not c.load_scheduler else 0  # a restarted schedule spans the steps left
         if c.load_data_position and "data" in run.saved:
             run.pipe.load_state_dict(run.saved["data"])
-    for group in opt.param_groups:  # the schedule's peak lr, whatever the checkpoint's groups held
-        group["lr"] = o.lr
+    for group in opt.param_groups:  # the schedule's peak lr (times µP's scale), whatever the checkpoint held
+        group["lr"] = o.lr * group.get("lr_scale", 1.0)
         group.pop("initial_lr", None)
     if run.start > r.steps:
         raise ValueError(
@@ -225,7 +225,7 @@ def _schedule_change(run: Run) -> str | None:
     if old is None or old == new or run.start == new:
         return None
     before = run.saved.get("lr")
-    after = run.opt.param_groups[0]["lr"]
+    after = base_lr(run.opt)
     was = f"lr {before:.3g} at step {run.start}, " if before is not None else ""
     return (
         f"run.steps changed from {old} to {new} since the checkpoint: the {run.cfg.optim.schedule} schedule now "

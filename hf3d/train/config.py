@@ -2,7 +2,7 @@
 
     model        which stock HF model, its dtype and attention, long-context overrides
     data         sources, stages and mixtures, packing, document masking, eval split (hf3d/data)
-    parallel     tp / pp / dp / cp / ep, schedule, micro-batches, recompute, compile (hf3d.ParallelConfig)
+    parallel     tp / pp / dp / cp / ep, schedule, micro-batches, recompute, compile, µP (hf3d.ParallelConfig)
     optim        AdamW, weight decay, clipping, z-loss, and the lr schedule (hf3d/train/lr_schedules.py)
     run          steps, batch, output dir, logging, trackers
     checkpoint   how often to save, what to keep, what to resume and which parts of it
@@ -528,6 +528,12 @@ def _check_model_fits(cfg: TrainConfig, model_config) -> None:
         adapter.check_ep(model_config, p.ep)
     except ValueError as e:
         raise ValueError(f"parallel.{e}" if str(e).startswith(("tp=", "ep=")) else str(e)) from None
+    if p.mup_base_width is not None and p.mup_base_width > model_config.hidden_size:
+        raise ValueError(
+            f"parallel.mup_base_width={p.mup_base_width} is larger than the model's hidden_size="
+            f"{model_config.hidden_size}: the base width is the narrow proxy's hidden_size; use a value <= "
+            f"{model_config.hidden_size}"
+        )
 
 
 def _check_world(cfg: TrainConfig, world_size: int) -> int:

@@ -203,17 +203,24 @@ class _ScheduledLR(LambdaLR):
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
 
+def base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The optimizer's lr now, before µP's per-group scales (the schedule's value; every group's lr under SP)."""
+    group = optimizer.param_groups[0]
+    return float(group["lr"]) / group.get("lr_scale", 1.0)
+
+
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int) -> LRScheduler:
     """The schedule for `optimizer` (a torch optimizer or hf3d's ParallelOptimizer) over `total_steps`.
 
-    Call `scheduler.step()` after every `optimizer.step()`. Every param group's lr must be cfg.lr
-    (build the optimizer with lr=cfg.lr); min_lr is reached as the same fraction of each group's lr.
+    Call `scheduler.step()` after every `optimizer.step()`. Every param group's lr must be cfg.lr times
+    its µP `lr_scale` (build the optimizer with lr=cfg.lr); min_lr is reached as the same fraction of each
+    group's lr.
     """
     from transformers import get_scheduler
 
     warmup, start, end = _window(cfg, total_steps)
     for i, group in enumerate(optimizer.param_groups):
-        group_lr = group.get("initial_lr", group["lr"])
+        group_lr = group.get("initial_lr", group["lr"]) / group.get("lr_scale", 1.0)
         if not math.isclose(float(group_lr), cfg.lr, rel_tol=1e-9):
             raise ValueError(
                 f"optimizer param group {i} has lr {float(group_lr):g} but the schedule's peak lr is {cfg.lr:g}: "

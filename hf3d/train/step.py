@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..parallel.expert import load_imbalance
 from .build import Run
 from .config import RunConfig
+from .lr_schedules import base_lr
 from .metrics import (
     flops_per_token,
     peak_memory_bytes,
@@ -83,7 +84,7 @@ def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal) -> tuple
     cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
     run.rope.enter(step)  # a stage with other RoPE settings: the model's change in place
     run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step), run.mlp_costs)
-    lr = opt.param_groups[0]["lr"]
+    lr = base_lr(opt)
     t0 = time.perf_counter()
     batch = pipe.next_batch(step)
     data_s = time.perf_counter() - t0
