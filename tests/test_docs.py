@@ -1,7 +1,8 @@
 """Every snippet of the user guide runs as written (README.md and docs/*.md).
 
-Two kinds of fenced blocks run, in a scratch folder holding a link to the checkout's `examples/` (the snippets name
-`examples/...` paths relative to the root of a checkout, as the docs say; their outputs go to the scratch folder):
+Two kinds of fenced blocks run, in a scratch folder holding links to the checkout's `examples/` and `tests/` (the
+snippets name `examples/...` and `tests/hub_server.py` relative to the root of a checkout, as the docs say; their
+outputs go to the scratch folder):
 - a Python block marked runnable (the line `<!-- runnable -->` directly above its fence) is a whole script: they
   run under one `torchrun --nproc-per-node 2`, on the CPU (gloo), one after another in the guide's order, each as
   `__main__` in a namespace of its own (runpy), so the launch and the imports are paid once; the only difference
@@ -14,7 +15,8 @@ Two kinds of fenced blocks run, in a scratch folder holding a link to the checko
 
 The one change made to what the docs say, to keep the suite's time: an `hf3d train` command that does not set
 `run.steps` itself runs min(its config's `run.steps`, 6) steps, `run.steps=N` added to its `--set` values (or
-`--set run.steps=N` appended when it has none; any `# comment` of the line stays after them). Commands that set
+`--set run.steps=N` appended when it has none; any `# comment` of the line stays after them; a command continued
+over lines with `\\` is joined into one line first). Commands that set
 `run.steps` (the round trip) and configs of at most 6 steps (the tiny long-context recipe) run exactly as written.
 A block whose commands are those of an earlier block (docs/train.md repeats the quick start's) is not run twice.
 The README's map and docs/python-api.md say so to the reader.
@@ -85,7 +87,7 @@ def all_blocks() -> list[Block]:
 def shortened(body: str) -> str:
     """The shell block with its `hf3d train` runs cut to SHORT_STEPS steps (see the module docstring)."""
     out = []
-    for line in body.splitlines():
+    for line in re.sub(r"\s*\\\n\s*", " ", body).splitlines():   # a command continued with `\` is one line
         config = CONFIG.search(line)
         if " hf3d train " in f" {line} " and config and "run.steps=" not in line:
             steps = yaml.safe_load((ROOT / config.group(0)).read_text()).get("run", {}).get("steps", 0)
@@ -107,7 +109,8 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("docs")
-    (d / "examples").symlink_to(ROOT / "examples")
+    for shipped in ("examples", "tests"):   # tests/: docs/hub.md starts its offline Hub, tests/hub_server.py
+        (d / shipped).symlink_to(ROOT / shipped)
     return d
 
 
@@ -162,6 +165,7 @@ def test_the_shortening_is_mechanical():
     body = plain + " --set a.b=1   # note\nhf3d convert x y\n"
     assert shortened(body) == plain + " --set a.b=1 run.steps=6  # note\nhf3d convert x y\n"
     assert shortened(plain) == plain + " --set run.steps=6\n"
+    assert shortened(plain + " \\\n  --set run.steps=10\n") == plain + " --set run.steps=10\n"
     for kept in (plain + " --set run.steps=8", plain.replace("tiny-smollm", "smollm3-long-context-tiny")):
         assert shortened(kept) == kept + "\n"
 
