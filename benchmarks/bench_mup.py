@@ -36,7 +36,7 @@ LAYERS, HEAD_DIM, VOCAB_DIR = 4, 16, REPO / "examples" / "tokenizer"
 BETAS = (0.9, 0.95)
 FULL = dict(
     coord=dict(widths=[64, 128, 256, 512, 1024], base=64, steps=5, lr=1e-2, batch=8, seq=64),
-    sweep=dict(widths=[128, 512], base=128, steps=150, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], batch=8, seq=32),
+    sweep=dict(widths=[128, 512], base=128, steps=300, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], batch=8, seq=32),
 )
 QUICK = dict(
     coord=dict(widths=[32, 64], base=32, steps=2, lr=1e-2, batch=2, seq=16),

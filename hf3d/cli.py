@@ -8,6 +8,9 @@ import sys
 
 from .parallel.config import DTYPE_NAMES
 
+SET_HELP = "override config values (repeatable: every --set counts)"
+MESH_HELP = "the mesh, e.g. parallel.tp=2 parallel.pp=2 (repeatable: every --set counts)"
+
 
 def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
@@ -160,7 +163,7 @@ def _generate_parser(sub) -> None:
     p.add_argument("--stop", nargs="*", metavar="TEXT", help="stop a prompt's generation once it has written TEXT")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
-    p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    p.add_argument("--set", nargs="*", action="extend", metavar="parallel.KEY=VALUE", help=MESH_HELP)
     _launch_option(p)
     p.set_defaults(func=_generate)
 
@@ -249,7 +252,7 @@ def _eval_parser(sub) -> None:
     )
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights and activations (default fp32)")
     p.add_argument("--attn-implementation", default="auto", help="sdpa, eager, flash_attention_2, ... (default auto)")
-    p.add_argument("--set", nargs="*", metavar="parallel.KEY=VALUE", help="the mesh, e.g. parallel.tp=2 parallel.pp=2")
+    p.add_argument("--set", nargs="*", action="extend", metavar="parallel.KEY=VALUE", help=MESH_HELP)
     _launch_option(p)
     p.set_defaults(func=_eval)
 
@@ -264,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         "machines under torchrun (or accelerate launch)",
     )
     p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
-    p.add_argument("--set", nargs="*", metavar="SECTION.KEY=VALUE", help="override config values")
+    p.add_argument("--set", nargs="*", action="extend", metavar="SECTION.KEY=VALUE", help=SET_HELP)
     _launch_option(p)
     p.set_defaults(func=_train)
     _eval_parser(sub)

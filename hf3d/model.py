@@ -98,16 +98,8 @@ class ParallelModel(nn.Module):
     def expert_load(self) -> torch.Tensor | None:
         """Collective: the last train_step's top-k picks per (MoE layer, expert) over the whole step, the same
         on every rank; None for a dense model."""
-        stats = self.router_stats
-        if stats is None or stats.load is None:
-            return None
-        if stats.global_load is None:  # once per step
-            load = stats.load.clone()
-            dist.all_reduce(load)
-            if not self.pcfg.sequence_parallel:
-                load /= self.pcfg.tp  # every tp rank routed the same tokens
-            stats.global_load = load
-        return stats.global_load
+        stats = self.router_stats  # without sequence parallelism every tp rank routed the same tokens
+        return None if stats is None else stats.step_load(1 if self.pcfg.sequence_parallel else self.pcfg.tp)
 
     def _replica_sum(self, sums: torch.Tensor) -> None:
         """All-reduce per-rank partial sums over dp x cp (each cp rank summed its own tokens only)."""
@@ -265,18 +257,16 @@ class ParallelModel(nn.Module):
                 local_logits = relay_forward(self, input_ids, position_ids)
         finally:
             self.train(was_training)
-        sums = torch.zeros(2, device=self.device) if groups is None else torch.zeros(2, num_groups, device=self.device)
+        row_groups = torch.zeros(len(targets), dtype=torch.long) if groups is None else groups
+        sums = torch.zeros(2, num_groups, device=self.device)
         if local_logits is not None:
-            losses = self.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten())
-            if groups is None:
-                sums = torch.stack([losses.sum(), (targets != IGNORE_INDEX).sum().float()])
-            else:
-                sums = _group_sums(losses.view_as(targets), targets != IGNORE_INDEX, groups.to(self.device), num_groups)
+            losses = self.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten()).view_as(targets)
+            sums = _group_sums(losses, targets != IGNORE_INDEX, row_groups.to(self.device), num_groups)
         del local_logits
         if self.pcfg.pp > 1:
             dist.broadcast(sums, group=self.mesh.get_group("pp"), group_src=self.stage_owners[-1])
         self._replica_sum(sums)  # every cp rank counted its own targets
-        return sums[0], sums[1]
+        return (sums[0], sums[1]) if groups is not None else (sums[0, 0], sums[1, 0])
 
     # -- training ---------------------------------------------------------------------------------
     def train_step(

@@ -20,7 +20,7 @@ from .hf.folders import model_files, resolve_model_dir
 from .hf.load import SafetensorsSource, StateDictSource
 from .model import ParallelModel
 from .models import EPContext, TPContext, get_adapter
-from .optim.parametrization import ScaledSource, build_parametrization
+from .optim.parametrization import ScaledSource, model_parametrization
 from .parallel.attention import AUTO, flash_attn_installed, resolve_attn_implementation
 from .parallel.compile import check_compile, compile_layers, resolve_compile
 from .parallel.config import ParallelConfig, check_attn_implementation
@@ -99,14 +99,7 @@ def parallelize(
         config, adapter, plan, ctx=ctx, ep=ep, attn=attn_implementation, dtype=dtype
     )
     fp8_projections = apply_fp8(hf_model, fp8, hf_shapes, tp_group=ctx.group, cp_group=cp.group)
-    parametrization = build_parametrization(
-        pcfg.parametrization,
-        pcfg.mup_base_width,
-        config,
-        hf_shapes,
-        adapter.fan_axes,
-        final_norm_name=adapter.final_norm_name,
-    )
+    parametrization = model_parametrization(pcfg, config, hf_shapes, adapter)
     init_scales = parametrization.init_scales()
     _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device, init_scales=init_scales)
     del source

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from .config import DataConfig, SourceConfig
+from .held_out import HeldOutRows
 from .packing import collate, pack_window
 from .sources import (
     TokenSource,
@@ -38,7 +38,7 @@ from .sources import (
 from .summary import summary_lines
 
 # first words of the generators' seeds: the streams of mixture draws, permutations and eval never meet
-_DRAW, _PERM, _EVAL = 0, 1, 2
+_DRAW, _PERM = 0, 1   # _EVAL (2) is held_out.py's
 
 
 def _window(s: SourceConfig, opened: tuple, seq_len: int, where: str) -> TokenSource:
@@ -53,7 +53,7 @@ def _window(s: SourceConfig, opened: tuple, seq_len: int, where: str) -> TokenSo
     return src
 
 
-class DataPipeline:
+class DataPipeline(HeldOutRows):
     """Global batches for training and evaluation; see the module docstring for the order."""
 
     def __init__(
@@ -321,80 +321,9 @@ class DataPipeline:
                 )
         self._next_step = int(state["next_step"])
 
-    # --- evaluation ---------------------------------------------------------------------------------
-
-    def eval_rows_per_source(self) -> list[int]:
-        """Held-out rows of each first-stage source in the eval batches (data.eval.fraction): its share of them by
-        weight (largest remainders), and at least one for every source of positive weight where there are rows
-        enough, so that each has an eval loss of its own."""
-        return _shares([s.weight for s in self.stages[0].sources], self.eval_batch * self.cfg.eval.batches)
-
-    @property
-    def eval_names(self) -> list[str]:
-        """The sources the eval rows come from, in the order of the eval batches' `source_ids`: the first stage's
-        (data.eval.fraction), or "eval" (data.eval.path); [] when evaluation is off."""
-        if not self.eval_every:
-            return []
-        return ["eval"] if self.eval_source is not None else [s.label for s in self.stages[0].sources]
-
-    def eval_batches(self) -> list[dict]:
-        """This dp rank's rows of each eval batch (like next_batch's); the same every call; [] when off."""
-        if not self.eval_every:
-            return []
-        if self._eval is None:
-            picks, sources, b = *self._eval_picks(), self.eval_batch
-            self._eval = [self._pack(picks[i : i + b], sources) for i in range(0, len(picks), b)]
-        return self._eval
-
-    def eval_sources(self) -> list[torch.Tensor]:
-        """Where the rows of `eval_batches()` come from, batch by batch: this dp rank's rows' indices into
-        `eval_names`, LongTensor [rows]; [] when evaluation is off."""
-        if not self.eval_every:
-            return []
-        (picks, _), b = self._eval_picks(), self.eval_batch
-        index = {name: i for i, name in enumerate(self.eval_names)}
-        mine = [self._mine(picks[i : i + b]) for i in range(0, len(picks), b)]
-        return [torch.tensor([index[name] for name, _ in rows], dtype=torch.long) for rows in mine]
-
-    def _eval_picks(self) -> tuple[list[tuple[str, int]], dict[str, TokenSource]]:
-        """(source, window) of every global eval row, batch after batch, and the sources they are read from."""
-        rows = self.eval_batch * self.cfg.eval.batches
-        if self.eval_source is not None:
-            return [("eval", k % self.eval_source.num_windows) for k in range(rows)], {"eval": self.eval_source}
-        # the held-out tail of each first-stage source, its share of the rows by the first stage's weights
-        names = [s.label for s in self.stages[0].sources]
-        rng = np.random.default_rng([self.cfg.seed, _EVAL, 0, 0])
-        order = rng.permutation(np.repeat(np.arange(len(names)), self.eval_rows_per_source()))
-        return _held_out_rows([names[i] for i in order], self.num_train, self.sources), self.sources
-
     # --- reporting --------------------------------------------------------------------------------
 
     def summary(self) -> list[str]:
         """Lines for the start of a run: each source, each stage, the eval split (hf3d/data/summary.py)."""
         return summary_lines(self)
 
-
-def _shares(weights: list[float], rows: int) -> list[int]:
-    """`rows` split by `weights` (largest remainders), at least one row for each positive weight where the
-    largest share can give one."""
-    w = np.array(weights, dtype=np.float64)
-    exact = w / w.sum() * rows
-    counts = np.floor(exact).astype(np.int64)
-    counts[np.argsort(counts - exact, kind="stable")[: rows - counts.sum()]] += 1
-    for i in np.flatnonzero((counts == 0) & (w > 0)):
-        most = int(np.argmax(counts))
-        if counts[most] > 1:
-            counts[most], counts[i] = counts[most] - 1, 1
-    return counts.tolist()
-
-
-def _held_out_rows(names: list[str], num_train: dict[str, int], sources: dict[str, TokenSource]) -> list[tuple]:
-    """(source, window) for rows drawn from `names` in order: each source's held-out windows (those after its
-    training windows) one after another, from the first again when a source has fewer than it is drawn."""
-    seen = dict.fromkeys(names, 0)
-    picks = []
-    for name in names:
-        held = sources[name].num_windows - num_train[name]
-        picks.append((name, num_train[name] + seen[name] % held))
-        seen[name] += 1
-    return picks

@@ -88,6 +88,18 @@ class Parametrization:
         return sorted({r.lr_scale for r in self.rules.values()} | {1.0}, reverse=True)
 
 
+def model_parametrization(pcfg, config, hf_shapes: Mapping[str, tuple[int, ...]], adapter) -> Parametrization:
+    """The rules `pcfg` (an hf3d.ParallelConfig) asks for, for the model its family's adapter describes."""
+    return build_parametrization(
+        pcfg.parametrization,
+        pcfg.mup_base_width,
+        config,
+        hf_shapes,
+        adapter.fan_axes,
+        final_norm_name=adapter.final_norm_name,
+    )
+
+
 def build_parametrization(
     kind: str,
     base_width: int | None,

@@ -211,6 +211,15 @@ class RouterStats:
         self.load: torch.Tensor | None = None  # [MoE layers, E] top-k picks of this rank's tokens, this step
         self.global_load: torch.Tensor | None = None
 
+    def step_load(self, copies: int) -> torch.Tensor | None:
+        """Collective over the world, once per step: the step's top-k picks summed over every rank, divided by
+        the number of ranks that routed the same tokens (`copies`); None before the first train_step."""
+        if self.load is not None and self.global_load is None:
+            load = self.load.clone()
+            dist.all_reduce(load)
+            self.global_load = load / copies
+        return self.global_load
+
     def start_step(self, device) -> None:
         self.load = torch.zeros(self.num_layers, self.num_experts, device=device)
         self.global_load = None  # the step's load over every rank (ParallelModel.expert_load)
