@@ -12,8 +12,11 @@ shipped Shakespeare text tokenized with the example tokenizer (vocabulary 2,000)
   held-out batch goes through the model; per layer (the embedding, each decoder layer's output, the logits) the
   RMS of its output (activation) and of the change of that output since step 0 (update). µP should keep
   both flat across widths; under SP the logits grow with width.
-- sweep: widths 128 and 512, 5 learning rates, base width 128, linear warm-up then cosine decay, clipping at
-  1.0; the loss on held-out rows at the end. µP should keep the best lr where it is and do better at 512.
+- sweep: as a µTransfer user tunes: first a coarse grid (5 lrs a factor √10 apart) on the proxy alone (width
+  128, the base width, where µP is SP), then 5 lrs a factor 2 apart centred on the proxy's best, at widths 128
+  and 512 under both parametrizations, each from 3 seeds (initialisation and data order); linear warm-up then
+  cosine decay, clipping at 1.0; the loss on held-out rows at the end, averaged over the seeds. µP should keep
+  the best lr where it is and do better at 512; under SP the best lr should move.
 """
 
 from __future__ import annotations
@@ -36,11 +39,20 @@ LAYERS, HEAD_DIM, VOCAB_DIR = 4, 16, REPO / "examples" / "tokenizer"
 BETAS = (0.9, 0.95)
 FULL = dict(
     coord=dict(widths=[64, 128, 256, 512, 1024], base=64, steps=5, lr=1e-2, batch=8, seq=64),
-    sweep=dict(widths=[128, 512], base=128, steps=300, lrs=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], batch=8, seq=32),
+    sweep=dict(
+        widths=[128, 512],
+        base=128,
+        steps=300,
+        coarse=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1],
+        factor=2.0,
+        seeds=[0, 1, 2],
+        batch=8,
+        seq=32,
+    ),
 )
 QUICK = dict(
     coord=dict(widths=[32, 64], base=32, steps=2, lr=1e-2, batch=2, seq=16),
-    sweep=dict(widths=[32, 64], base=32, steps=4, lrs=[1e-3, 1e-2, 1e-1], batch=2, seq=16),
+    sweep=dict(widths=[32, 64], base=32, steps=4, coarse=[1e-3, 1e-2, 1e-1], factor=2.0, seeds=[0, 1], batch=2, seq=16),
 )
 EVAL_ROWS = 32
 WORKERS = 2  # runs at a time, one thread each
@@ -48,9 +60,9 @@ PARAMETRIZATIONS = ("standard", "spectral_mup")
 
 
 # -- data and models ------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=2)
-def token_rows(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(training rows in a fixed shuffled order, held-out rows) of `seq` tokens from the shipped corpus."""
+@functools.lru_cache(maxsize=4)
+def token_rows(seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training rows in the order of `seed`, held-out rows) of `seq` tokens from the shipped corpus."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(VOCAB_DIR)
@@ -58,7 +70,7 @@ def token_rows(seq: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = [t for line in lines for t in tok(json.loads(line)["text"])["input_ids"] + [tok.eos_token_id or 0]]
     rows = torch.tensor(ids[: len(ids) // seq * seq]).view(-1, seq)
     held_out, train = rows[-EVAL_ROWS:], rows[:-EVAL_ROWS]
-    return train[torch.randperm(len(train), generator=torch.Generator().manual_seed(0))], held_out
+    return train[torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))], held_out
 
 
 def model_dir(root: Path, width: int) -> str:
@@ -82,12 +94,12 @@ def model_dir(root: Path, width: int) -> str:
     return str(path)
 
 
-def build(root: Path, width: int, parametrization: str, base: int, lr: float, clip: float | None):
+def build(root: Path, width: int, parametrization: str, base: int, lr: float, clip: float | None, seed: int = 0):
     import hf3d
 
     base_width = base if parametrization == "spectral_mup" else None
     pcfg = hf3d.ParallelConfig(parametrization=parametrization, mup_base_width=base_width)
-    pm = hf3d.parallelize(model_dir(root, width), pcfg, seed=0)
+    pm = hf3d.parallelize(model_dir(root, width), pcfg, seed=seed)
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=lr, betas=BETAS, weight_decay=0.0, max_grad_norm=clip)
     return pm, opt
 
@@ -158,9 +170,9 @@ def spread(coord: dict, par: str, kind: str) -> dict[str, float]:
 
 # -- learning-rate sweep --------------------------------------------------------------------------------
 def sweep_run(task: tuple) -> tuple:
-    """One (parametrization, width, lr) of the sweep, in a pool worker: the held-out loss at the end."""
-    par, width, lr, s = task
-    train, held = token_rows(s["seq"])
+    """One (parametrization, width, lr, seed) of the sweep, in a pool worker: the held-out loss at the end."""
+    par, width, lr, seed, s = task
+    train, held = token_rows(s["seq"], seed)
     warmup = max(1, s["steps"] // 10)
 
     def factor(step: int) -> float:  # linear warm-up, then cosine down to a tenth
@@ -171,7 +183,7 @@ def sweep_run(task: tuple) -> tuple:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        pm, opt = build(Path(tmp), width, par, s["base"], lr, 1.0)
+        pm, opt = build(Path(tmp), width, par, s["base"], lr, 1.0, seed)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         for step in range(s["steps"]):
             rows = train[(step * s["batch"]) % len(train) :][: s["batch"]]
@@ -181,16 +193,34 @@ def sweep_run(task: tuple) -> tuple:
             sched.step()
         total, n = pm.eval_loss(held, labels=held)
     loss = float(total / n)
-    print(f"sweep {par} width {width} lr {lr:g}: loss {loss:.4f}, {time.perf_counter() - t0:.1f} s", flush=True)
-    return par, width, lr, loss if math.isfinite(loss) else None
+    took = time.perf_counter() - t0
+    print(f"sweep {par} width {width} lr {lr:g} seed {seed}: loss {loss:.4f}, {took:.1f} s", flush=True)
+    return par, width, lr, seed, loss if math.isfinite(loss) else None
 
 
 def sweep(s: dict) -> dict:
-    tasks = [(par, w, lr, s) for w in reversed(s["widths"]) for par in PARAMETRIZATIONS for lr in s["lrs"]]
-    got = {(par, w, lr): loss for par, w, lr, loss in in_pool(sweep_run, tasks)}
-    return {
-        par: {str(w): {repr(lr): got[(par, w, lr)] for lr in s["lrs"]} for w in s["widths"]} for par in PARAMETRIZATIONS
+    """The coarse grid on the proxy (the base width, seed 0), then the fine grid around its best lr at every
+    width, parametrization and seed: {coarse: {lr: loss}, proxy_best, lrs, runs: {par: {width: {lr: [loss per
+    seed]}}}}."""
+    coarse = {
+        lr: loss
+        for _p, _w, lr, _s, loss in in_pool(sweep_run, [("standard", s["base"], lr, 0, s) for lr in s["coarse"]])
     }
+    proxy_best = min((lr for lr in coarse if coarse[lr] is not None), key=coarse.__getitem__)
+    lrs = [float(f"{proxy_best * s['factor'] ** k:.6g}") for k in (-2, -1, 0, 1, 2)]
+    tasks = [
+        (par, w, lr, seed, s)
+        for w in reversed(s["widths"])
+        for par in PARAMETRIZATIONS
+        for lr in lrs
+        for seed in s["seeds"]
+    ]
+    got = {(par, w, lr, seed): loss for par, w, lr, seed, loss in in_pool(sweep_run, tasks)}
+    runs = {
+        par: {str(w): {repr(lr): [got[(par, w, lr, seed)] for seed in s["seeds"]] for lr in lrs} for w in s["widths"]}
+        for par in PARAMETRIZATIONS
+    }
+    return dict(coarse={repr(lr): loss for lr, loss in coarse.items()}, proxy_best=proxy_best, lrs=lrs, runs=runs)
 
 
 def _worker_init() -> None:
@@ -210,6 +240,27 @@ def in_pool(fn, tasks: list) -> list:
 def best(losses: dict[str, float | None]) -> tuple[float, float]:
     lr, loss = min(((float(k), v) for k, v in losses.items() if v is not None), key=lambda kv: kv[1])
     return lr, loss
+
+
+def mean(losses: list[float | None]) -> float | None:
+    """The mean over the seeds; None (diverged) if any seed diverged."""
+    return None if None in losses else sum(losses) / len(losses)
+
+
+def vertex(curve: dict[str, float | None]) -> float | None:
+    """The lr at the minimum of the parabola in log lr through the best grid point and its two neighbours (an
+    estimate between grid points); None when the best is at the grid's edge or a neighbour diverged."""
+    keys = list(curve)
+    i = keys.index(repr(best(curve)[0]))
+    if i in (0, len(keys) - 1) or None in (curve[keys[i - 1]], curve[keys[i + 1]]):
+        return None
+    (x0, x1, x2), (y0, y1, y2) = (
+        (math.log(float(keys[j])) for j in (i - 1, i, i + 1)),
+        (curve[keys[j]] for j in (i - 1, i, i + 1)),
+    )
+    num = (x1 - x0) ** 2 * (y1 - y2) - (x1 - x2) ** 2 * (y1 - y0)
+    den = (x1 - x0) * (y1 - y2) - (x1 - x2) * (y1 - y0)
+    return math.exp(x1 - 0.5 * num / den)
 
 
 # -- figures and tables ---------------------------------------------------------------------------------
@@ -234,13 +285,18 @@ def figure(path: Path, coord: dict | None, swept: dict | None) -> None:
     if swept is not None:
         for j, par in enumerate(PARAMETRIZATIONS):
             ax = axes[r][j]
-            for width, losses in swept[par].items():
-                pts = [(float(k), v) for k, v in losses.items() if v is not None]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"width {width}")
-            ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title=f"{par}: lr sweep")
+            for width, curve in swept["runs"][par].items():
+                pts = [(float(k), v) for k, v in curve.items() if None not in v]
+                ys = [sum(v) / len(v) for _, v in pts]
+                err = [[y - min(v) for y, (_, v) in zip(ys, pts)], [max(v) - y for y, (_, v) in zip(ys, pts)]]
+                ax.errorbar([x for x, _ in pts], ys, yerr=err, marker="o", capsize=3, label=f"width {width}")
+            ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title=f"{par}: lr sweep (seed mean, min-max)")
             ax.legend(fontsize=7)
-        for j in (2, 3):
-            axes[r][j].axis("off")
+        ax = axes[r][2]
+        pts = [(float(k), v) for k, v in swept["coarse"].items() if v is not None]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color="gray")
+        ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title="coarse grid on the proxy (seed 0)")
+        axes[r][3].axis("off")
     fig.savefig(path)
 
 
@@ -287,26 +343,61 @@ def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, st
             f" ({data['coord']['standard_logit_growth_at_init']:.3g}x).",
         ]
     if swept is not None:
-        s = cfg["sweep"]
-        bests = {par: {w: best(swept[par][w]) for w in swept[par]} for par in swept}
-        small, large = (str(w) for w in s["widths"])
-        data["sweep"] = dict(
-            best=bests,
-            mup_same_best_lr=bests["spectral_mup"][small][0] == bests["spectral_mup"][large][0],
-            mup_wider_is_better=bests["spectral_mup"][large][1] < bests["spectral_mup"][small][1],
-            standard_best_lr_moves=bests["standard"][small][0] != bests["standard"][large][0],
+        data["sweep"], text = sweep_summary(swept, cfg["sweep"])
+        md.append(text)
+    return data, "\n\n".join(md)
+
+
+def sweep_summary(swept: dict, s: dict) -> tuple[dict, str]:
+    runs, lrs = swept["runs"], [repr(lr) for lr in swept["lrs"]]
+    means = {par: {w: {k: mean(runs[par][w][k]) for k in lrs} for w in runs[par]} for par in runs}
+    bests = {par: {w: best(means[par][w]) for w in means[par]} for par in means}
+    per_seed = {
+        par: {w: [best({k: runs[par][w][k][i] for k in lrs})[0] for i in range(len(s["seeds"]))] for w in runs[par]}
+        for par in runs
+    }
+    vertices = {par: {w: vertex(means[par][w]) for w in means[par]} for par in means}
+    small, large = (str(w) for w in s["widths"])
+    data = dict(
+        proxy_best=swept["proxy_best"],
+        best=bests,
+        best_per_seed=per_seed,
+        vertex=vertices,
+        mup_same_best_lr=bests["spectral_mup"][small][0] == bests["spectral_mup"][large][0],
+        mup_wider_is_better=bests["spectral_mup"][large][1] < bests["spectral_mup"][small][1],
+        standard_best_lr_moves=bests["standard"][small][0] != bests["standard"][large][0],
+        seeds_where_mup_keeps=sum(map(float.__eq__, per_seed["spectral_mup"][small], per_seed["spectral_mup"][large])),
+        seeds_where_standard_moves=sum(map(float.__ne__, per_seed["standard"][small], per_seed["standard"][large])),
+    )
+
+    def cell(losses: list[float | None]) -> str:
+        if None in losses:
+            return f"diverged ({sum(v is None for v in losses)} of {len(losses)})"
+        return f"{sum(losses) / len(losses):.4f} ±{(max(losses) - min(losses)) / 2:.4f}"
+
+    rows = [[f"{par} width {w}", *(cell(runs[par][w][k]) for k in lrs)] for par in runs for w in runs[par]]
+    coarse = ", ".join(
+        f"lr {float(k):g}: " + ("diverged" if v is None else f"{v:.4f}") for k, v in swept["coarse"].items()
+    )
+    est = lambda v: "at the grid's edge" if v is None else f"{v:.2g}"  # noqa: E731
+    n = len(s["seeds"])
+    md = [
+        f"## lr sweep: {s['steps']} steps of {s['batch']} x {s['seq']} tokens, held-out loss of {EVAL_ROWS} rows",
+        f"Coarse grid on the proxy (width {s['base']}, seed 0): "
+        + coarse
+        + f"; best {swept['proxy_best']:g}. The grid below: 5 lrs a factor {s['factor']:g} apart centred on it.",
+        f"Held-out loss, mean over seeds {', '.join(map(str, s['seeds']))} ± half their range:",
+        md_table(["run", *(f"lr {float(k):g}" for k in lrs)], rows),
+        "Best lr (by the seed mean; per seed; the parabola's minimum through it and its neighbours): "
+        + "; ".join(
+            f"{par} width {w}: {b[0]:g} (loss {b[1]:.4f}; per seed {', '.join(f'{x:g}' for x in per_seed[par][w])};"
+            f" parabola {est(vertices[par][w])})"
+            for par in bests for w, b in bests[par].items()
         )
-        lrs = [repr(lr) for lr in s["lrs"]]
-        rows = [[f"{par} width {w}", *(swept[par][w][k] for k in lrs)] for par in swept for w in swept[par]]
-        sw = data["sweep"]
-        md += [
-            f"## lr sweep: {s['steps']} steps of {s['batch']} x {s['seq']} tokens, held-out loss of {EVAL_ROWS} rows",
-            md_table(["run", *(f"lr {float(k):g}" for k in lrs)], rows),
-            "Best lr: "
-            + "; ".join(f"{par} width {w}: {b[0]:g} (loss {b[1]:.4f})" for par in bests for w, b in bests[par].items())
-            + f". µP: the same best lr at both widths: {sw['mup_same_best_lr']}, lower loss at {large}: "
-            f"{sw['mup_wider_is_better']}; SP: the best lr moves: {sw['standard_best_lr_moves']}.",
-        ]  # fmt: skip
+        + f". µP: the same best lr at both widths: {data['mup_same_best_lr']} ({data['seeds_where_mup_keeps']} of {n}"
+        f" seeds), lower loss at {large}: {data['mup_wider_is_better']}; SP: the best lr moves:"
+        f" {data['standard_best_lr_moves']} ({data['seeds_where_standard_moves']} of {n} seeds).",
+    ]  # fmt: skip
     return data, "\n\n".join(md)
 
 

@@ -178,12 +178,15 @@ def _mup(d: dict) -> str:
         )
     if d.get("sweep"):
         s, (small, large) = d["sweep"], map(str, d["config"]["sweep"]["widths"])
-        b = s["best"]
+        b, n = s["best"], len(d["config"]["sweep"]["seeds"])
         parts.append(
-            f"lr sweep: µP best lr {b['spectral_mup'][small][0]:g} at {small}, {b['spectral_mup'][large][0]:g} at "
-            f"{large} (same: {met(s['mup_same_best_lr'])}), best loss {b['spectral_mup'][small][1]:.3f} → "
+            f"lr sweep ({n} seeds, lrs a factor {d['config']['sweep']['factor']:g} apart around the proxy's best "
+            f"{s['proxy_best']:g}): µP best lr {b['spectral_mup'][small][0]:g} at {small}, "
+            f"{b['spectral_mup'][large][0]:g} at {large} (same: {met(s['mup_same_best_lr'])}; "
+            f"{s['seeds_where_mup_keeps']} of {n} seeds), best loss {b['spectral_mup'][small][1]:.3f} → "
             f"{b['spectral_mup'][large][1]:.3f} (wider better: {met(s['mup_wider_is_better'])}); SP best lr "
-            f"{b['standard'][small][0]:g} → {b['standard'][large][0]:g} (moves: {s['standard_best_lr_moves']})"
+            f"{b['standard'][small][0]:g} → {b['standard'][large][0]:g} (moves: {met(s['standard_best_lr_moves'])}; "
+            f"{s['seeds_where_standard_moves']} of {n} seeds)"
         )
     return "; ".join(parts)
 
