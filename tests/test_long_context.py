@@ -223,7 +223,7 @@ def test_the_long_context_example_runs_switches_resumes_and_exports(tmp_path):
     assert [b["consumed_tokens"] - a["consumed_tokens"] for a, b in zip(records, records[1:])] == [
         rows * s for s in seq[1:]
     ]
-    assert "data stage 'long-64k', seq_len 64; the model's RoPE is now" in full.stdout
+    assert "hf3d: step 4: data stage 'long-64k', seq_len 64; the model's RoPE is now" in full.stdout  # 1-based
     assert "hf3d: data packing: seq_len 32 (steps 1..3), 64 (steps 4..6), document masking" in full.stdout
     assert "'rope_theta': 5000000.0" in full.stdout
     config = json.loads((tmp_path / "full" / "final" / "config.json").read_text())
