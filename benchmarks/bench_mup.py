@@ -14,7 +14,7 @@ shipped Shakespeare text tokenized with the example tokenizer (vocabulary 2,000)
   both flat across widths; under SP the logits grow with width.
 - sweep: as a µTransfer user tunes: first a coarse grid (5 lrs a factor √10 apart) on the proxy alone (width
   128, the base width, where µP is SP), then 5 lrs a factor 2 apart centred on the proxy's best, at widths 128
-  and 512 under both parametrizations, each from 3 seeds (initialisation and data order); linear warm-up then
+  and 512 under both parametrizations, each from 5 seeds (initialisation and data order); linear warm-up then
   cosine decay, clipping at 1.0; the loss on held-out rows at the end, averaged over the seeds. µP should keep
   the best lr where it is and do better at 512; under SP the best lr should move.
 """
@@ -45,7 +45,7 @@ FULL = dict(
         steps=300,
         coarse=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1],
         factor=2.0,
-        seeds=[0, 1, 2],
+        seeds=[0, 1, 2, 3, 4],
         batch=8,
         seq=32,
     ),
@@ -300,6 +300,10 @@ def figure(path: Path, coord: dict | None, swept: dict | None) -> None:
     fig.savefig(path)
 
 
+def _grows(values: list[float]) -> bool:
+    return all(a < b for a, b in zip(values, values[1:]))
+
+
 def _by_width(values: dict[str, float]) -> str:
     return ", ".join(f"{w}: {v:.3g}" for w, v in values.items())
 
@@ -325,6 +329,11 @@ def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, st
             standard_logits_grow_at_init=all(sp_init[a] < sp_init[b] for a, b in zip(list(sp_init), list(sp_init)[1:])),
             standard_logit_growth_at_init=sp_init[hi] / sp_init[lo],
             mup_max_spread=max([*mup_act.values(), *mup_upd.values()]),
+            standard_logits_grow_at_steps=[
+                k
+                for k in range(c["steps"] + 1)
+                if _grows([coord["standard"][w]["logits"]["activation"][k] for w in sp_init])
+            ],
         )
         rows = [
             [layer, mup_act[layer], mup_upd[layer], data["coord"]["standard_activation_spread"][layer],
@@ -340,7 +349,9 @@ def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, st
             f"SP logit RMS by width after {c['steps']} steps: {_by_width(sp_logits)} "
             f"({data['coord']['standard_logit_growth']:.3g}x from {lo} to {hi}; growing at every width: "
             f"{data['coord']['standard_logits_grow']}); at step 0: {_by_width(sp_init)}"
-            f" ({data['coord']['standard_logit_growth_at_init']:.3g}x).",
+            f" ({data['coord']['standard_logit_growth_at_init']:.3g}x). Steps after which SP's logit RMS grows from"
+            f" each width to the next: {', '.join(map(str, data['coord']['standard_logits_grow_at_steps'])) or 'none'}"
+            f" (of 0 ... {c['steps']}).",
         ]
     if swept is not None:
         data["sweep"], text = sweep_summary(swept, cfg["sweep"])
