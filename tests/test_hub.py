@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from hub_server import FakeHub  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
 from hf3d import cli  # noqa: E402
+from hf3d.checkpoint.marker import MARKER  # noqa: E402
 from hf3d.hf.hub import write_model_card  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -360,14 +362,42 @@ def test_the_starting_point_of_a_run_is_recorded(tmp_path):
     assert "base_model: org/base" in card
 
 
-def _train_with_pushes(tmp_path: Path, hub: FakeHub, *sets: str) -> subprocess.CompletedProcess:
+def _train_with_pushes(
+    tmp_path: Path, hub: FakeHub, *sets: str, wait_for: int | None = None, popen: bool = False
+) -> subprocess.CompletedProcess | subprocess.Popen:
+    """`hf3d train` of 3 steps (unless `sets` say otherwise), a checkpoint each and keep_last=1, pushing to
+    user/ckpts on `hub`; with `wait_for`, each conversion for the Hub held until step `wait_for` is published."""
     env = {"HF_ENDPOINT": hub.url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": TOKEN, "HF_HOME": str(tmp_path / "hf")}
     base = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
     run = ["parallel.tp=1", "run.steps=3", "run.global_batch=2", "data.seq_len=32", "optim.warmup_steps=1"]
     run += ["data.eval.every=0", "run.sample_prompt=null", f"run.output_dir={tmp_path / 'run'}"]
     run += ["checkpoint.every=1", "checkpoint.keep_last=1", "checkpoint.push_to_hub.repo=user/ckpts", *sets]
-    cmd = [sys.executable, "-m", "hf3d", "train", "examples/configs/tiny-smollm.yaml", "--set", *run]
-    return subprocess.run(cmd, cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=300)
+    start = ["-m", "hf3d"] if wait_for is None else ["-c", LATE_CONVERSIONS]
+    cmd = [sys.executable, *start, "train", "examples/configs/tiny-smollm.yaml", "--set", *run]
+    env = {**base, **env, "WAIT_FOR": str(wait_for)}
+    if popen:
+        env["PYTHONUNBUFFERED"] = "1"  # one stream, in the order written
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+# `hf3d train` whose checkpoint conversions for the Hub start only once `latest` names step WAIT_FOR (or after
+# 120 s): with WAIT_FOR=3, keep_last=1 rotation has run after steps 2 and 3 by then, so every earlier checkpoint
+# survives only if it is pinned; with a step the run never reaches, every push is still waiting when it stops
+LATE_CONVERSIONS = """
+import os, sys, time
+from pathlib import Path
+import hf3d.checkpoint.convert as convert
+from hf3d.cli import main
+real, wanted = convert.checkpoint_to_hf, "step_" + os.environ["WAIT_FOR"]
+def after_the_last_save(ckpt, export, *args, **kwargs):
+    latest, t0 = Path(ckpt).parent / "latest", time.monotonic()
+    while not (latest.is_file() and latest.read_text().strip() == wanted) and time.monotonic() - t0 < 120:
+        time.sleep(0.05)
+    return real(ckpt, export, *args, **kwargs)
+convert.checkpoint_to_hf = after_the_last_save
+sys.exit(main())
+"""
 
 
 def test_train_pushes_its_checkpoints_each_to_its_branch(tmp_path):
@@ -396,6 +426,46 @@ def test_train_pushes_its_checkpoints_each_to_its_branch(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_3"]
     assert not (out / "hub_push").exists()  # converted folders removed once pushed
     _assert_no_token(proc.stdout, proc.stderr, dirs=(out,))
+
+
+def test_rotation_in_a_run_keeps_the_checkpoints_waiting_for_their_push(tmp_path):
+    """keep_last=1 and a push of every checkpoint, each conversion held until the last step is published: the
+    run's rotation leaves steps 1 and 2 for their pushes (pinned), all three reach their branches whole, and
+    once pushed the two are dropped, leaving keep_last's one."""
+    with FakeHub(TOKEN) as hub:
+        proc = _train_with_pushes(tmp_path, hub, wait_for=3)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        branches = {b: hub.files("user/ckpts", b) for b in ("step_1", "step_2", "step_3")}
+    assert "hf3d: Hub pushes to user/ckpts: steps [1, 2, 3] pushed" in proc.stderr, proc.stderr[-3000:]
+    weights = [pushed["model.safetensors"].data for pushed in branches.values()]
+    assert len(set(weights)) == 3  # three steps' weights, each its own
+    out = tmp_path / "run"
+    assert weights[-1] == (out / "final" / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_3"]
+
+
+def test_a_stop_signal_leaves_the_waiting_pushes_said_and_their_checkpoints_kept(tmp_path):
+    """SIGTERM while the pushes of steps 1 and 2 wait (their conversions held): the run saves the step it
+    stopped at, says which pushes it abandons and how to push them, ends on the resume line with 143 without
+    waiting for them, and every checkpoint it names is still on disk (keep_last=1 dropped none of them)."""
+    with FakeHub(TOKEN) as hub:
+        proc = _train_with_pushes(tmp_path, hub, "run.steps=1000", wait_for=1000, popen=True)
+        ckpts, t0 = tmp_path / "run" / "checkpoints", time.monotonic()
+        while not (ckpts / "step_2" / MARKER).is_file() and proc.poll() is None and time.monotonic() - t0 < 120:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        screen, _ = proc.communicate(timeout=60)  # well inside the 120 s the conversions are held
+        assert proc.returncode == 143, screen[-3000:]
+        assert "user/ckpts" not in hub.repos or set(hub.repos["user/ckpts"]["branches"]) <= {"main"}
+    lines = screen.splitlines()
+    said = next(line for line in lines if "not waiting for the Hub pushes of steps" in line)
+    left = [int(n) for n in said.split("steps [", 1)[1].split("]", 1)[0].split(", ")]
+    assert left[:2] == [1, 2], said
+    assert "push them with `hf3d convert to-hf` and `hf3d push --revision step_<N>`" in said
+    assert lines[-1].startswith("hf3d: stopped by SIGTERM after step ") and lines[-1].endswith("exit code 143")
+    assert lines.index(said) < len(lines) - 1
+    for n in left:
+        assert (ckpts / f"step_{n}" / MARKER).is_file(), n  # each push the run leaves can still be made
 
 
 def _pusher_run(tmp_path: Path, hub: FakeHub, hub_env, steps: list[int], *, damaged: int | None = None):
