@@ -103,6 +103,15 @@ def spawn(fn, world_size: int, *args) -> None:
     )
 
 
+def spawn_world(fn, world_size: int, root: Path, *args) -> dict:
+    """Run fn(world_size, *args, out) on world_size processes, out = root/world<N> (made here), each rank
+    saving its results to out/rank<r>.pt: {rank: its results} and {"out": out}."""
+    out = root / f"world{world_size}"
+    out.mkdir()
+    spawn(fn, world_size, world_size, *args, str(out))
+    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world_size)} | {"out": out}
+
+
 def start_watchdog(seconds: float) -> None:
     """A rank stuck in a collective dumps its stack and exits instead of hanging the test run."""
     faulthandler.dump_traceback_later(seconds, exit=True)

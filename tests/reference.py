@@ -111,6 +111,28 @@ def saved_names(state_dict: dict, inter: int) -> dict:
     return out
 
 
+def dp_rows(pmodel, batch: int) -> slice:
+    """This dp rank's rows of a global batch of `batch` rows: dp ranks take equal consecutive blocks."""
+    per = batch // pmodel.dp_size
+    return slice(pmodel.dp_rank * per, (pmodel.dp_rank + 1) * per)
+
+
+def train_on(pmodel, opt, data, rows: slice) -> tuple[list[float], list]:
+    """train_step and opt.step on `rows` of each (ids, labels) of `data`: the losses, and what each opt.step
+    returned (the grad norm when clipping; read by the caller, so no step waits for it here)."""
+    losses, norms = [], []
+    for ids, labels in data:
+        losses.append(pmodel.train_step(ids[rows], labels[rows]).item())
+        norms.append(opt.step())
+        opt.zero_grad()
+    return losses, norms
+
+
+def train_losses(pmodel, opt, data, batch: int) -> list[float]:
+    """The losses of training on this dp rank's rows of each global batch of `batch` rows in `data`."""
+    return train_on(pmodel, opt, data, dp_rows(pmodel, batch))[0]
+
+
 def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwargs):
     """Losses, grad norms and the optimizer of hf3d trained on `data[rows]`: by AdamW with the oracle's
     settings, or by `optimizer` with `opt_kwargs` alone (clipped at CLIP either way)."""
@@ -119,9 +141,5 @@ def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwarg
     settings = dict(lr=LR, weight_decay=WD, betas=BETAS) if optimizer is torch.optim.AdamW else {}
     kw = settings | dict(max_grad_norm=CLIP) | opt_kwargs
     opt = hf3d.build_optimizer(pmodel, optimizer, **kw)
-    losses, norms = [], []
-    for ids, labels in data:
-        losses.append(pmodel.train_step(ids[rows], labels[rows]).item())
-        norms.append(opt.step().item())
-        opt.zero_grad()
-    return losses, norms, opt
+    losses, norms = train_on(pmodel, opt, data, rows)
+    return losses, [n.item() for n in norms], opt

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
-from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches, train_losses  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
@@ -45,14 +45,7 @@ def _opt(pm):
 
 
 def _train(pm, opt, data) -> list[float]:
-    per = BATCH // pm.dp_size
-    rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-    losses = []
-    for ids, labels in data:
-        losses.append(pm.train_step(ids[rows], labels[rows]).item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_losses(pm, opt, data, BATCH)
 
 
 def _held_until(fn, event: threading.Event, seen: list | None = None):

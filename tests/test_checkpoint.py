@@ -31,7 +31,7 @@ from asserts import assert_close  # noqa: E402
 from crafted import adopt, fake_checkpoint, payloads, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
-from reference import BETAS, CLIP, LR, WD, batches  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches, train_losses  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
@@ -62,18 +62,8 @@ def _opt(pm, **kw):
     return hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP, **kw)
 
 
-def _rows(pm) -> slice:
-    per = BATCH // pm.dp_size
-    return slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-
-
 def _train(pm, opt, data) -> list[float]:
-    losses = []
-    for ids, labels in data:
-        losses.append(pm.train_step(ids[_rows(pm)], labels[_rows(pm)]).item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return train_losses(pm, opt, data, BATCH)
 
 
 def _masters(opt) -> list[torch.Tensor]:

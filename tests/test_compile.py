@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir, tiny_config  # noqa: E402
-from reference import batches, hf3d_run  # noqa: E402
+from reference import batches, dp_rows, hf3d_run  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -70,8 +70,7 @@ def _run(path: str, pcfg_kw: dict, compile: bool, backend: str = "inductor", fp8
         pm = hf3d.parallelize(path, hf3d.ParallelConfig(**pcfg_kw), compile=compile, fp8=fp8)
     finally:
         par.compile_layers = saved
-    n = BATCH // pm.dp_size
-    losses, norms, _ = hf3d_run(pm, batches(STEPS, BATCH, SEQ, VOCAB), slice(pm.dp_rank * n, (pm.dp_rank + 1) * n))
+    losses, norms, _ = hf3d_run(pm, batches(STEPS, BATCH, SEQ, VOCAB), dp_rows(pm, BATCH))
     return dict(
         losses=losses,
         norms=norms,

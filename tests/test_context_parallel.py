@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dist import V_SCHEDULES, compat, report, spawn, start_watchdog  # noqa: E402
 from models import FAMILIES, VOCAB, make_model_dir, tiny_config  # noqa: E402
-from reference import BETAS, CLIP, LR, WD, batches, reference_run  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches, dp_rows, reference_run  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -155,7 +155,7 @@ def _train(pm, data, pos, rows: slice, steps=range(STEPS), opt=None):
 
 def _case(res, out, name, path, data, pos, *, train=True, attn="sdpa", **pcfg):
     pm = hf3d.parallelize(path, hf3d.ParallelConfig(**pcfg), attn_implementation=attn)
-    rows = slice(pm.dp_rank * BATCH // pm.dp_size, (pm.dp_rank + 1) * BATCH // pm.dp_size)
+    rows = dp_rows(pm, BATCH)
     ids, labels = data[0]
     with torch.no_grad():
         r = {"logits": pm.eval()(input_ids=ids[rows], position_ids=pos[rows]).logits.detach().clone()}
@@ -216,7 +216,7 @@ def _checkpoints(res, out, path, data, pos):
         losses = []
         for k, cfg in enumerate((first, second)):
             pm = hf3d.parallelize(path, hf3d.ParallelConfig(**cfg))
-            rows = slice(pm.dp_rank * BATCH // pm.dp_size, (pm.dp_rank + 1) * BATCH // pm.dp_size)
+            rows = dp_rows(pm, BATCH)
             opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
             if k == 0:
                 losses += _train(pm, data, pos, rows, steps=range(1), opt=opt)[0]

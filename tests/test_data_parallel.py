@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
-from dist import spawn  # noqa: E402
+from dist import spawn_world  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
-from reference import BETAS, CLIP, LR, WD, batches, hf3d_run, reference_run  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches, dp_rows, hf3d_run, reference_run  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d.parallel.layout import get_pieces  # noqa: E402
@@ -153,8 +153,7 @@ def _data(steps: int = STEPS):
 
 # -- worker side (runs on every spawned rank) ----------------------------------------------------
 def _rows(pm) -> slice:
-    per = BATCH // pm.dp_size
-    return slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    return dp_rows(pm, BATCH)
 
 
 def _params(pm) -> list[torch.Tensor]:
@@ -365,10 +364,7 @@ def env(tmp_path_factory):
 
 
 def _spawn_world(env, world: int) -> dict:
-    out = env["root"] / f"world{world}"
-    out.mkdir()
-    spawn(_worker, world, world, env["dirs"], str(out))
-    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)} | {"out": out}
+    return spawn_world(_worker, world, env["root"], env["dirs"])
 
 
 @pytest.fixture(scope="module")

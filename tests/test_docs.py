@@ -87,7 +87,7 @@ def all_blocks() -> list[Block]:
 def shortened(body: str) -> str:
     """The shell block with its `hf3d train` runs cut to SHORT_STEPS steps (see the module docstring)."""
     out = []
-    for line in re.sub(r"\s*\\\n\s*", " ", body).splitlines():   # a command continued with `\` is one line
+    for line in re.sub(r"\s*\\\n\s*", " ", body).splitlines():  # a command continued with `\` is one line
         config = CONFIG.search(line)
         if " hf3d train " in f" {line} " and config and "run.steps=" not in line:
             steps = yaml.safe_load((ROOT / config.group(0)).read_text()).get("run", {}).get("steps", 0)
@@ -109,7 +109,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("docs")
-    for shipped in ("examples", "tests"):   # tests/: docs/hub.md starts its offline Hub, tests/hub_server.py
+    for shipped in ("examples", "tests"):  # tests/: docs/hub.md starts its offline Hub, tests/hub_server.py
         (d / shipped).symlink_to(ROOT / shipped)
     return d
 

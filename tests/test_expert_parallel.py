@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import compat, report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir, tiny_config  # noqa: E402
-from reference import BETAS, CLIP, LR, WD, batches, moe_reference_run, saved_names  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches, dp_rows, moe_reference_run, saved_names  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -86,8 +86,7 @@ def _ids() -> torch.Tensor:
 def _train(pm, data, *, ckpt: Path | None = None) -> dict:
     """STEPS steps on this dp rank's rows; a checkpoint after step 2 when `ckpt` is given."""
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
-    per = BATCH // pm.dp_size
-    rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    rows = dp_rows(pm, BATCH)
     out = {"loss": [], "aux": [], "norm": [], "load": []}
     for step, (ids, labels) in enumerate(data, 1):
         out["loss"].append(pm.train_step(ids[rows], labels[rows]).item())
@@ -104,9 +103,8 @@ def _resumed_loss(path: str, ckpt: Path, kw: dict, data) -> float:
     pm = hf3d.parallelize(path, hf3d.ParallelConfig(**kw))
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
     assert hf3d.load_checkpoint(ckpt, pm, opt) == 2
-    per = BATCH // pm.dp_size
     ids, labels = data[2]
-    rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+    rows = dp_rows(pm, BATCH)
     return pm.train_step(ids[rows], labels[rows]).item()
 
 
@@ -168,8 +166,7 @@ def _world4(dirs: dict, ids, data, out: str) -> None:
             dirs["qwen3-moe"], hf3d.ParallelConfig(**kw), moe_load_balance="bias", moe_bias_rate=BIAS_RATE
         )
         opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=0.0)
-        per = BATCH // pm.dp_size
-        rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
+        rows = dp_rows(pm, BATCH)
         run = res[f"bias/{mesh}"] = {"load": [], "bias": [], "aux": []}
         for ids, labels in data[:2]:
             pm.train_step(ids[rows], labels[rows])

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from dist import report, spawn, start_watchdog
 from models import VOCAB, make_model_dir, tiny_config
-from reference import BETAS, CLIP, LR, WD
+from reference import BETAS, CLIP, LR, WD, dp_rows
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -106,8 +106,7 @@ def _eval_data():
 # worker side
 # ------------------------------------------------------------------------------------------------
 def _rows(pm) -> slice:
-    n = BATCH // pm.dp_size
-    return slice(pm.dp_rank * n, (pm.dp_rank + 1) * n)
+    return dp_rows(pm, BATCH)
 
 
 def _train_job(path: str, pcfg_kw: dict, z: float, out: Path) -> dict:

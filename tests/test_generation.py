@@ -22,6 +22,7 @@ import pytest
 import torch
 from dist import report, spawn, start_watchdog
 from models import VOCAB, make_model_dir, trained_checkpoint
+from reference import dp_rows
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf3d
@@ -80,21 +81,16 @@ JOBS2 = {  # name -> (family, ParallelConfig kwargs)
 JOBS4 = {"llama/tp2-pp2-sp": ("llama", dict(tp=2, pp=2, sequence_parallel=True, num_microbatches=2))}
 
 
-def _rows(pm, n: int) -> slice:
-    per = n // pm.dp_size
-    return slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-
-
 def _generate(pm) -> dict:
     """Greedy from two batches, then seeded sampling; this dp rank's rows of each."""
     out = {}
     for seed in (0, 1):
         ids, mask = prompts(seed)
-        rows = _rows(pm, len(ids))
+        rows = dp_rows(pm, len(ids))
         res = pm.generate(ids[rows], mask[rows], max_new_tokens=NEW, output_logits=True, return_dict_in_generate=True)
         out[f"greedy{seed}"] = {"rows": (rows.start, rows.stop), "sequences": res.sequences, "logits": res.logits}
     ids, mask = prompts(2)
-    rows = _rows(pm, len(ids))
+    rows = dp_rows(pm, len(ids))
     out["sampled"] = {
         "rows": (rows.start, rows.stop),
         "sequences": pm.generate(ids[rows], mask[rows], max_new_tokens=NEW, **SAMPLING),

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
+from reference import dp_rows  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -156,8 +157,7 @@ def _worker(dirs: dict, cases: dict, ids, out: str) -> None:
     res = {}
     for name, (family, kw, pkw, *_) in cases.items():
         pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**kw), **pkw)
-        per = BATCH // pm.dp_size
-        rows = ids[pm.dp_rank * per : (pm.dp_rank + 1) * per]
+        rows = ids[dp_rows(pm, BATCH)]
         res[name] = _count(pm, rows, rows)
     report(res, Path(out) / "results.pt")
 

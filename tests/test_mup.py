@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
-from dist import spawn  # noqa: E402
+from dist import spawn_world  # noqa: E402
 from models import FAMILIES, VOCAB, tiny_config  # noqa: E402
-from reference import BETAS, CLIP, LR, WD, batches, saved_names  # noqa: E402
+from reference import BETAS, CLIP, LR, WD, batches, saved_names, train_losses  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d.parallel.layout import get_pieces  # noqa: E402
@@ -87,13 +87,7 @@ def _group_lrs(opt) -> dict[str, float]:
 
 
 def _train(pm, opt, data, out: Path | None) -> list[float]:
-    per = BATCH // pm.dp_size
-    rows = slice(pm.dp_rank * per, (pm.dp_rank + 1) * per)
-    losses = []
-    for ids, labels in data:
-        losses.append(pm.train_step(ids[rows], labels[rows]).item())
-        opt.step()
-        opt.zero_grad()
+    losses = train_losses(pm, opt, data, BATCH)
     if out is not None:
         pm.save_pretrained(out)
     return losses
@@ -158,21 +152,14 @@ def env(tmp_path_factory):
     return dict(root=root, dirs={fam: _config_dir(root / "models", fam) for fam in FAMILIES})
 
 
-def _spawn(env, world: int) -> dict:
-    out = env["root"] / f"world{world}"
-    out.mkdir()
-    spawn(_worker, world, world, env["dirs"], str(out))
-    return {r: torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)} | {"out": out}
-
-
 @pytest.fixture(scope="module")
 def world1(env):
-    return _spawn(env, 1)
+    return spawn_world(_worker, 1, env["root"], env["dirs"])
 
 
 @pytest.fixture(scope="module")
 def world2(env):
-    return _spawn(env, 2)
+    return spawn_world(_worker, 2, env["root"], env["dirs"])
 
 
 def _stock_init(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

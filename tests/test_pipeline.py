@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from asserts import assert_close
 from dist import NEEDS_2_13, V_SCHEDULES, _free_port, _worker, compat
 from models import VOCAB, make_model_dir, tiny_config
-from reference import BETAS, CLIP, LR, WD, batches, reference_run
+from reference import BETAS, CLIP, LR, WD, batches, dp_rows, reference_run
 
 STEPS, BATCH, SEQ = 3, 4, 16
 # ~10-20x the largest error measured over every job of this file (fp32, gloo, 2-core CPU):
@@ -134,8 +134,7 @@ def job_parity(
     rec = _stage_record(pm)
     data = batches(steps, BATCH, SEQ, VOCAB)
     pos = packed_positions() if packed else None
-    rows_per = BATCH // pm.dp_size
-    rows = slice(pm.dp_rank * rows_per, (pm.dp_rank + 1) * rows_per)
+    rows = dp_rows(pm, BATCH)
     if logits:
         with torch.no_grad():
             rec["logits"] = pm.logits(data[0][0], position_ids=pos).detach().clone()
