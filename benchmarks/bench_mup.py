@@ -12,11 +12,13 @@ shipped Shakespeare text tokenized with the example tokenizer (vocabulary 2,000)
   held-out batch goes through the model; per layer (the embedding, each decoder layer's output, the logits) the
   RMS of its output (activation) and of the change of that output since step 0 (update). µP should keep
   both flat across widths; under SP the logits grow with width.
-- sweep: as a µTransfer user tunes: first a coarse grid (5 lrs a factor √10 apart) on the proxy alone (width
-  128, the base width, where µP is SP), then 5 lrs a factor 2 apart centred on the proxy's best, at widths 128
-  and 512 under both parametrizations, each from 5 seeds (initialisation and data order); linear warm-up then
-  cosine decay, clipping at 1.0; the loss on held-out rows at the end, averaged over the seeds. µP should keep
-  the best lr where it is and do better at 512; under SP the best lr should move.
+- sweep: as a µTransfer user tunes: first a coarse grid on the proxy alone (width 128, the base width; seed 0):
+  5 lrs a factor √10 apart, for SP, and for µP those lrs times output multipliers 1, 4, 16 (µTransfer's
+  output_mult, `mup_output_multiplier`: at the base width µP is SP with that gain on the logits). Then, for
+  each parametrization, 5 lrs a factor 2 apart centred on its proxy's best, µP at its proxy's multiplier, at
+  widths 128 and 512, each from 5 seeds (initialisation and data order); linear warm-up then cosine decay,
+  clipping at 1.0; the loss on held-out rows at the end, averaged over the seeds. µP should keep the best lr
+  where it is and do better at 512; under SP the best lr should move.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ FULL = dict(
         base=128,
         steps=300,
         coarse=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1],
+        alphas=[1.0, 4.0, 16.0],
         factor=2.0,
         seeds=[0, 1, 2, 3, 4],
         batch=8,
@@ -52,7 +55,17 @@ FULL = dict(
 )
 QUICK = dict(
     coord=dict(widths=[32, 64], base=32, steps=2, lr=1e-2, batch=2, seq=16),
-    sweep=dict(widths=[32, 64], base=32, steps=4, coarse=[1e-3, 1e-2, 1e-1], factor=2.0, seeds=[0, 1], batch=2, seq=16),
+    sweep=dict(
+        widths=[32, 64],
+        base=32,
+        steps=4,
+        coarse=[1e-3, 1e-2, 1e-1],
+        alphas=[1.0, 4.0],
+        factor=2.0,
+        seeds=[0, 1],
+        batch=2,
+        seq=16,
+    ),
 )
 EVAL_ROWS = 32
 WORKERS = 2  # runs at a time, one thread each
@@ -94,11 +107,13 @@ def model_dir(root: Path, width: int) -> str:
     return str(path)
 
 
-def build(root: Path, width: int, parametrization: str, base: int, lr: float, clip: float | None, seed: int = 0):
+def build(
+    root: Path, width: int, parametrization: str, base: int, lr: float, clip: float | None, seed: int = 0, alpha=1.0
+):
     import hf3d
 
-    base_width = base if parametrization == "spectral_mup" else None
-    pcfg = hf3d.ParallelConfig(parametrization=parametrization, mup_base_width=base_width)
+    mup = dict(mup_base_width=base, mup_output_multiplier=alpha) if parametrization == "spectral_mup" else {}
+    pcfg = hf3d.ParallelConfig(parametrization=parametrization, **mup)
     pm = hf3d.parallelize(model_dir(root, width), pcfg, seed=seed)
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=lr, betas=BETAS, weight_decay=0.0, max_grad_norm=clip)
     return pm, opt
@@ -170,8 +185,9 @@ def spread(coord: dict, par: str, kind: str) -> dict[str, float]:
 
 # -- learning-rate sweep --------------------------------------------------------------------------------
 def sweep_run(task: tuple) -> tuple:
-    """One (parametrization, width, lr, seed) of the sweep, in a pool worker: the held-out loss at the end."""
-    par, width, lr, seed, s = task
+    """One (parametrization, width, lr, seed, output multiplier) of the sweep, in a pool worker: the held-out
+    loss at the end."""
+    par, width, lr, seed, s, alpha = task
     train, held = token_rows(s["seq"], seed)
     warmup = max(1, s["steps"] // 10)
 
@@ -183,7 +199,7 @@ def sweep_run(task: tuple) -> tuple:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        pm, opt = build(Path(tmp), width, par, s["base"], lr, 1.0, seed)
+        pm, opt = build(Path(tmp), width, par, s["base"], lr, 1.0, seed, alpha)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         for step in range(s["steps"]):
             rows = train[(step * s["batch"]) % len(train) :][: s["batch"]]
@@ -194,33 +210,44 @@ def sweep_run(task: tuple) -> tuple:
         total, n = pm.eval_loss(held, labels=held)
     loss = float(total / n)
     took = time.perf_counter() - t0
-    print(f"sweep {par} width {width} lr {lr:g} seed {seed}: loss {loss:.4f}, {took:.1f} s", flush=True)
-    return par, width, lr, seed, loss if math.isfinite(loss) else None
+    print(f"sweep {par} width {width} lr {lr:g} α {alpha:g} seed {seed}: loss {loss:.4f}, {took:.1f} s", flush=True)
+    return par, width, lr, seed, alpha, loss if math.isfinite(loss) else None
 
 
 def sweep(s: dict) -> dict:
-    """The coarse grid on the proxy (the base width, seed 0), then the fine grid around its best lr at every
-    width, parametrization and seed: {coarse: {lr: loss}, proxy_best, lrs, runs: {par: {width: {lr: [loss per
-    seed]}}}}."""
-    coarse = {
-        lr: loss
-        for _p, _w, lr, _s, loss in in_pool(sweep_run, [("standard", s["base"], lr, 0, s) for lr in s["coarse"]])
-    }
-    proxy_best = min((lr for lr in coarse if coarse[lr] is not None), key=coarse.__getitem__)
-    lrs = [float(f"{proxy_best * s['factor'] ** k:.6g}") for k in (-2, -1, 0, 1, 2)]
+    """The coarse grid on the proxy (the base width, seed 0): lrs for SP, lrs x output multipliers for µP (at
+    the base width µP is SP with that gain on the logits); then, for each parametrization, 5 lrs around its
+    proxy's best at every width and seed, µP at its proxy's multiplier: {coarse: {par: {alpha: {lr: loss}}},
+    proxy_best: {par: {lr, alpha}}, lrs: {par: [lr]}, runs: {par: {width: {lr: [loss per seed]}}}}."""
+    grid = [("standard", 1.0)] + [("spectral_mup", a) for a in s["alphas"]]
+    coarse: dict = {}
+    for par, _w, lr, _s, alpha, loss in in_pool(
+        sweep_run, [(par, s["base"], lr, 0, s, alpha) for par, alpha in grid for lr in s["coarse"]]
+    ):
+        coarse.setdefault(par, {}).setdefault(repr(alpha), {})[repr(lr)] = loss
+    proxy_best, lrs = {}, {}
+    for par, by_alpha in coarse.items():
+        alpha, lr = min(
+            ((a, k) for a, curve in by_alpha.items() for k, v in curve.items() if v is not None),
+            key=lambda ak: by_alpha[ak[0]][ak[1]],
+        )
+        proxy_best[par] = dict(lr=float(lr), alpha=float(alpha))
+        lrs[par] = [float(f"{float(lr) * s['factor'] ** k:.6g}") for k in (-2, -1, 0, 1, 2)]
     tasks = [
-        (par, w, lr, seed, s)
+        (par, w, lr, seed, s, proxy_best[par]["alpha"])
         for w in reversed(s["widths"])
         for par in PARAMETRIZATIONS
-        for lr in lrs
+        for lr in lrs[par]
         for seed in s["seeds"]
     ]
-    got = {(par, w, lr, seed): loss for par, w, lr, seed, loss in in_pool(sweep_run, tasks)}
+    got = {(par, w, lr, seed): loss for par, w, lr, seed, _a, loss in in_pool(sweep_run, tasks)}
     runs = {
-        par: {str(w): {repr(lr): [got[(par, w, lr, seed)] for seed in s["seeds"]] for lr in lrs} for w in s["widths"]}
+        par: {
+            str(w): {repr(lr): [got[(par, w, lr, seed)] for seed in s["seeds"]] for lr in lrs[par]} for w in s["widths"]
+        }
         for par in PARAMETRIZATIONS
     }
-    return dict(coarse={repr(lr): loss for lr, loss in coarse.items()}, proxy_best=proxy_best, lrs=lrs, runs=runs)
+    return dict(coarse=coarse, proxy_best=proxy_best, lrs=lrs, runs=runs)
 
 
 def _worker_init() -> None:
@@ -293,9 +320,12 @@ def figure(path: Path, coord: dict | None, swept: dict | None) -> None:
             ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title=f"{par}: lr sweep (seed mean, min-max)")
             ax.legend(fontsize=7)
         ax = axes[r][2]
-        pts = [(float(k), v) for k, v in swept["coarse"].items() if v is not None]
-        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", color="gray")
+        for par, by_alpha in swept["coarse"].items():
+            for alpha, curve in by_alpha.items():
+                pts = [(float(k), v) for k, v in curve.items() if v is not None]
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{par} α {float(alpha):g}")
         ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title="coarse grid on the proxy (seed 0)")
+        ax.legend(fontsize=7)
         axes[r][3].axis("off")
     fig.savefig(path)
 
@@ -360,22 +390,32 @@ def summary(coord: dict | None, swept: dict | None, cfg: dict) -> tuple[dict, st
 
 
 def sweep_summary(swept: dict, s: dict) -> tuple[dict, str]:
-    runs, lrs = swept["runs"], [repr(lr) for lr in swept["lrs"]]
-    means = {par: {w: {k: mean(runs[par][w][k]) for k in lrs} for w in runs[par]} for par in runs}
+    runs, lrs = swept["runs"], {par: [repr(lr) for lr in v] for par, v in swept["lrs"].items()}
+    means = {par: {w: {k: mean(runs[par][w][k]) for k in lrs[par]} for w in runs[par]} for par in runs}
     bests = {par: {w: best(means[par][w]) for w in means[par]} for par in means}
     per_seed = {
-        par: {w: [best({k: runs[par][w][k][i] for k in lrs})[0] for i in range(len(s["seeds"]))] for w in runs[par]}
+        par: {
+            w: [best({k: runs[par][w][k][i] for k in lrs[par]})[0] for i in range(len(s["seeds"]))] for w in runs[par]
+        }
         for par in runs
     }
     vertices = {par: {w: vertex(means[par][w]) for w in means[par]} for par in means}
     small, large = (str(w) for w in s["widths"])
+    mup_best = bests["spectral_mup"]
     data = dict(
         proxy_best=swept["proxy_best"],
         best=bests,
         best_per_seed=per_seed,
         vertex=vertices,
-        mup_same_best_lr=bests["spectral_mup"][small][0] == bests["spectral_mup"][large][0],
-        mup_wider_is_better=bests["spectral_mup"][large][1] < bests["spectral_mup"][small][1],
+        mup_same_best_lr=mup_best[small][0] == mup_best[large][0],
+        mup_wider_is_better=mup_best[large][1] < mup_best[small][1],
+        mup_wider_better_seeds=sum(
+            a < b
+            for a, b in zip(
+                runs["spectral_mup"][large][repr(mup_best[large][0])],
+                runs["spectral_mup"][small][repr(mup_best[small][0])],
+            )
+        ),
         standard_best_lr_moves=bests["standard"][small][0] != bests["standard"][large][0],
         seeds_where_mup_keeps=sum(map(float.__eq__, per_seed["spectral_mup"][small], per_seed["spectral_mup"][large])),
         seeds_where_standard_moves=sum(map(float.__ne__, per_seed["standard"][small], per_seed["standard"][large])),
@@ -386,19 +426,32 @@ def sweep_summary(swept: dict, s: dict) -> tuple[dict, str]:
             return f"diverged ({sum(v is None for v in losses)} of {len(losses)})"
         return f"{sum(losses) / len(losses):.4f} ±{(max(losses) - min(losses)) / 2:.4f}"
 
-    rows = [[f"{par} width {w}", *(cell(runs[par][w][k]) for k in lrs)] for par in runs for w in runs[par]]
-    coarse = ", ".join(
-        f"lr {float(k):g}: " + ("diverged" if v is None else f"{v:.4f}") for k, v in swept["coarse"].items()
+    coarse = "; ".join(
+        f"{par} α {float(a):g}: "
+        + ", ".join(f"lr {float(k):g}: " + ("diverged" if v is None else f"{v:.4f}") for k, v in curve.items())
+        for par, by_alpha in swept["coarse"].items()
+        for a, curve in by_alpha.items()
     )
+    chosen = "; ".join(
+        f"{par}: lr {b['lr']:g}" + (f", output multiplier {b['alpha']:g}" if par == "spectral_mup" else "")
+        for par, b in swept["proxy_best"].items()
+    )
+    tables = [
+        md_table(
+            ["run", *(f"lr {float(k):g}" for k in lrs[par])],
+            [[f"{par} width {w}", *(cell(runs[par][w][k]) for k in lrs[par])] for w in runs[par]],
+        )
+        for par in runs
+    ]
     est = lambda v: "at the grid's edge" if v is None else f"{v:.2g}"  # noqa: E731
     n = len(s["seeds"])
     md = [
         f"## lr sweep: {s['steps']} steps of {s['batch']} x {s['seq']} tokens, held-out loss of {EVAL_ROWS} rows",
-        f"Coarse grid on the proxy (width {s['base']}, seed 0): "
-        + coarse
-        + f"; best {swept['proxy_best']:g}. The grid below: 5 lrs a factor {s['factor']:g} apart centred on it.",
+        f"Coarse grid on the proxy (width {s['base']}, seed 0; µP at the base width is SP with its output "
+        f"multiplier α on the logits): {coarse}. Best: {chosen}. The grids below: 5 lrs a factor {s['factor']:g}"
+        " apart centred on each parametrization's best, µP at its α.",
         f"Held-out loss, mean over seeds {', '.join(map(str, s['seeds']))} ± half their range:",
-        md_table(["run", *(f"lr {float(k):g}" for k in lrs)], rows),
+        *tables,
         "Best lr (by the seed mean; per seed; the parabola's minimum through it and its neighbours): "
         + "; ".join(
             f"{par} width {w}: {b[0]:g} (loss {b[1]:.4f}; per seed {', '.join(f'{x:g}' for x in per_seed[par][w])};"
@@ -406,8 +459,9 @@ def sweep_summary(swept: dict, s: dict) -> tuple[dict, str]:
             for par in bests for w, b in bests[par].items()
         )
         + f". µP: the same best lr at both widths: {data['mup_same_best_lr']} ({data['seeds_where_mup_keeps']} of {n}"
-        f" seeds), lower loss at {large}: {data['mup_wider_is_better']}; SP: the best lr moves:"
-        f" {data['standard_best_lr_moves']} ({data['seeds_where_standard_moves']} of {n} seeds).",
+        f" seeds), lower loss at {large}: {data['mup_wider_is_better']} ({data['mup_wider_better_seeds']} of {n} "
+        f"seeds at the best lrs); SP: the best lr moves: {data['standard_best_lr_moves']} "
+        f"({data['seeds_where_standard_moves']} of {n} seeds).",
     ]  # fmt: skip
     return data, "\n\n".join(md)
 

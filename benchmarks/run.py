@@ -179,12 +179,15 @@ def _mup(d: dict) -> str:
     if d.get("sweep"):
         s, (small, large) = d["sweep"], map(str, d["config"]["sweep"]["widths"])
         b, n = s["best"], len(d["config"]["sweep"]["seeds"])
+        proxy = s["proxy_best"]
         parts.append(
-            f"lr sweep ({n} seeds, lrs a factor {d['config']['sweep']['factor']:g} apart around the proxy's best "
-            f"{s['proxy_best']:g}): µP best lr {b['spectral_mup'][small][0]:g} at {small}, "
+            f"lr sweep ({n} seeds, lrs a factor {d['config']['sweep']['factor']:g} apart around the proxy's best: "
+            f"SP {proxy['standard']['lr']:g}, µP {proxy['spectral_mup']['lr']:g} at output multiplier "
+            f"{proxy['spectral_mup']['alpha']:g}): µP best lr {b['spectral_mup'][small][0]:g} at {small}, "
             f"{b['spectral_mup'][large][0]:g} at {large} (same: {met(s['mup_same_best_lr'])}; "
             f"{s['seeds_where_mup_keeps']} of {n} seeds), best loss {b['spectral_mup'][small][1]:.3f} → "
-            f"{b['spectral_mup'][large][1]:.3f} (wider better: {met(s['mup_wider_is_better'])}); SP best lr "
+            f"{b['spectral_mup'][large][1]:.3f} (wider better: {met(s['mup_wider_is_better'])}; "
+            f"{s['mup_wider_better_seeds']} of {n} seeds); SP best lr "
             f"{b['standard'][small][0]:g} → {b['standard'][large][0]:g} (moves: {met(s['standard_best_lr_moves'])}; "
             f"{s['seeds_where_standard_moves']} of {n} seeds)"
         )
@@ -229,7 +232,7 @@ BENCHMARKS = [
     Benchmark("generate", "bench_generate.py", [], "generation at the mesh (`ParallelModel.generate`): tp1 / stock "
               "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
     Benchmark("mup", "bench_mup.py", [], "spectral µP against standard parametrization: coordinate check and lr "
-              "transfer (tiny Llama, CPU)", "39", _mup),
+              "transfer (tiny Llama, CPU)", "41", _mup),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
               "9 (GPU)", _gpu, gpu=True),
 ]  # fmt: skip

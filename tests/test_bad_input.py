@@ -946,6 +946,22 @@ CASES: list[Case] = [
         ["parallel.mup_base_width=512 is larger than the model's hidden_size=96", "use a value <= 96"],
     ),
     _c(
+        "config-mup-output-multiplier",
+        CFG,
+        "`parallel.mup_output_multiplier: 0` under spectral_mup",
+        lambda fx: _set(
+            "parallel.parametrization=spectral_mup", "parallel.mup_base_width=48", "parallel.mup_output_multiplier=0"
+        ),
+        ["parallel.mup_output_multiplier must be a positive number", "got 0"],
+    ),
+    _c(
+        "config-mup-output-multiplier-standard",
+        CFG,
+        "`parallel.mup_output_multiplier` under standard parametrization",
+        lambda fx: _set("parallel.mup_output_multiplier=4"),
+        ["parallel.mup_output_multiplier=4.0 is set but parallel.parametrization is 'standard'"],
+    ),
+    _c(
         "config-checkpoint-every",
         CFG,
         "`checkpoint.every: -1`",

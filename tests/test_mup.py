@@ -3,7 +3,8 @@
 The rules table below is written from docs/mup.md, not read from hf3d: with m = hidden_size / base width,
 hidden matrices get stock's init times m^-1/2 and lr / m; the token embedding and vectors (norms, biases)
 keep both; readouts (untied head, MoE router, shared-expert gate) get init and lr / m; with tied embeddings
-the final norm's weight carries the readout's 1/m (init and lr).
+the final norm's weight carries the readout's 1/m (init and lr). The output multiplier α multiplies the init
+and lr of the logits' readout: the untied head, or the final norm's weight when tied (α / m).
 
 The oracle of a µP run is stock transformers: `torch.manual_seed(0); from_config` with each tensor times the
 table's init scale, trained by torch.optim.AdamW whose groups have lr LR times the table's lr scale (and the
@@ -36,6 +37,8 @@ BASE = 24  # the tiny models' hidden_size is 48: m = 2
 M = 2.0
 BATCH, SEQ, STEPS = 4, 16, 3
 MUP = dict(parametrization="spectral_mup", mup_base_width=BASE)
+ALPHA = 3.0  # an output multiplier the proxy was tuned to
+MUP_ALPHA = dict(MUP, mup_output_multiplier=ALPHA)
 # fp32, 3 steps (gloo, 2-core CPU). The issue's bounds are 1e-6 (losses, relative) and 1e-5 (weights); the
 # largest errors measured sit 4.6x (weights) to 10x (losses) below them. The weight error is AdamW's: it
 # divides each gradient by its running magnitude, so float noise in a near-zero gradient (an embedding row
@@ -47,14 +50,18 @@ ORACLE_WEIGHT_ATOL = 2e-5  # measured 1.5e-6
 FP8_LOSS_RTOL = 1e-3  # FP8 tensorwise against fp32 µP, per-step loss; measured 4.7e-5
 # world 2: name -> (ParallelConfig kwargs besides µP)
 MESHES = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2-zero1": dict(zero_stage=1)}
+ALPHA_FAMILIES = ("llama", "qwen2")  # tied, untied
 
 
-def expected_rule(name: str, shape: tuple, config) -> tuple[float, float]:
-    """(init scale, lr scale) of an HF parameter, from docs/mup.md's table (m = 2)."""
-    if name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")) or name == "lm_head.weight":
+def expected_rule(name: str, shape: tuple, config, alpha: float = 1.0) -> tuple[float, float]:
+    """(init scale, lr scale) of an HF parameter, from docs/mup.md's table (m = 2), with output multiplier alpha."""
+    if name == "lm_head.weight":  # the logits' readout (tied: the embedding's tensor; the gain is the norm's)
+        gain = 1.0 if config.tie_word_embeddings else alpha
+        return gain / M, gain / M
+    if name.endswith((".mlp.gate.weight", ".shared_expert_gate.weight")):
         return 1 / M, 1 / M  # readouts
     if name == "model.norm.weight" and config.tie_word_embeddings:
-        return 1 / M, 1 / M  # the tied readout's gain
+        return alpha / M, alpha / M  # the tied readout's gain
     if len(shape) == 1 or name == "model.embed_tokens.weight":
         return 1.0, 1.0
     return M**-0.5, 1 / M  # hidden matrices, experts included
@@ -100,6 +107,7 @@ def _optimizer(pm):
 
 
 def _run(cdir: str, out: Path, name: str, **pkw) -> dict:
+    """hf3d trained on the test's batches under ParallelConfig(**pkw): its losses and groups' lrs, exported."""
     pm = hf3d.parallelize(cdir, hf3d.ParallelConfig(**pkw), seed=0)
     opt = _optimizer(pm)
     return dict(losses=_train(pm, opt, _data(), out / name), lrs=_group_lrs(opt))
@@ -109,6 +117,8 @@ def _worker(world: int, dirs: dict, out: str) -> None:
     out, res = Path(out), {}
     if world == 1:
         res["1x1x1"] = _run(dirs["llama"], out, "1x1x1", **MUP)
+        for fam in ALPHA_FAMILIES:  # tied and untied
+            res[f"alpha-{fam}"] = _run(dirs[fam], out, f"alpha-{fam}", **MUP_ALPHA)
         res["standard"] = _run(dirs["llama"], out, "standard")
         res["mup-base-is-width"] = _run(dirs["llama"], out, "mup-base-is-width", parametrization="spectral_mup",
                                         mup_base_width=48)  # fmt: skip
@@ -123,6 +133,7 @@ def _worker(world: int, dirs: dict, out: str) -> None:
     else:
         for name, pkw in MESHES.items():
             res[name] = _run(dirs["llama"], out, name, **MUP, **pkw)
+        res["tp2-alpha"] = _run(dirs["llama"], out, "tp2-alpha", tp=2, **MUP_ALPHA)
         # resume at another mesh: 2 steps at tp2, saved; the 3rd at dp2 (ZeRO-1) from the checkpoint
         data = _data()
         pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(tp=2, **MUP), seed=0)
@@ -162,7 +173,7 @@ def world2(env):
     return spawn_world(_worker, 2, env["root"], env["dirs"])
 
 
-def _stock_init(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def _stock_init(family: str, alpha: float = 1.0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """Stock's from-scratch model (seed 0) with the table's init scales applied; its saved-name state dict."""
     from transformers import AutoModelForCausalLM
 
@@ -174,20 +185,20 @@ def _stock_init(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
             if p.dim() == 3:  # stock's fused experts: per-expert matrices of one rule
                 p.mul_(M**-0.5)
             else:
-                p.mul_(expected_rule(name, tuple(p.shape), config)[0])
+                p.mul_(expected_rule(name, tuple(p.shape), config, alpha)[0])
     return model, saved_names(model.state_dict(), getattr(config, "moe_intermediate_size", 0))
 
 
-def _oracle(family: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _oracle(family: str, alpha: float = 1.0) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Stock + torch AdamW with the table's per-parameter lrs and the Trainer's weight-decay rule."""
     from hf3d.optim.zero import no_decay_names
 
-    model, _ = _stock_init(family)
+    model, _ = _stock_init(family, alpha)
     skip = no_decay_names(model)
     groups = [
         dict(
             params=[p],
-            lr=LR * expected_rule(n, tuple(p.shape), model.config)[1],
+            lr=LR * expected_rule(n, tuple(p.shape), model.config, alpha)[1],
             weight_decay=0.0 if n in skip else WD,
         )
         for n, p in model.named_parameters()
@@ -234,6 +245,13 @@ def test_rules_equal_the_written_table(family):
         "spectral_mup", 48, config, shapes, adapter.fan_axes, final_norm_name="model.norm.weight"
     )
     assert {(r.init_scale, r.lr_scale) for r in same.rules.values()} == {(1.0, 1.0)}
+    gain = build_parametrization(
+        "spectral_mup", BASE, config, shapes, adapter.fan_axes, final_norm_name="model.norm.weight",
+        output_multiplier=ALPHA,
+    )  # fmt: skip
+    for n, shape in shapes.items():
+        rule = gain.rule(n)
+        assert (rule.init_scale, rule.lr_scale) == pytest.approx(expected_rule(n, shape, config, ALPHA), rel=1e-12), n
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -272,16 +290,30 @@ def test_1x1x1_matches_stock_with_the_rules(world1):
     assert_close({k: got[k] for k in got}, {k: sd[k] for k in got}, atol=ORACLE_WEIGHT_ATOL, what="weights")
 
 
-@pytest.mark.parametrize("name", [*MESHES, "resume-tp2-dp2"])
+@pytest.mark.parametrize("family", ALPHA_FAMILIES)
+def test_output_multiplier_matches_stock(world1, family):
+    """With an output multiplier, hf3d µP at 1x1x1 equals stock + AdamW whose logits' readout (the untied
+    head; tied: the final norm's weight) has init and lr times it, on top of the table."""
+    losses, sd = _oracle(family, ALPHA)
+    run = world1[0][f"alpha-{family}"]
+    assert_close(run["losses"], losses, rtol=ORACLE_LOSS_RTOL, what="loss")
+    got = _exported(world1["out"] / f"alpha-{family}")
+    assert_close({k: got[k] for k in got}, {k: sd[k] for k in got}, atol=ORACLE_WEIGHT_ATOL, what="weights")
+    if family == "llama":
+        assert run["losses"] != world1[0]["1x1x1"]["losses"]  # the gain makes another run than α = 1
+
+
+@pytest.mark.parametrize("name", [*MESHES, "resume-tp2-dp2", "tp2-alpha"])
 def test_mesh_equals_1x1x1(world1, world2, name):
     """µP at tp2, pp2, dp2 with ZeRO-1, and saved at tp2 then resumed at dp2, equals µP at 1x1x1: losses on
     every rank, exported weights, and each HF parameter's group lr on every rank."""
-    ref = world1[0]["1x1x1"]
+    one = "alpha-llama" if name.endswith("alpha") else "1x1x1"
+    ref = world1[0][one]
     for r in range(2):
         assert_close(world2[r][name]["losses"], ref["losses"], rtol=LOSS_RTOL, what=f"rank {r} loss")
         lrs = world2[r][name]["lrs"]
         assert lrs == {k: ref["lrs"][k] for k in lrs}, f"rank {r}: a parameter in another lr group than at 1x1x1"
-    got, want = _exported(world2["out"] / name), _exported(world1["out"] / "1x1x1")
+    got, want = _exported(world2["out"] / name), _exported(world1["out"] / one)
     assert set(got) == set(want)
     assert_close(got, want, atol=WEIGHT_ATOL, what=f"{name} weights")
 
@@ -336,6 +368,8 @@ def test_lr_schedule_keeps_each_groups_scale():
 def test_train_config_takes_the_keys():
     from hf3d.train.config import TrainConfig
 
-    cfg = TrainConfig.from_yaml(None, ["parallel.parametrization=spectral_mup", "parallel.mup_base_width=48"])
+    keys = ["parallel.parametrization=spectral_mup", "parallel.mup_base_width=48", "parallel.mup_output_multiplier=4"]
+    cfg = TrainConfig.from_yaml(None, keys)
     assert (cfg.parallel.parametrization, cfg.parallel.mup_base_width) == ("spectral_mup", 48)
+    assert cfg.parallel.mup_output_multiplier == 4.0
     assert cfg.to_dict()["parallel"]["mup_base_width"] == 48

@@ -295,6 +295,8 @@ class DecoderAdapter:
     model_types: tuple[str, ...] = ()
     final_norm_name = "model.norm.weight"
     """The norm in front of the head: under µP with tied embeddings it carries the readout's gain."""
+    head_name = "lm_head.weight"
+    """The untied head: under µP a readout, which also carries the output multiplier."""
 
     def check_tp(self, config, tp: int) -> None:
         valid = valid_tp_sizes(config)
@@ -327,7 +329,7 @@ class DecoderAdapter:
         to the vocabulary (a readout); a vector (norm weight, bias) has a fan-in of 1."""
         if len(shape) == 1 or name == "model.embed_tokens.weight":
             return False, True
-        if name == "lm_head.weight":
+        if name == self.head_name:
             return True, False
         return True, True
 

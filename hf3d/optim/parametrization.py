@@ -29,6 +29,11 @@ How hf3d applies it (the rules, written down in docs/mup.md with their sources):
   the readout's extra factor 1/m becomes a gain in front of the head (µTransfer's output multiplier), held
   by the final norm's weight: init ones/m, lr × 1/m. logits = W_E (g ⊙ norm(h)), so a gain on g is a
   gain on the logits, and the model stays a stock HF model (no multiplier outside its weights).
+- the output multiplier (`mup_output_multiplier`, µTransfer's output_mult): a gain α on the logits that the
+  user tunes on the proxy with the lr. Adam's step does not depend on the gradient's scale, so a gain α on a
+  layer's output acts as that layer's weight and lr both times α (up to Adam's eps and the clipping norm;
+  weight decay follows the group's lr, as for every µP group). It is carried by the readout's weight like the
+  1/m above: the untied head's init and lr × α, or, tied, the final norm's weight at α/m. α = 1 is stock's.
 - weight decay: neither paper gives a rule for it; the coefficient stays the user's, and torch's AdamW
   multiplies it by the group's lr, so the per-step decay follows the µP lr.
 - the attention scale stays stock's 1/√head_dim: µP's 1/head_dim matters only when head_dim grows with
@@ -97,6 +102,8 @@ def model_parametrization(pcfg, config, hf_shapes: Mapping[str, tuple[int, ...]]
         hf_shapes,
         adapter.fan_axes,
         final_norm_name=adapter.final_norm_name,
+        head_name=adapter.head_name,
+        output_multiplier=pcfg.mup_output_multiplier,
     )
 
 
@@ -108,9 +115,11 @@ def build_parametrization(
     fan_axes: Callable[[str, tuple[int, ...], object], tuple[bool, bool]],
     *,
     final_norm_name: str,
+    head_name: str = "lm_head.weight",
+    output_multiplier: float = 1.0,
 ) -> Parametrization:
     """The rules for every HF parameter of the model (`hf_shapes`: global shapes in saved names)."""
-    check_parametrization(kind, base_width)
+    check_parametrization(kind, base_width, output_multiplier)
     if kind == "standard":
         return Parametrization()
     width = config.hidden_size
@@ -125,8 +134,12 @@ def build_parametrization(
         axes = fan_axes(name, tuple(shape), config)
         init_exp, lr_exp = exponents(*axes)
         rules[name] = Rule(m**init_exp, m**lr_exp, axes)
+    a = float(output_multiplier)  # the proxy's gain on the logits, carried by the readout's weight (docstring)
     if getattr(config, "tie_word_embeddings", False):  # the readout's 1/m as a gain on the logits (docstring)
-        rules[final_norm_name] = Rule(1 / m, 1 / m, (False, True))
+        rules[final_norm_name] = Rule(a / m, a / m, (False, True))
+    elif head_name in rules:
+        head = rules[head_name]
+        rules[head_name] = Rule(head.init_scale * a, head.lr_scale * a, head.fan_axes)
     return Parametrization(kind, base_width, width, rules)
 
 

@@ -41,18 +41,23 @@ def check_attn_implementation(name: str, key: str = "attn_implementation") -> No
 PARAMETRIZATIONS = ("standard", "spectral_mup")
 
 
-def check_parametrization(parametrization, base_width, *, where: str = "ParallelConfig.") -> None:
-    """One line for a parametrization that is unknown, or µP without a usable base width."""
+def check_parametrization(
+    parametrization, base_width, output_multiplier=1.0, *, where: str = "ParallelConfig."
+) -> None:
+    """One line for a parametrization that is unknown, µP without a usable base width, or an output
+    multiplier that is not a positive number or comes without µP."""
     if parametrization not in PARAMETRIZATIONS:
         raise ValueError(
             f"{where}parametrization must be one of {', '.join(PARAMETRIZATIONS)}, got {parametrization!r}"
         )
     if parametrization == "standard":
-        if base_width is not None:
-            raise ValueError(
-                f"{where}mup_base_width={base_width!r} is set but {where}parametrization is 'standard': set "
-                "parametrization: spectral_mup, or leave mup_base_width unset"
-            )
+        mup_keys = (("mup_base_width", base_width, None), ("mup_output_multiplier", output_multiplier, 1))
+        for key, value, unset in mup_keys:
+            if value != unset:
+                raise ValueError(
+                    f"{where}{key}={value!r} is set but {where}parametrization is 'standard': set "
+                    f"parametrization: spectral_mup, or leave {key} unset"
+                )
         return
     if base_width is None:
         raise ValueError(
@@ -61,6 +66,12 @@ def check_parametrization(parametrization, base_width, *, where: str = "Parallel
         )
     if isinstance(base_width, bool) or not isinstance(base_width, int) or base_width < 1:
         raise ValueError(f"{where}mup_base_width must be a positive integer (a hidden_size), got {base_width!r}")
+    a = output_multiplier
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a <= 0:
+        raise ValueError(
+            f"{where}mup_output_multiplier must be a positive number (the gain on the logits tuned on the proxy; "
+            f"1 is stock's), got {a!r}"
+        )
 
 
 RECOMPUTE_FORMS = '"none", "full" or "every_<k>" with k a positive integer (e.g. "every_2")'
@@ -156,6 +167,10 @@ class ParallelConfig:
     here because parallelize (the init) and build_optimizer (the lrs) both read it, the same on every mesh."""
     mup_base_width: int | None = None
     """spectral_mup: the hidden_size of the narrow proxy the lr was tuned on (<= the model's hidden_size)."""
+    mup_output_multiplier: float = 1.0
+    """spectral_mup: a gain on the logits, tuned on the proxy with the lr (µTransfer's output multiplier): the
+    readout's init and lr times it at the base width (tied embeddings: the final norm's weight, which µP
+    already scales by base / width). 1.0: stock's logits. The model stays stock: the gain lives in a weight."""
 
     def __post_init__(self) -> None:
         if self.num_microbatches is None:
@@ -178,7 +193,7 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig.compile must be true, false or 'auto', got {self.compile!r}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
-        check_parametrization(self.parametrization, self.mup_base_width)
+        check_parametrization(self.parametrization, self.mup_base_width, self.mup_output_multiplier)
         if self.pp_schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
             raise ValueError(
                 f"pp_schedule {self.pp_schedule!r} runs exactly 2 virtual stages per rank, got "
