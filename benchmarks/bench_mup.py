@@ -68,6 +68,7 @@ QUICK = dict(
     ),
 )
 EVAL_ROWS = 32
+SHORT = {"standard": "SP", "spectral_mup": "µP"}  # the figure's titles
 WORKERS = 2  # runs at a time, one thread each
 PARAMETRIZATIONS = ("standard", "spectral_mup")
 
@@ -296,7 +297,7 @@ def figure(path: Path, coord: dict | None, swept: dict | None) -> None:
     from matplotlib.figure import Figure
 
     rows = (coord is not None) + (swept is not None)
-    fig = Figure(figsize=(11, 4 * rows), dpi=110, layout="constrained")
+    fig = Figure(figsize=(13, 4 * rows), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(rows, 4, squeeze=False)
     r = 0
@@ -305,7 +306,7 @@ def figure(path: Path, coord: dict | None, swept: dict | None) -> None:
             ax, widths = axes[r][j], [int(w) for w in coord[par]]
             for layer in coord[par][str(widths[0])]:
                 ax.plot(widths, [coord[par][str(w)][layer][kind][-1] for w in widths], marker="o", label=layer)
-            ax.set(xscale="log", yscale="log", xlabel="width", title=f"{par}: {kind} RMS, last step")
+            ax.set(xscale="log", yscale="log", xlabel="width", title=f"{SHORT[par]}: {kind} RMS, last step")
             ax.set_xticks(widths, [str(w) for w in widths])
         axes[r][0].legend(fontsize=7)
         r += 1
@@ -317,14 +318,14 @@ def figure(path: Path, coord: dict | None, swept: dict | None) -> None:
                 ys = [sum(v) / len(v) for _, v in pts]
                 err = [[y - min(v) for y, (_, v) in zip(ys, pts)], [max(v) - y for y, (_, v) in zip(ys, pts)]]
                 ax.errorbar([x for x, _ in pts], ys, yerr=err, marker="o", capsize=3, label=f"width {width}")
-            ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title=f"{par}: lr sweep (seed mean, min-max)")
+            ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title=f"{SHORT[par]}: lr sweep (mean, min-max)")
             ax.legend(fontsize=7)
         ax = axes[r][2]
         for par, by_alpha in swept["coarse"].items():
             for alpha, curve in by_alpha.items():
                 pts = [(float(k), v) for k, v in curve.items() if v is not None]
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{par} α {float(alpha):g}")
-        ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title="coarse grid on the proxy (seed 0)")
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{SHORT[par]} α {float(alpha):g}")
+        ax.set(xscale="log", xlabel="lr", ylabel="held-out loss", title="proxy's coarse grid (seed 0)")
         ax.legend(fontsize=7)
         axes[r][3].axis("off")
     fig.savefig(path)
