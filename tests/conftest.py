@@ -44,6 +44,10 @@ def _audit_log(tmp_path_factory) -> Path:
     this one in `audit.found`, the gloo workers of tests/dist.py in this file."""
     log = tmp_path_factory.mktemp("audit") / "problems.txt"
     log.touch()
+    try:  # matplotlib writes its font cache on a machine's first plot: let that happen before the audit watches
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
     os.environ[audit.LOG_ENV] = str(log)
     audit.install()
     audit.watching = True
