@@ -70,6 +70,9 @@ class ParallelModel(nn.Module):
         self.router_stats = None  # the MoE router statistics of the load-balancing loss, set by parallelize
         self.parametrization = Parametrization()  # µP's rules when pcfg asks for them, set by parallelize
         self.dropout_rng = None  # this rank's tensor-parallel dropout stream (hf3d/parallel/rng.py), set by parallelize
+        self.compute_dtype: torch.dtype | None = None  # the dtype layers compute in, set by parallelize
+        # ZeRO-3: this rank's FSDP2 groups, each a list of modules (hf3d/parallel/fsdp.py); empty otherwise
+        self.fsdp_modules: list[list[nn.Module]] = []
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property
@@ -120,7 +123,15 @@ class ParallelModel(nn.Module):
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return next(self.hf_model.parameters()).dtype
+        """The dtype the layers compute in and exports hold (under ZeRO-3 the fp32 shards are cast to it)."""
+        return self.compute_dtype or next(self.hf_model.parameters()).dtype
+
+    def local_fragments(self) -> list[tuple[str, nn.Parameter, torch.Tensor, int]]:
+        """(name, param, flat, start) per parameter: the elements this rank stores, a flat tensor holding param's
+        row-major elements from `start` on (the whole parameter; under ZeRO-3 FSDP2's shard of it)."""
+        from .parallel.fsdp import local_shard
+
+        return [(name, p, *local_shard(p)) for name, p in self.unique_parameters()]
 
     @property
     def device(self) -> torch.device:
@@ -213,7 +224,7 @@ class ParallelModel(nn.Module):
             raise_out_of_vocab(self, input_ids, None, dp_group=None)
         local_ids = self.cp.split(input_ids)  # under cp the stages take this rank's tokens and all positions
         if self.pcfg.pp == 1:
-            return self.cp.gather(self.lm_head.full_logits(self.stages[0](local_ids, position_ids)))
+            return self.cp.gather(self.lm_head.full_logits(self.stages[0](local_ids, position_ids=position_ids)))
         local_logits = relay_forward(self, local_ids, position_ids)
         last_owner = self.stage_owners[-1]
         if local_logits is not None:
@@ -252,7 +263,7 @@ class ParallelModel(nn.Module):
         input_ids, targets = self.cp.split(input_ids), self.cp.split(targets)
         try:
             if self.pcfg.pp == 1:
-                local_logits = self.stages[0](input_ids, position_ids)
+                local_logits = self.stages[0](input_ids, position_ids=position_ids)
             else:
                 local_logits = relay_forward(self, input_ids, position_ids)
         finally:

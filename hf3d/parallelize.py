@@ -27,6 +27,7 @@ from .parallel.config import ParallelConfig, check_attn_implementation
 from .parallel.context import CPContext, check_attention
 from .parallel.expert import RouterStats, check_load_balance
 from .parallel.fp8 import FP8Config, apply_fp8, as_fp8_config
+from .parallel.fsdp import apply_fsdp
 from .parallel.init_weights import InitSource, has_weights
 from .parallel.layout import get_pieces
 from .parallel.mesh import build_mesh, device_type, expert_group, init_distributed
@@ -54,7 +55,8 @@ def parallelize(
     config.json and no weights is initialised from scratch, sharded (hf3d/parallel/init_weights.py): the weights of
     `torch.manual_seed(seed); AutoModelForCausalLM.from_config(config, dtype=torch.float32)`, at any mesh.
     seed: the seed of that initialisation (ignored when weights are loaded).
-    dtype: parameter and activation dtype (fp32 master weights live in the optimizer).
+    dtype: parameter and activation dtype (fp32 master weights live in the optimizer; under ZeRO-3 the fp32 shards
+    are the master weights, and FSDP2 casts each gathered layer to `dtype` for compute).
     attn_implementation: any key of HF's attention registry ("sdpa", "eager", "flex_attention",
     "flash_attention_2" when installed), or "auto": sdpa on CPU; on CUDA flash_attention_2 when
     flash-attn is installed, else sdpa (hf3d/parallel/attention.py; pass "flex_attention" for packed rows there,
@@ -92,22 +94,26 @@ def parallelize(
     device = (
         torch.device(device_type(), torch.cuda.current_device()) if device_type() == "cuda" else torch.device("cpu")
     )
-    ctx, cp, rng = _rank_contexts(mesh, pcfg, dtype, device)
+    stored = torch.float32 if pcfg.zero_stage == 3 else dtype  # ZeRO-3: fp32 shards, cast by FSDP2 for compute
+    ctx, cp, rng = _rank_contexts(mesh, pcfg, stored, device)
     ep = _expert_context(config, adapter, mesh, pcfg, moe_load_balance, moe_bias_rate)
     plan = _stage_plan(config, adapter, pcfg, mesh.get_local_rank("pp"))
     hf_model, hf_shapes = _swapped_skeleton(
-        config, adapter, plan, ctx=ctx, ep=ep, attn=attn_implementation, dtype=dtype
+        config, adapter, plan, ctx=ctx, ep=ep, attn=attn_implementation, dtype=stored, split_tie=pcfg.zero_stage == 3
     )
     fp8_projections = apply_fp8(hf_model, fp8, hf_shapes, tp_group=ctx.group, cp_group=cp.group)
     parametrization = model_parametrization(pcfg, config, hf_shapes, adapter)
     init_scales = parametrization.init_scales()
-    _fill(hf_model, config, adapter, source, seed=seed, dtype=dtype, device=device, init_scales=init_scales)
+    _fill(hf_model, config, adapter, source, seed=seed, dtype=stored, device=device, init_scales=init_scales)
     del source
     pmodel = _assemble(
         hf_model, config, pcfg, plan, mesh=mesh, cp=cp, rng=rng, hf_shapes=hf_shapes, tokenizer_dir=tokenizer_dir
     )
+    pmodel.compute_dtype = dtype
     if compile:
         compile_layers([layer for stage in pmodel.stages for layer in stage.layers])
+    if pcfg.zero_stage == 3:
+        pmodel.fsdp_modules = apply_fsdp(pmodel, compute_dtype=dtype)
     pmodel.router_stats = ep.stats
     pmodel.fp8, pmodel.fp8_projections = fp8, fp8_projections
     pmodel.parametrization = parametrization
@@ -229,11 +235,13 @@ def _open(model_or_path) -> tuple[PretrainedConfig, object | None, Path | None]:
 
 
 def _swapped_skeleton(
-    config, adapter, plan: StagePlan, *, ctx, ep, attn: str, dtype
+    config, adapter, plan: StagePlan, *, ctx, ep, attn: str, dtype, split_tie: bool = False
 ) -> tuple[nn.Module, dict[str, tuple[int, ...]]]:
     """The stock model on the meta device, pruned to this rank's decoder layers (and the embedding / final norm
     and lm_head when this rank runs the first / last stage), with the tensor- and expert-parallel modules
-    swapped in under the stock names; and {saved name: shape} of the whole stock model."""
+    swapped in under the stock names; and {saved name: shape} of the whole stock model. split_tie (ZeRO-3): a tied
+    lm_head in another stage than the embedding on this rank (zbv, dualpipev) gets a copy of its own, as on
+    another rank, since each stage is an FSDP2 root of its own and one Parameter cannot be sharded by two."""
     keep, first, last = plan.layers, plan.first, plan.last
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
@@ -246,7 +254,7 @@ def _swapped_skeleton(
     base.embed_tokens = adapter.make_embedding(config, ctx) if first else None
     if last:
         base.norm = adapter.swap_final_norm(base.norm, ctx)
-        shared = base.embed_tokens.weight if (tied and first) else None
+        shared = base.embed_tokens.weight if (tied and first and not (split_tie and len(plan.mine) > 1)) else None
         hf_model.lm_head = adapter.make_lm_head(config, ctx, tied_weight=shared)
     else:
         base.norm, hf_model.lm_head = None, None

@@ -180,7 +180,7 @@ def _mutations(res, path, data, pos):
 
     def loss():  # the local logits [b, S/cp, vocab] of this rank's tokens
         with torch.no_grad():
-            return pm.lm_head.full_logits(pm.stages[0](pm.cp.split(ids), pos)).clone()
+            return pm.lm_head.full_logits(pm.stages[0](pm.cp.split(ids), position_ids=pos)).clone()
 
     res["mutation/none"] = loss()
     original_order, original_masks = cpm.to_sequence_order, cpm.build_masks

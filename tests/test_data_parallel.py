@@ -245,7 +245,8 @@ def _bad_input_run(dirs) -> dict:
         "not an optimizer": _outcome(lambda: build(pm, torch.nn.Linear)),
         "optimizer instance": _outcome(lambda: build(pm, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]))),
         "unknown kwarg": _outcome(lambda: build(pm, torch.optim.AdamW, lr=1e-3, not_a_kwarg=1)),
-        "zero_stage=2": _outcome(lambda: build(pm, torch.optim.AdamW, zero_stage=2)),
+        "zero_stage=4": _outcome(lambda: build(pm, torch.optim.AdamW, zero_stage=4)),
+        "zero_stage=3": _outcome(lambda: build(pm, torch.optim.AdamW, zero_stage=3)),  # the model is not sharded
         "bucket_size=0": _outcome(lambda: build(pm, torch.optim.AdamW, bucket_size=0)),
         "bucket_size=-1": _outcome(lambda: build(pm, torch.optim.AdamW, bucket_size=-1)),
         "dp_collective": _outcome(lambda: build(pm, torch.optim.AdamW, dp_collective="all_gather")),
@@ -581,7 +582,7 @@ def test_build_optimizer_rejects_bad_input(request):
         assert bad["optimizer instance"][0] == "TypeError", bad["optimizer instance"]
         kind, msg = bad["unknown kwarg"]
         assert kind == "TypeError" and "AdamW" in msg and "not_a_kwarg" in msg, bad["unknown kwarg"]
-        for key in ("zero_stage=2", "bucket_size=0", "bucket_size=-1", "dp_collective"):
+        for key in ("zero_stage=4", "zero_stage=3", "bucket_size=0", "bucket_size=-1", "dp_collective"):
             assert bad[key][0] == "ValueError", (key, bad[key])
-        assert "zero_stage" in bad["zero_stage=2"][1]
+        assert "zero_stage" in bad["zero_stage=4"][1] and "ParallelConfig(zero_stage=3)" in bad["zero_stage=3"][1]
         assert "bucket_size" in bad["bucket_size=0"][1]

@@ -123,7 +123,7 @@ def _mutations(path: str, ids, data, out: Path, res: dict) -> None:
         return combine(self, y, torch.ones_like(weights))
 
     def one_group(pmodel, params):  # expert gradients summed over every dp rank
-        return [(dist.group.WORLD if pmodel.pcfg.tp == 1 else None, params)]
+        return [(dist.group.WORLD if pmodel.pcfg.tp == 1 else None, params, None)]
 
     for name, target, attr, fake in (
         ("wrong-expert", expert_parallel.Dispatch, "__init__", wrong_expert),

@@ -38,7 +38,7 @@ from .sources import (
 from .summary import summary_lines
 
 # first words of the generators' seeds: the streams of mixture draws, permutations and eval never meet
-_DRAW, _PERM = 0, 1   # _EVAL (2) is held_out.py's
+_DRAW, _PERM = 0, 1  # _EVAL (2) is held_out.py's
 
 
 def _window(s: SourceConfig, opened: tuple, seq_len: int, where: str) -> TokenSource:
@@ -326,4 +326,3 @@ class DataPipeline(HeldOutRows):
     def summary(self) -> list[str]:
         """Lines for the start of a run: each source, each stage, the eval split (hf3d/data/summary.py)."""
         return summary_lines(self)
-

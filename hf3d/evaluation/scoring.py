@@ -31,7 +31,7 @@ def query_logprobs(pmodel, batch: Batch) -> torch.Tensor:
     segments = batch.segments.to(device) if batch.segments is not None else None
     local_ids = pmodel.cp.split(ids)
     if pmodel.pcfg.pp == 1:
-        hidden = pmodel.stages[0](local_ids, positions, head=False, segments=segments)
+        hidden = pmodel.stages[0](local_ids, position_ids=positions, head=False, segments=segments)
     else:
         hidden = relay_forward(pmodel, local_ids, positions, head=False, segments=segments)
     out = torch.empty(batch.num_queries, dtype=torch.float32, device=device)

@@ -118,7 +118,7 @@ def next_logits(pmodel, ids: torch.Tensor, positions: torch.Tensor, step) -> tor
     split = step.split_over_cp
     local_ids = pmodel.cp.split(ids) if split else ids
     if pmodel.pcfg.pp == 1:
-        hidden = pmodel.stages[0](local_ids, positions, head=False, decode=step)
+        hidden = pmodel.stages[0](local_ids, position_ids=positions, head=False, decode=step)
     else:
         hidden = relay_forward(pmodel, local_ids, positions, head=False, decode=step)
     b = ids.shape[0]

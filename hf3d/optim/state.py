@@ -1,8 +1,8 @@
 """The optimizer's state over this rank's master fragments, named independently of the mesh.
 
-ParallelOptimizer steps flat fp32 fragments of the runtime parameters (a ZeRO shard of each bucket, tp
-slices, fused projections), so the wrapped torch optimizer's state is keyed by fragments that exist on
-one mesh only. Both ways out of a run read and write it here, in HF names and global offsets:
+ParallelOptimizer steps flat fp32 fragments of the runtime parameters (a ZeRO shard of each bucket, or FSDP2's
+shard of each parameter; tp slices, fused projections), so the wrapped torch optimizer's state is keyed by
+fragments that exist on one mesh only. Both ways out of a run read and write it here, in HF names and global offsets:
 `ParallelOptimizer.state_dict` / `load_state_dict` (in memory, any mesh) and checkpoint.py's DCP
 entries `optim/<key>/<hf name>`. One module, so the two cannot drift apart:
 
@@ -43,13 +43,14 @@ def group_settings(opt) -> list[dict]:
 def state_boxes(opt, keys, *, create: bool, master: bool = True, owned_only: bool = False, my_shard: bool = False):
     """(key, hf_name, hf_offsets, sizes, view) over this rank's master fragments: MASTER_KEY (when
     `master`) and the state `keys`. `create` makes zero state where there is none yet (to be filled);
-    `owned_only` skips replicas another tp rank owns and `my_shard` keeps only this rank's 1/dp of each
-    bucket (under ZeRO-0 every rank holds every element): what one rank writes to a checkpoint."""
+    `owned_only` skips replicas another tp rank owns and `my_shard` keeps only the range this rank writes
+    (`opt.written_range`: under ZeRO-0 every rank holds every element, under HSDP every replica its shard):
+    what one rank writes to a checkpoint."""
     for p, m, ga, gz in opt._masters:
         start = opt._flat_range[id(p)][0]
         a, z = ga, gz
         if my_shard:
-            lo, hi = opt._my_shard(opt._bucket_of[id(p)])
+            lo, hi = opt.written_range(p)
             a, z = max(ga, lo), min(gz, hi)
             if a >= z:
                 continue

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the training and export dtypes, torch.<name>
 PP_SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+ZERO_STAGES = (0, 1, 2, 3)
 # ParallelConfig.from_env: field -> environment variable
 ENV_VARS = {
     "tp": "HF3D_TP",
@@ -20,6 +21,8 @@ ENV_VARS = {
     "pp_schedule": "HF3D_PP_SCHEDULE",
     "num_microbatches": "HF3D_NUM_MICROBATCHES",
     "compile": "HF3D_COMPILE",
+    "zero_stage": "HF3D_ZERO_STAGE",
+    "dp_shard": "HF3D_DP_SHARD",
 }
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
@@ -136,7 +139,13 @@ class ParallelConfig:
     """Model chunks per pipeline rank; None: 2 for interleaved-1f1b, zbv and dualpipev, else 1.
     interleaved-1f1b takes any value >= 2 (at pp > 1), zbv and dualpipev exactly 2, afab and 1f1b 1."""
     zero_stage: int = 1
-    """0: optimizer replicated over dp, gradients all-reduced; 1: optimizer state sharded over dp."""
+    """How much of the training state is sharded over dp (dp x cp under context parallelism; an expert's own
+    group for MoE experts): 0: nothing (gradients all-reduced, optimizer replicated); 1: the optimizer state and
+    fp32 master weights; 2: also the fp32 gradients, reduced into each rank's shard as backward makes them;
+    3: also the weights, through PyTorch's FSDP2 (hf3d/parallel/fsdp.py), gathered layer by layer for compute."""
+    dp_shard: int | None = None
+    """HSDP: shard the state of `zero_stage` within groups of dp_shard neighbouring dp ranks and replicate it
+    across the dp // dp_shard groups (a node shards, nodes replicate). None: shard over the whole dp."""
     sequence_parallel: bool = False
     """Shard norms and residuals along the sequence inside tensor-parallel regions."""
     cp: int = 1
@@ -191,8 +200,12 @@ class ParallelConfig:
             raise ValueError(RECOMPUTE_SPLIT_BACKWARD.format(schedule=self.pp_schedule))
         if not isinstance(self.compile, bool) and self.compile != "auto":
             raise ValueError(f"ParallelConfig.compile must be true, false or 'auto', got {self.compile!r}")
-        if self.zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage must be 0 or 1, got {self.zero_stage!r}")
+        if self.zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.dp_shard is not None and (
+            isinstance(self.dp_shard, bool) or not isinstance(self.dp_shard, int) or self.dp_shard < 1
+        ):
+            raise ValueError(f"ParallelConfig.dp_shard must be a positive integer or None, got {self.dp_shard!r}")
         check_parametrization(self.parametrization, self.mup_base_width, self.mup_output_multiplier)
         if self.pp_schedule in ("zbv", "dualpipev") and self.virtual_stages != 2:
             raise ValueError(
@@ -237,8 +250,11 @@ class ParallelConfig:
                     raise ValueError(f"{var} must be 1 or 0 (true or false), or auto, got {raw!r}")
                 kwargs[name] = BOOL_WORDS.get(raw.lower(), "auto")
                 continue
-            value = int(raw) if raw.lstrip("+-").isdecimal() else 0
-            if value < 1:
+            value = int(raw) if raw.lstrip("+-").isdecimal() else -1
+            if name == "zero_stage":
+                if value not in ZERO_STAGES:
+                    raise ValueError(f"{var} must be 0, 1, 2 or 3, got {raw!r}")
+            elif value < 1:
                 raise ValueError(f"{var} must be a positive integer, got {raw!r}")
             kwargs[name] = value
         try:
@@ -298,4 +314,31 @@ class ParallelConfig:
                 f"world factor); use an ep that divides {dp}, or launch more processes"
             )
         self.dp = dp
+        self._check_dp_shard()
         return self
+
+    def _check_dp_shard(self) -> None:
+        k = self.dp_shard
+        if k is None or k == self.dp:
+            return
+        if self.dp % k:
+            divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+            raise ValueError(
+                f"dp_shard={k} does not divide dp={self.dp}: HSDP shards within groups of dp_shard dp ranks and "
+                f"replicates across dp // dp_shard of them; use one of {divisors}, or leave dp_shard unset"
+            )
+        if self.zero_stage == 0:
+            raise ValueError(
+                f"dp_shard={k} with zero_stage=0: zero 0 shards nothing; use zero_stage 1, 2 or 3 with dp_shard, "
+                "or leave dp_shard unset"
+            )
+        if self.ep > 1:
+            raise ValueError(
+                f"dp_shard={k} with ep={self.ep}: HSDP is not built for expert parallelism; leave dp_shard unset "
+                "(the state is sharded over the whole dp) or use ep=1"
+            )
+
+    @property
+    def shard_size(self) -> int:
+        """The dp ranks one shard group spans (dp_shard, or the whole dp); after `resolve`."""
+        return self.dp if self.dp_shard is None else self.dp_shard

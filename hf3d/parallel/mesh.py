@@ -11,6 +11,11 @@ d % ep of the expert group d // ep. The ep peers (same pp, cp and tp coordinates
 expert's copies live on the edp ranks of one expert rank, and its gradients are reduced over those
 times cp ("edp_cp"). A second mesh ("pp", "edp", "ep", "cp", "tp") over the same ranks names these
 groups; with ep = 1 it is not built (the expert group is trivial and edp is dp).
+
+HSDP (`ParallelConfig.dp_shard` = K < dp) splits the dp axis the other way, dp = replicate * K with the shard
+ranks inner: ZeRO shards within the K neighbouring dp ranks (times cp, "dp_shard_cp") and the shards are
+replicated across the dp // K groups ("dp_replicate"). A third mesh ("pp", "dp_replicate", "dp_shard", "cp",
+"tp") names them; without HSDP it is not built and the shard group is the data-parallel group.
 """
 
 from __future__ import annotations
@@ -106,6 +111,16 @@ def build_mesh(pcfg: ParallelConfig) -> DeviceMesh:
         experts = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
         experts.hf3d_edp_cp = experts["edp", "cp"]._flatten("edp_cp") if pcfg.cp > 1 else None
         mesh.hf3d_experts = experts
+    mesh.hf3d_hsdp = None
+    if pcfg.shard_size < pcfg.dp:
+        shape = (pcfg.pp, pcfg.dp // pcfg.shard_size, pcfg.shard_size, pcfg.cp, pcfg.tp)
+        hsdp = init_device_mesh(device_type(), shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        shard_axis = "dp_shard"
+        if pcfg.cp > 1:
+            hsdp.hf3d_flat = hsdp["dp_shard", "cp"]._flatten("dp_shard_cp")  # kept, as hf3d_dp_cp is
+            shard_axis = "dp_shard_cp"
+        hsdp.hf3d_shard_axis = shard_axis
+        mesh.hf3d_hsdp = hsdp
     return mesh
 
 
@@ -113,6 +128,37 @@ def data_parallel_group(mesh: DeviceMesh):
     """The group that reduces gradients of replicated parameters and shards ZeRO-1: dp, or dp x cp."""
     flat = getattr(mesh, "hf3d_dp_cp", None)
     return flat.get_group() if flat is not None else mesh.get_group("dp")
+
+
+def shard_group(mesh: DeviceMesh):
+    """The group whose ranks split the ZeRO state of replicated parameters: the data-parallel group, or under
+    HSDP the dp_shard neighbours (times cp)."""
+    hsdp = getattr(mesh, "hf3d_hsdp", None)
+    return data_parallel_group(mesh) if hsdp is None else hsdp.get_group(hsdp.hf3d_shard_axis)
+
+
+def replicate_group(mesh: DeviceMesh):
+    """Under HSDP the group holding copies of the same shard (one rank per shard group); None otherwise."""
+    hsdp = getattr(mesh, "hf3d_hsdp", None)
+    return None if hsdp is None else hsdp.get_group("dp_replicate")
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards replicated parameters over (zero 3): dp or dp x cp; under HSDP the 2-D
+    (replicate, shard) mesh, on which fully_shard shards along the second axis and replicates along the first."""
+    hsdp = getattr(mesh, "hf3d_hsdp", None)
+    if hsdp is not None:
+        return hsdp["dp_replicate", hsdp.hf3d_shard_axis]
+    flat = getattr(mesh, "hf3d_dp_cp", None)
+    return flat if flat is not None else mesh["dp"]
+
+
+def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards expert parameters over: the ranks holding the same experts (edp, or edp x cp)."""
+    experts = getattr(mesh, "hf3d_experts", None)
+    if experts is None:
+        return fsdp_mesh(mesh)
+    return experts.hf3d_edp_cp if experts.hf3d_edp_cp is not None else experts["edp"]
 
 
 def expert_group(mesh: DeviceMesh):

@@ -88,7 +88,7 @@ def run_microbatches(pmodel, input_ids, position_ids, targets, num_tokens, *, z_
             stats.start(None, pmodel.device)
         # no name holds the output through backward: kept alive, the logits of the plain head would be a third
         # [tokens, vocab] buffer at the peak (backward needs only the saved log-softmax)
-        out = stage(ids, pos, head=not pmodel.fused_loss)
+        out = stage(ids, position_ids=pos, head=not pmodel.fused_loss)
         chain = stats.stop() if stats is not None else None
         if pmodel.fused_loss:
             objective, ce, z = pmodel.lm_head.fused_loss_terms(out, tgt, num_tokens, z_loss=z_loss)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .expert import aux_stats, close_forward
 
@@ -36,31 +35,6 @@ SCHEDULES = {  # torch.distributed.pipelining's classes, imported when the first
 }
 SINGLE_STAGE = ("afab", "1f1b")
 FUSED_HEAD_SCHEDULES = ("1f1b",)  # one micro-batch alive at a time on the last stage
-
-
-class _Carrying(nn.Module):
-    """A stage that also passes on the router statistics of a MoE model's load-balancing loss: a [2, E]
-    activation from stage to stage (hf3d.parallel.expert.RouterStats), which the first stage starts."""
-
-    def __init__(self, inner: nn.Module, stats):
-        super().__init__()
-        self.inner, self.stats = inner, stats
-
-    def forward(self, x: torch.Tensor, *chain: torch.Tensor, position_ids: torch.Tensor):
-        self.stats.start(chain[0] if chain else None, x.device)
-        out = self.inner(x, position_ids=position_ids)
-        return out, self.stats.stop().clone()  # a node of this stage's own, even with no MoE layer here
-
-
-class _Staged(nn.Module):
-    """stage(x, position_ids) with the head or without it (the schedule's loss function runs it)."""
-
-    def __init__(self, stage: nn.Module, head: bool):
-        super().__init__()
-        self.stage, self.head = stage, head
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        return self.stage(x, position_ids, head=self.head)
 
 
 class _Pipeline:
@@ -89,12 +63,9 @@ class _Pipeline:
             out = hidden
             if st.last and not fused_head:
                 out = torch.empty(b, s, st.lm_head.num_local, dtype=dtype, device="meta", requires_grad=True)
-            module = _Staged(st, head=not (st.last and fused_head))
-            if self.stats is not None:
-                module = _Carrying(module, self.stats)
             self.stages.append(
                 pipelining.PipelineStage(
-                    module,
+                    st,  # the stage itself: FSDP2's root under ZeRO-3, which the schedule then runs its own way
                     st.stage_index,
                     pcfg.num_stages,
                     device,
@@ -141,7 +112,9 @@ def run_pipeline(pmodel, input_ids, position_ids, targets, num_tokens, *, z_loss
     target = targets if pipe.has_last else None
     # return_outputs=False: the last stage would otherwise keep every micro-batch's logits shard until
     # the next step, plus a merged copy
-    pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, position_ids=position_ids)
+    # every stage takes these keywords (StageModule.forward); head=False: the last stage stops at its final norm
+    kwargs = dict(position_ids=position_ids, head=not fused_head, carry=pipe.stats)
+    pipe.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
     sums = torch.zeros(3, device=pmodel.device)
     for part in pipe.parts:  # in micro-batch order, as the last stage ran them
         sums += part
@@ -168,7 +141,7 @@ def relay_forward(
         if idx > 0 and pmodel.stage_owners[idx - 1] != me:
             x = torch.empty(b, s_local, pmodel.config.hidden_size, dtype=pmodel.param_dtype, device=pmodel.device)
             dist.recv(x, group=pp_group, group_src=pmodel.stage_owners[idx - 1])
-        x = by_index[idx](x, position_ids, head=head, segments=segments, decode=decode)
+        x = by_index[idx](x, position_ids=position_ids, head=head, segments=segments, decode=decode)
         nxt = idx + 1
         if nxt < len(pmodel.stage_owners) and pmodel.stage_owners[nxt] != me:
             dist.send(x.contiguous(), group=pp_group, group_dst=pmodel.stage_owners[nxt])
