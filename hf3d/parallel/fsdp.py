@@ -36,12 +36,13 @@ from torch import nn
 
 from .mesh import expert_fsdp_mesh, fsdp_mesh
 
-RESHARD_AFTER_FORWARD = """A decoder layer is resharded after its forward and gathered again for its backward at
-pp = 1 (ZeRO-3's memory). Under pipelining it stays gathered from its first forward to the step's gradient
-reduction: the schedule keeps a stage gathered through its backwards anyway (torch.distributed.pipelining's FSDP2 path), so resharding
-after each forward would only add an all-gather per micro-batch; and zbv / dualpipev need it, since their backward
-is split into an input pass and a weight pass that finds the weight gradients through the stage's registered
-parameters, which must then be the gathered ones the forward used (resharded, both ran 1-30 % off in grad norm)."""
+RESHARD_AFTER_FORWARD = """A decoder layer is resharded after its forward and gathered again for its backward at pp
+= 1 (ZeRO-3's memory). Under pipelining it stays gathered from its first forward to the step's gradient reduction:
+the schedule keeps a stage gathered through its backwards anyway (torch.distributed.pipelining's FSDP2 path), so
+resharding after each forward would only add an all-gather per micro-batch; and zbv / dualpipev need it, since their
+backward is split into an input pass and a weight pass that finds the weight gradients through the stage's
+registered parameters, which must then be the gathered ones the forward used (resharded, both ran 1-30 % off in grad
+norm)."""
 
 # what hf3d records on its parameters (hf3d/parallel/layout.py, tensor.py, expert.py, models/common.py)
 LAYOUT_ATTRIBUTES = ("hf3d_pieces", "hf3d_tied_copy", "hf3d_tp_partial_grad", "hf3d_expert")
