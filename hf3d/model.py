@@ -16,6 +16,7 @@ from .optim.parametrization import Parametrization
 from .parallel.config import ParallelConfig, check_cp_seq_len
 from .parallel.context import CPContext
 from .parallel.expert import is_expert
+from .parallel.fsdp import local_shard, reshard_all
 from .parallel.mesh import data_parallel_group
 from .parallel.microbatches import train_step
 from .parallel.pipeline import relay_forward
@@ -91,6 +92,12 @@ class ParallelModel(nn.Module):
     def cp_size(self) -> int:
         return self.cp.size
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether a forward is collective over the dp replicas, so that they must all run as many forwards: under
+        expert parallelism (tokens cross the expert group) and ZeRO-3 (each layer is gathered over dp)."""
+        return self.pcfg.ep > 1 or bool(self.fsdp_modules)
+
     def exports(self, param: nn.Parameter) -> bool:
         """Whether this rank writes `param` in checkpoints without an optimizer and in exports: the first of
         its copies over dp x cp (for an expert, over the ranks holding the same experts)."""
@@ -129,8 +136,6 @@ class ParallelModel(nn.Module):
     def local_fragments(self) -> list[tuple[str, nn.Parameter, torch.Tensor, int]]:
         """(name, param, flat, start) per parameter: the elements this rank stores, a flat tensor holding param's
         row-major elements from `start` on (the whole parameter; under ZeRO-3 FSDP2's shard of it)."""
-        from .parallel.fsdp import local_shard
-
         return [(name, p, *local_shard(p)) for name, p in self.unique_parameters()]
 
     @property
@@ -138,7 +143,11 @@ class ParallelModel(nn.Module):
         return next(self.hf_model.parameters()).device
 
     def unique_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their runtime names, each shared Parameter once."""
+        """This rank's parameters under their runtime names, each shared Parameter once. Under ZeRO-3 these are
+        FSDP2's sharded parameters: a group still gathered (the stage's ends after a forward without backward, an
+        evaluation's) is freed first, since a gathered group lists its gathered tensors instead."""
+        if self.fsdp_modules:
+            reshard_all(self)
         return list(self.hf_model.named_parameters())
 
     # -- forward ----------------------------------------------------------------------------------

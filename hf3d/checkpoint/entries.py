@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..optim import state as optim_state
+from ..parallel.fsdp import first_replica, is_sharded
 from ..parallel.layout import hf_boxes
 
 MODEL_PREFIX = "model/"
@@ -172,18 +173,23 @@ SHAPE_FIELDS = (
 
 
 def write_ranges(pmodel, opt):
-    """(param, a, b): the element range of each parameter this rank writes. With an optimizer, dp
-    rank d (of dp x cp) writes the d-th 1/(dp*cp) of every gradient bucket (the ZeRO shard), so all ranks write in
-    parallel; without one, dp rank 0 (cp rank 0) writes its parameters whole."""
-    if opt is None:
-        return [(p, 0, p.numel()) for _, p in pmodel.unique_parameters() if pmodel.exports(p)]
+    """(param, flat, flat_start, a, b): the element range [a, b) of each parameter this rank writes, read from
+    `flat` (which holds param's row-major elements from flat_start on). With an optimizer each rank writes the
+    range it steps (`opt.written_range`: the d-th 1/(dp*cp) of every gradient bucket, or its ZeRO-3 shard), so all
+    ranks write in parallel; without one, the first copy of every element: dp rank 0 (cp rank 0) its parameters
+    whole, or under ZeRO-3 every rank its shard (the first replica's, under HSDP)."""
     out = []
-    for b in opt.buckets:
-        lo, hi = opt._my_shard(b)
-        for p in b.params:
-            s, e = opt._flat_range[id(p)]
-            if max(s, lo) < min(e, hi):
-                out.append((p, max(s, lo) - s, min(e, hi) - s))
+    for _, p, flat, start in pmodel.local_fragments():
+        if opt is not None:
+            s = opt._flat_range[id(p)][0]
+            lo, hi = opt.written_range(p)
+            a, b = max(lo - s, 0), min(hi - s, p.numel())
+        elif is_sharded(p):
+            a, b = (start, start + flat.numel()) if first_replica(p) else (0, 0)
+        else:
+            a, b = (0, p.numel()) if pmodel.exports(p) else (0, 0)
+        if a < b:
+            out.append((p, flat, start, a, b))
     return out
 
 
@@ -202,9 +208,9 @@ def state_entries(pmodel, opt) -> dict[str, Boxes]:
 def entries_of(pmodel, opt, keys: list[str] | None) -> dict[str, Boxes]:
     """The DCP entries this rank writes (no collective: `keys` are `optim_keys(opt)`, None without `opt`)."""
     hf_shapes, entries = pmodel.hf_shapes, {}
-    for p, a, b in write_ranges(pmodel, opt):
-        for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, a, b, owned_only=True):
-            get_entry(entries, model_key(name), hf_shapes, name, p.dtype).add(off, view)
+    for p, flat, start, a, b in write_ranges(pmodel, opt):
+        for name, off, _, view in hf_boxes(p, flat, start, a, b, owned_only=True):  # in the model's dtype
+            get_entry(entries, model_key(name), hf_shapes, name, pmodel.param_dtype).add(off, view)
     if opt is None:
         return entries
     mine = dict(create=False, master=not opt._aliased, owned_only=True, my_shard=True)

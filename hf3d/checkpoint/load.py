@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from ..optim import state as optim_state
+from ..parallel.fsdp import reshard_all
 from ..parallel.layout import hf_boxes
 from ..utils import files
 from .entries import MASTER_KEY, MODEL_PREFIX, SHAPE_FIELDS, Boxes, LoadPlanner, get_entry, optim_key
@@ -90,14 +91,16 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     stored = SafeReader(path).read_metadata().state_dict_metadata
     has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
     training = meta["kind"] == "training" and opt is not None
+    fragments = pmodel.local_fragments()  # the whole parameters, or ZeRO-3's fp32 shards
     # fp32 parameters are their own master weights: take them from the fp32 masters when there are some
-    params_from = optim_key(MASTER_KEY, "") if has_master and pmodel.param_dtype == torch.float32 else MODEL_PREFIX
+    stored = fragments[0][2].dtype
+    params_from = optim_key(MASTER_KEY, "") if has_master and stored == torch.float32 else MODEL_PREFIX
     hf_shapes = pmodel.hf_shapes
     entries: dict[str, Boxes] = {}
     masters: dict[str, Boxes] = {}  # a second pass when masters read the same keys as the parameters
-    for _, p in pmodel.unique_parameters():
-        for name, off, _, view in hf_boxes(p, p.detach().view(-1), 0, 0, p.numel(), owned_only=False):
-            get_entry(entries, params_from + name, hf_shapes, name, p.dtype).add(off, view)
+    for _, p, flat, start in fragments:
+        for name, off, _, view in hf_boxes(p, flat, start, start, start + flat.numel(), owned_only=False):
+            get_entry(entries, params_from + name, hf_shapes, name, flat.dtype).add(off, view)
     if opt is not None:
         if training:  # before anything is read: a refused state leaves the model and optimizer as they were
             optim_state.check_group_scales(opt, meta["optim"]["param_groups"])
@@ -119,6 +122,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
                         f"could not load the checkpoint {path} ({failure_line(e)}): use another checkpoint (an older "
                         "step_<N>)"
                     ) from None
+    reshard_all(pmodel)  # ZeRO-3: no group stays gathered with the weights from before the load
     if training:
         optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])
     _restore_rng(path, meta, pmodel)

@@ -121,7 +121,7 @@ class Evaluator:
         self.tasks, self.tokenizer = tasks, tokenizer
         self.prepared = {i: self._prepare(t, tokenizer) for i, t in enumerate(tasks) if not t.generative}
         self.contexts = {i: self._contexts(t) for i, t in enumerate(tasks) if t.generative}
-        if pmodel.pcfg.ep > 1:  # every rank of an expert group runs every forward of the group
+        if pmodel.lockstep:  # every rank of an expert group (or of ZeRO-3's shard group) runs every forward
             self._same_number_of_batches()
 
     def _contexts(self, task: Task) -> list[str]:

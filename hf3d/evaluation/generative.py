@@ -61,7 +61,7 @@ def generate_block(pmodel, tokenizer, contexts: list[str], cfg, window: int) -> 
     ids = [x[-keep:] for x in ids]
     rows = cfg.batch_rows or 8
     chunks = [ids[i : i + rows] for i in range(0, len(ids), rows)]
-    if pmodel.pcfg.ep > 1:  # the expert group generates together: as many batches everywhere
+    if pmodel.lockstep:  # the expert group (ZeRO-3: the shard group) generates together: as many batches everywhere
         most = torch.tensor([len(chunks)], device=pmodel.device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pmodel.mesh.get_group("dp"))
         chunks += [None] * (int(most) - len(chunks))

@@ -78,7 +78,9 @@ def generate_texts(pmodel, tokenizer, prompts: list[str], **options) -> list[dic
         tok.pad_token = tok.eos_token
     d, dp = pmodel.dp_rank, pmodel.dp_size
     lo, hi = d * len(prompts) // dp, (d + 1) * len(prompts) // dp
-    block = prompts[lo:hi] or (prompts[:1] if pmodel.pcfg.ep > 1 else [])  # an expert group decodes together
+    block = prompts[lo:hi] or (
+        prompts[:1] if pmodel.lockstep else []
+    )  # an expert (ZeRO-3: shard) group decodes together
     records = []
     if block:
         batch = tok(block, return_tensors="pt", padding=True)

@@ -127,7 +127,8 @@ def next_logits(pmodel, ids: torch.Tensor, positions: torch.Tensor, step) -> tor
         if split:  # the last position is in cp rank 0's second chunk: the rows put back together
             hidden = pmodel.cp.gather(hidden)
         head = pmodel.lm_head
-        logits = head.full_logits(head(hidden[:, -1:]))[:, 0].float().contiguous()  # the broadcast needs it whole
+        last = head.local_logits(hidden[:, -1:])  # the stage's forward gathered the head (ZeRO-3)
+        logits = head.full_logits(last)[:, 0].float().contiguous()  # the broadcast needs it whole
     if pmodel.pcfg.pp > 1:
         dist.broadcast(logits, group=pmodel.mesh.get_group("pp"), group_src=pmodel.stage_owners[-1])
     return logits
@@ -259,7 +260,7 @@ def generate(pmodel, input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
         )
     draws = RowDraws(input_ids, mask, seed) if gen.do_sample else None
     warpers = _warpers(gen) if gen.do_sample else None
-    synced = pmodel.pcfg.ep > 1 and pmodel.dp_size > 1
+    synced = pmodel.lockstep and pmodel.dp_size > 1
     extra = (-input_ids.shape[1]) % (2 * pmodel.cp.size) if pmodel.cp.active else 0  # the prefill cuts into 2*cp
     if extra:  # more left padding, taken off again below
         input_ids = torch.cat([input_ids.new_full((input_ids.shape[0], extra), gen.pad_token_id), input_ids], dim=1)
@@ -339,7 +340,7 @@ class RowDraws:
 
 
 def _all_done(unfinished: torch.Tensor, pmodel, synced: bool) -> bool:
-    """Every row has finished (under expert parallelism: every row of every dp rank of the group)."""
+    """Every row has finished (under expert parallelism or ZeRO-3: every row of every dp rank)."""
     left = unfinished.any().to(torch.int32)
     if synced:
         dist.all_reduce(left, op=dist.ReduceOp.MAX, group=pmodel.mesh.get_group("dp"))

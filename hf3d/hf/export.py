@@ -28,6 +28,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from ..parallel import fsdp
 from ..parallel.layout import get_pieces
 from ..utils import files
 from .folders import PROBE_PREFIX
@@ -57,12 +58,7 @@ def save_hf(
     files if known, + `extra_files` from rank 0) that stock `AutoModelForCausalLM.from_pretrained` loads (see
     the module docstring for which ranks write). An existing out_dir is replaced only when hf3d made it and it
     holds nothing but an HF export's files; any other is refused on every rank."""
-    mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}  # name -> (dim, start, stop) -> view
-    for _, param in pmodel.unique_parameters():
-        if pmodel.exports(param):  # the first copy over dp x cp
-            for p in get_pieces(param):
-                if p.owner:
-                    mine.setdefault(p.hf_name, {})[(p.dim, p.hf_start, p.hf_stop)] = p.local(param).detach()
+    mine = _owned_pieces(pmodel)
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, {name: list(ranges) for name, ranges in mine.items()})
     tied = pmodel.config.tie_word_embeddings
@@ -85,6 +81,31 @@ def save_hf(
         if dist.get_rank() != 0:
             exporter.send_all(0, write_order(specs, max_shard_bytes), group=None)
     _raise_everywhere(error, out_dir)
+
+
+def _owned_pieces(pmodel) -> dict[str, dict[tuple[int, int, int], torch.Tensor]]:
+    """{hf name: {(dim, start, stop): tensor}}: the pieces this rank exports, on the first copy over dp x cp: views
+    of its parameters, or under ZeRO-3 copies taken while each FSDP group is gathered in turn (collective)."""
+    mine: dict[str, dict[tuple[int, int, int], torch.Tensor]] = {}
+
+    def take(param, tensor: torch.Tensor, copy: bool) -> None:
+        if not pmodel.exports(param):
+            return
+        for p in get_pieces(param):
+            if p.owner:
+                piece = p.local(tensor).detach()
+                mine.setdefault(p.hf_name, {})[(p.dim, p.hf_start, p.hf_stop)] = piece.clone() if copy else piece
+
+    if not pmodel.fsdp_modules:
+        for _, param in pmodel.unique_parameters():
+            take(param, param, copy=False)
+        return mine
+    fsdp.reshard_all(pmodel)  # the sharded parameters carry the layout: none may be left gathered
+    for group in fsdp.units(pmodel):
+        with fsdp.gathered_parameters(pmodel, group) as pairs:
+            for param, full in pairs:
+                take(param, full, copy=True)
+    return mine
 
 
 def stage_plans(grid: torch.Tensor, specs: list[TensorSpec], sources: dict, max_shard_bytes: int) -> dict | None:

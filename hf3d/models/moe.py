@@ -43,6 +43,43 @@ class EPContext:
     stats: RouterStats | None = None
 
 
+class GroupedExperts(nn.Module):
+    """This rank's experts of one MoE layer as two 3-D stacks, `gate_up [E/ep, 2I/tp, H]` and `down [E/ep, H, I/tp]`,
+    run as grouped matmuls over the rows sorted by expert."""
+
+    def __init__(self, stock_experts: nn.Module, prefix: str, ctx: TPContext, *, first: int, count: int):
+        super().__init__()
+        hidden, inter = stock_experts.hidden_dim, stock_experts.intermediate_dim
+        self.fused_silu = type(stock_experts.act_fn) in (SiLUActivation, nn.SiLU)
+        self.act_fn = stock_experts.act_fn
+        i0, i1 = shard_range(inter, ctx.size, ctx.rank)
+        n = i1 - i0
+        self.gate_up = nn.Parameter(torch.empty(count, 2 * n, hidden, dtype=ctx.dtype))
+        self.down = nn.Parameter(torch.empty(count, hidden, n, dtype=ctx.dtype))
+        gate_up, down = [], []
+        for e in range(count):
+            name = f"{prefix}.experts.{first + e}"
+            gate_up += [
+                Piece(f"{name}.gate_proj.weight", 0, i0, i1, 0, n, stack=e),
+                Piece(f"{name}.up_proj.weight", 0, i0, i1, n, 2 * n, stack=e),
+            ]
+            down.append(Piece(f"{name}.down_proj.weight", 1, i0, i1, 0, n, stack=e))
+        set_pieces(self.gate_up, gate_up)
+        set_pieces(self.down, down)
+        mark_expert(self.gate_up)
+        mark_expert(self.down)
+
+    def forward(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        gate_up = grouped_mm(rows, self.gate_up, offsets)
+        if self.fused_silu:
+            act = _SwiGLU.apply(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self.act_fn(gate) * up
+        return grouped_mm(act, self.down, offsets)
+
+
 class TPMoE(nn.Module):
     """A stock sparse MoE block (router, experts, optional shared expert) over tp and ep."""
 
@@ -53,31 +90,14 @@ class TPMoE(nn.Module):
         self.norm_topk_prob = router.norm_topk_prob
         self.tp_group, self.sequence_parallel = ctx.group, ctx.sequence_parallel
         self.ep, self.layer = ep, int(prefix.split(".")[2])  # prefix: model.layers.<i>.mlp
-        hidden, inter = experts.hidden_dim, experts.intermediate_dim
-        self.fused_silu = type(experts.act_fn) in (SiLUActivation, nn.SiLU)
-        self.act_fn = experts.act_fn
         self.router = router.weight  # stock's Parameter: its name and pieces stay
         set_pieces(self.router, whole(f"{prefix}.gate.weight", self.num_experts, owner=ctx.rank == 0))
         if ctx.sequence_parallel:
             mark_tp_partial(self.router, ctx)  # each tp rank routes its own part of the sequence
         per_rank = self.num_experts // ep.size
         self.first_expert = ep.rank * per_rank
-        i0, i1 = shard_range(inter, ctx.size, ctx.rank)
-        n = i1 - i0
-        self.gate_up = nn.Parameter(torch.empty(per_rank, 2 * n, hidden, dtype=ctx.dtype))
-        self.down = nn.Parameter(torch.empty(per_rank, hidden, n, dtype=ctx.dtype))
-        gate_up, down = [], []
-        for e in range(per_rank):
-            name = f"{prefix}.experts.{self.first_expert + e}"
-            gate_up += [
-                Piece(f"{name}.gate_proj.weight", 0, i0, i1, 0, n, stack=e),
-                Piece(f"{name}.up_proj.weight", 0, i0, i1, n, 2 * n, stack=e),
-            ]
-            down.append(Piece(f"{name}.down_proj.weight", 1, i0, i1, 0, n, stack=e))
-        set_pieces(self.gate_up, gate_up)
-        set_pieces(self.down, down)
-        mark_expert(self.gate_up)
-        mark_expert(self.down)
+        # a module of their own: ZeRO-3 shards them over the ranks holding the same experts (hf3d/parallel/fsdp.py)
+        self.grouped_experts = GroupedExperts(experts, prefix, ctx, first=self.first_expert, count=per_rank)
         self.shared_expert = self.shared_expert_gate = None
         if getattr(stock, "shared_expert", None) is not None:  # Qwen2-MoE
             self.shared_expert = TPMLP(stock.shared_expert, f"{prefix}.shared_expert", ctx)
@@ -102,16 +122,6 @@ class TPMoE(nn.Module):
             stats.tally(self.layer, probs, index)
         return weights.to(logits.dtype), index
 
-    def experts(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        gate_up = grouped_mm(rows, self.gate_up, offsets)
-        if self.fused_silu:
-            act = _SwiGLU.apply(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = self.act_fn(gate) * up
-        return grouped_mm(act, self.down, offsets)
-
     # Under regional compile (hf3d/parallel/compile.py) the block runs eager, one graph break per MoE layer: at
     # ep > 1 the all-to-all's split sizes are read on the host (the layer's only host sync; none at ep = 1), and
     # torch 2.13's meta function of torch._grouped_mm refuses fp32.
@@ -127,7 +137,7 @@ class TPMoE(nn.Module):
             tokens, weights = copy_to_tp(x, self.tp_group), copy_to_tp(weights, self.tp_group)
         dispatch = Dispatch(index.reshape(-1, self.top_k), self.num_experts, self.ep.group)
         rows = dispatch.send_tokens(tokens.reshape(-1, h))
-        out = dispatch.combine(self.experts(rows, dispatch.tokens_per_expert), weights.reshape(-1, self.top_k))
+        out = dispatch.combine(self.grouped_experts(rows, dispatch.tokens_per_expert), weights.reshape(-1, self.top_k))
         out = out.view(b, -1, h)
         out = reduce_scatter_seq(out, self.tp_group) if self.sequence_parallel else reduce_from_tp(out, self.tp_group)
         if self.shared_expert is not None:

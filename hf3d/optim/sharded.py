@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..parallel.fsdp import first_replica, local_grad, local_shard, units
+from ..parallel.fsdp import first_replica, local_grad, local_shard, reshard_all, units
 from .base import ParallelOptimizer, merge_ranges, owned_runs, tied_embedding_group
 from .grad_buffer import sum_partial_over_tp
 
@@ -94,6 +94,11 @@ class ShardedOptimizer(ParallelOptimizer):
         elif len(tied) == 2:  # both on this rank, in two stages (zbv, dualpipev): the same sum into both
             tied[0].add_(tied[1])
             tied[1].copy_(tied[0])
+
+    def _write_back(self) -> None:
+        """Nothing to write: the masters are the shards. A group still gathered from before (the stage's ends
+        after an evaluation) is freed, so that the next forward gathers the updated shards."""
+        reshard_all(self.pmodel)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, master, _, _ in self._masters:

@@ -147,6 +147,27 @@ def gathered(group: list[nn.Module]) -> Iterator[None]:
         group[0].reshard()
 
 
+@contextlib.contextmanager
+def gathered_parameters(pmodel, group: list[nn.Module]) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
+    """Collective over the group's shard mesh: [(sharded parameter, its gathered tensor)] of the parameters the
+    group owns (not those of a group nested in it, such as a MoE layer's experts), inside; resharded after. The
+    sharded parameter carries hf3d's layout; the gathered one is in the compute dtype and freed on exit."""
+    claimed = {id(p) for other in _nested_groups(pmodel, group) for m in other for p in m.parameters()}
+    before = {}
+    for m in group:
+        for name, p in m.named_parameters():
+            if id(p) not in claimed and id(p) not in before:
+                before[id(p)] = (m, name, p)
+    with gathered(group):
+        yield [(p, m.get_parameter(name)) for m, name, p in before.values()]
+
+
+def _nested_groups(pmodel, group: list[nn.Module]) -> list[list[nn.Module]]:
+    """The FSDP groups whose modules lie inside one of `group`'s modules (sharded before it, bottom-up)."""
+    inside = {id(sub) for m in group for sub in m.modules() if sub is not m}
+    return [g for g in pmodel.fsdp_modules if g is not group and id(g[0]) in inside]
+
+
 def units(pmodel) -> list[list[nn.Module]]:
     """The FSDP groups that own parameters (every group but the stage roots), in the order they were sharded."""
     roots = {id(st) for st in pmodel.stages}

@@ -315,6 +315,12 @@ class VocabParallelLMHead(nn.Module):
         self.weight = weight if weight is not None else nn.Parameter(torch.empty(num_local, hidden, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.local_logits(x)
+
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocab shard of the logits: forward without the module's hooks, for a head whose weight is
+        at hand already, gathered by its stage's forward under ZeRO-3 (hf3d/parallel/fsdp.py; a call through the
+        hooks alone, outside any stage, would leave FSDP2's group half-run)."""
         x = gather_seq(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
         return F.linear(x, self.weight)
 
