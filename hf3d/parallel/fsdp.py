@@ -44,6 +44,10 @@ backward is split into an input pass and a weight pass that finds the weight gra
 registered parameters, which must then be the gathered ones the forward used (resharded, both ran 1-30 % off in grad
 norm)."""
 
+REDUCE_DTYPE = torch.float32  # gradients are reduced in fp32 whatever the compute dtype
+GRADIENT_DIVIDE_FACTOR = 1.0  # summed over the shard group, not averaged (the loss is already the global mean)
+PREFETCH_AHEAD = 1  # the layer whose gather a layer's forward (backward) starts: the next (previous) one
+
 # what hf3d records on its parameters (hf3d/parallel/layout.py, tensor.py, expert.py, models/common.py)
 LAYOUT_ATTRIBUTES = ("hf3d_pieces", "hf3d_tied_copy", "hf3d_tp_partial_grad", "hf3d_expert")
 HEAD_FORWARD_METHODS = ("fused_loss_terms",)  # lm_head methods that read its weight outside forward
@@ -56,7 +60,7 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
 
     mesh, expert_mesh = fsdp_mesh(pmodel.mesh), expert_fsdp_mesh(pmodel.mesh)
     cast = None if compute_dtype == torch.float32 else compute_dtype
-    policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=REDUCE_DTYPE)
     saved = _layout_attributes(pmodel.hf_model)
     sharded: list[list[nn.Module]] = []
 
@@ -67,10 +71,12 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
     per_layer = pmodel.pcfg.pp == 1  # reshard after forward (see RESHARD_AFTER_FORWARD)
     for stage in pmodel.stages:
         for layer in stage.layers:
-            experts = getattr(getattr(layer, "mlp", None), "grouped_experts", None)
+            experts = _experts(layer)
             if experts is not None and pmodel.pcfg.ep > 1:
                 shard(experts, expert_mesh, reshard=per_layer)
             shard(layer, mesh, reshard=per_layer)
+        if per_layer:
+            _prefetch(list(stage.layers), ep=pmodel.pcfg.ep)
         ends = [m for m in (stage.embed_tokens, stage.norm, stage.lm_head) if m is not None]
         if ends:
             # used at both ends of the stage: kept gathered from the forward to the backward
@@ -80,10 +86,29 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
                 register_fsdp_forward_method(stage.lm_head, method)
         shard(stage, mesh, reshard=False)
     for group in sharded:
-        group[0].set_gradient_divide_factor(1.0)  # group[0] holds the group's FSDP state
+        group[0].set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)  # group[0] holds the group's FSDP state
         group[0].set_force_sum_reduction_for_comms(True)
     _restore_layout_attributes(pmodel.hf_model, saved)
     return sharded
+
+
+def _experts(layer: nn.Module) -> nn.Module | None:
+    return getattr(getattr(layer, "mlp", None), "grouped_experts", None)
+
+
+def _prefetch(layers: list[nn.Module], *, ep: int) -> None:
+    """FSDP2's explicit prefetch, one layer ahead: a layer's forward starts the gather of the next layer (and of
+    its experts, a group of their own at ep > 1), its backward that of the previous one."""
+
+    def groups(layer):
+        experts = _experts(layer)
+        return [layer] + ([experts] if experts is not None and ep > 1 else [])
+
+    for i, layer in enumerate(layers):
+        if i + PREFETCH_AHEAD < len(layers):
+            layer.set_modules_to_forward_prefetch(groups(layers[i + PREFETCH_AHEAD]))
+        if i - PREFETCH_AHEAD >= 0:
+            layer.set_modules_to_backward_prefetch(groups(layers[i - PREFETCH_AHEAD]))
 
 
 def _layout_attributes(model: nn.Module) -> dict[tuple[str, str], dict]:
