@@ -694,6 +694,13 @@ def _dist_world(fx: dict, out: str) -> None:
     report(res, out)
 
 
+def _zero3_optimizer(ctx: dict, cls, **kw):
+    import hf3d
+
+    pm = hf3d.parallelize(ctx["fx"]["llama"], hf3d.ParallelConfig(zero_stage=3))
+    return hf3d.build_optimizer(pm, cls, lr=1e-3, **kw)
+
+
 def _two_rank_world(fx: dict, out: str) -> None:
     """The cases that need a second rank ("dist2"), on 2 processes; rank 0's outcomes are reported."""
     start_watchdog(WATCHDOG_S)
@@ -2067,9 +2074,39 @@ CASES: list[Case] = [
     _c(
         "api-parallel-config",
         API,
-        "`ParallelConfig(zero_stage=2)`",
-        lambda fx: __import__("hf3d").ParallelConfig(zero_stage=2),
-        ["zero_stage must be 0 or 1, got 2"],
+        "`ParallelConfig(zero_stage=4)`",
+        lambda fx: __import__("hf3d").ParallelConfig(zero_stage=4),
+        ["zero_stage must be 0, 1, 2 or 3, got 4"],
+    ),
+    _c(
+        "api-dp-shard-divides",
+        API,
+        "`ParallelConfig(zero_stage=3, dp_shard=3)` on 4 processes",
+        lambda fx: __import__("hf3d").ParallelConfig(zero_stage=3, dp_shard=3).resolve(4),
+        ["dp_shard=3 does not divide dp=4", "use one of [1, 2, 4]"],
+    ),
+    _c(
+        "api-dp-shard-zero0",
+        API,
+        "`ParallelConfig(zero_stage=0, dp_shard=2)` on 4 processes",
+        lambda fx: __import__("hf3d").ParallelConfig(zero_stage=0, dp_shard=2).resolve(4),
+        ["dp_shard=2 with zero_stage=0", "use zero_stage 1, 2 or 3 with dp_shard"],
+    ),
+    _c(
+        "api-zero3-whole-tensor-optimizer",
+        API,
+        "`build_optimizer(pmodel, torch.optim.Adafactor)` on a model built with `zero_stage=3`",
+        lambda ctx: _zero3_optimizer(ctx, torch.optim.Adafactor),
+        ["Adafactor updates each parameter as a whole tensor", "FSDP2's dim-0 shards under zero_stage=3"],
+        how="dist2",
+    ),
+    _c(
+        "api-zero3-optimizer-stage",
+        API,
+        "`build_optimizer(pmodel, zero_stage=1)` on a model built with `zero_stage=3`",
+        lambda ctx: _zero3_optimizer(ctx, torch.optim.AdamW, zero_stage=1),
+        ["zero_stage=1 for a model built with ParallelConfig(zero_stage=3)", "leave build_optimizer's zero_stage"],
+        how="dist2",
     ),
     _c(
         "api-scheduler-lr",

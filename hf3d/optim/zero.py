@@ -269,8 +269,8 @@ def build_optimizer(
     if optimizer_cls.__module__.startswith("torch.optim") and optimizer_cls.__name__ in WHOLE_TENSOR_OPTIMIZERS:
         raise ValueError(
             f"{optimizer_cls.__name__} updates each parameter as a whole tensor, but hf3d steps flat fp32 "
-            "fragments of parameters (ZeRO shards, tensor-parallel slices); use an element-wise optimizer "
-            "such as AdamW, Adam, SGD, Adagrad or RMSprop"
+            "fragments of parameters (ZeRO shards, FSDP2's dim-0 shards under zero_stage=3, tensor-parallel "
+            "slices); use an element-wise optimizer such as AdamW, Adam, SGD, Adagrad or RMSprop"
         )
     zero_stage = _check_zero_stage(pmodel, zero_stage)
     if not isinstance(bucket_size, int) or bucket_size <= 0:
