@@ -16,7 +16,7 @@ from .optim.parametrization import Parametrization
 from .parallel.config import ParallelConfig, check_cp_seq_len
 from .parallel.context import CPContext
 from .parallel.expert import is_expert
-from .parallel.fsdp import local_shard, reshard_all
+from .parallel.fsdp import local_shard, reshard_all, restore_layout_attributes
 from .parallel.mesh import data_parallel_group
 from .parallel.microbatches import train_step
 from .parallel.pipeline import relay_forward
@@ -74,6 +74,7 @@ class ParallelModel(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # the dtype layers compute in, set by parallelize
         # ZeRO-3: this rank's FSDP2 groups, each a list of modules (hf3d/parallel/fsdp.py); empty otherwise
         self.fsdp_modules: list[list[nn.Module]] = []
+        self.fsdp_layout: dict = {}  # ZeRO-3: hf3d's parameter attributes by (module, name), put back when lost
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property
@@ -148,6 +149,7 @@ class ParallelModel(nn.Module):
         evaluation's) is freed first, since a gathered group lists its gathered tensors instead."""
         if self.fsdp_modules:
             reshard_all(self)
+            restore_layout_attributes(self.hf_model, self.fsdp_layout)
         return list(self.hf_model.named_parameters())
 
     # -- forward ----------------------------------------------------------------------------------

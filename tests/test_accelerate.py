@@ -124,6 +124,18 @@ def _refusals(model_dir) -> dict:
     from accelerate.utils import DistributedType
 
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig())
+    sharded = hf3d.parallelize(model_dir, hf3d.ParallelConfig(zero_stage=3))
+
+    def fsdp(version: int, **kw) -> dict:  # an Accelerator whose FSDP plugin runs FSDP<version>
+        plugin = dict(
+            fsdp_version=version, reshard_after_forward=True, cpu_offload=False, activation_checkpointing=False
+        )
+        return dict(
+            distributed_type=DistributedType.FSDP,
+            state=SimpleNamespace(fsdp_plugin=SimpleNamespace(**{**plugin, **kw})),
+        )
+
+    sizes = dict(dp_replicate_size=1, dp_shard_size=1, tp_size=2, cp_size=1, sp_size=1)
     ok = dict(
         distributed_type=DistributedType.MULTI_CPU,
         parallelism_config=None,
@@ -133,9 +145,11 @@ def _refusals(model_dir) -> dict:
     )
     cases = {
         "deepspeed": dict(distributed_type=DistributedType.DEEPSPEED),
-        "fsdp": dict(distributed_type=DistributedType.FSDP),
+        "fsdp1": fsdp(1),
+        "fsdp2_on_a_zero1_model": fsdp(2),
+        "fsdp2_offload": fsdp(2, cpu_offload=True),
         "megatron": dict(distributed_type=DistributedType.MEGATRON_LM),
-        "parallelism_config": dict(parallelism_config=object()),
+        "parallelism_config": dict(parallelism_config=SimpleNamespace(**sizes)),
         "grad_accum": dict(gradient_accumulation_steps=4),
         "fp16": dict(mixed_precision="fp16"),
         "bf16_fp32_model": dict(mixed_precision="bf16"),
@@ -148,6 +162,7 @@ def _refusals(model_dir) -> dict:
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    hf3d.integrations.accelerate.check_accelerator(SimpleNamespace(**{**ok, **fsdp(2)}), sharded)  # maps: accepted
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
         hf3d.prepare(Accelerator(), pm)  # no cpu=True: accelerate sees one process on CPU
@@ -186,9 +201,11 @@ def test_save_state_at_tp2_loads_at_pp2(results):
     "case, words",
     [
         ("deepspeed", "runs DeepSpeed"),
-        ("fsdp", "runs FSDP"),
+        ("fsdp1", "asks for FSDP1; hf3d runs FSDP2"),
+        ("fsdp2_on_a_zero1_model", "asks for zero_stage=3 (the model has 1): build the model with those settings"),
+        ("fsdp2_offload", "asks for CPU offload"),
         ("megatron", "runs Megatron-LM"),
-        ("parallelism_config", "without parallelism_config"),
+        ("parallelism_config", "asks for dp=1 (the model has 2), tp=2 (the model has 1)"),
         ("grad_accum", "num_microbatches"),
         ("fp16", "mixed_precision='fp16' is not supported"),
         ("bf16_fp32_model", "dtype=torch.bfloat16"),

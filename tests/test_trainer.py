@@ -1,4 +1,5 @@
-"""hf3d.Trainer at tp=2, pp=2 and dp=2 against the stock transformers.Trainer on one process, with the same
+"""hf3d.Trainer at tp=2, pp=2 and dp=2 (and dp=2 from TrainingArguments(fsdp=...): ZeRO-3) against the stock
+transformers.Trainer on one process, with the same
 TrainingArguments (AdamW with stock's weight-decay groups, cosine schedule, max_grad_norm, evaluation every 2
 steps) on the same rows in the same order: an IterableDataset (dp rank d takes rows [d*B/dp, (d+1)*B/dp) of
 each global batch of B rows), and a map dataset under stock's seeded shuffle.
@@ -31,7 +32,9 @@ LOSS_RTOL, EVAL_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-6, 1e-6, 2e-6, 1e-5
 # 10x the other tests' weight decay, so that a wrong weight-decay group moves the saved weights far beyond
 # WEIGHT_ATOL: the embedding left undecayed gave max |Δw| 3.9e-4 (38x) and a step-2 loss 2.2e-5 off (22x)
 WEIGHT_DECAY = 10 * WD
-MESHES = {"tp2": dict(tp=2), "pp2": dict(pp=2, num_microbatches=2), "dp2": dict()}
+FSDP2 = dict(fsdp=True, fsdp_config={"version": 2, "reshard_after_forward": True})  # the Trainer's FSDP2 arguments
+# "fsdp2": dp2 with the ParallelConfig read from TrainingArguments(**FSDP2) (ZeRO-3), the same numbers as "dp2"
+MESHES = {"tp2": dict(tp=2), "pp2": dict(pp=2, num_microbatches=2), "dp2": dict(), "fsdp2": None}
 SHUFFLED = dict(eval_strategy="no", train_sampling_strategy="random")  # stock's default sampling
 HUB_TOKEN = "hf_trainerSecret4Xq9Zk2Lm7Vb"  # given to the tp2 run: it must not reach training_args.bin
 
@@ -103,8 +106,11 @@ def _stock(model_dir, out: Path, *, shuffled: bool = False) -> dict:
 def _hf3d(model_dir, out: Path, pkw: dict, *, shuffled=False, resume: str | None = None, **overrides) -> dict:
     from safetensors.torch import load_file
 
-    pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
     overrides.update(SHUFFLED if shuffled else {})
+    if pkw is None:  # the mesh and zero stage of TrainingArguments(fsdp=...), on 2 ranks: dp2
+        overrides.update(FSDP2)
+        pcfg = hf3d.ParallelConfig.from_env(training_args=_args(out, train_rows=1, eval_rows=1, **overrides))
+    pm = hf3d.parallelize(model_dir, pcfg if pkw is None else hf3d.ParallelConfig(**pkw))
     args = _args(out, train_rows=ROWS // pm.dp_size, eval_rows=2, **overrides)  # 3 eval batches over dp
     trainer = hf3d.Trainer(model=pm, args=args, **_datasets(shuffled))
     trainer.train(resume_from_checkpoint=resume)
@@ -118,6 +124,7 @@ def _hf3d(model_dir, out: Path, pkw: dict, *, shuffled=False, resume: str | None
         eval=final,
         weights=load_file(out / "model.safetensors"),
         files=sorted(p.name for p in out.iterdir()),
+        zero_stage=pm.pcfg.zero_stage,
         checkpoint=sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else None,
     )
 
@@ -130,6 +137,9 @@ def _refusals(model_dir, out: Path) -> dict:
         "grad_accum": (one, dict(gradient_accumulation_steps=2)),
         "microbatches": (two, dict(per_device_train_batch_size=3)),
         "push_with_token": (one, dict(push_to_hub=True, hub_model_id="me/tiny", hub_token=HUB_TOKEN)),
+        "fsdp1": (one, dict(fsdp=True, fsdp_config={"version": 1})),
+        "fsdp2_on_a_zero1_model": (one, FSDP2),
+        "fsdp2_offload": (one, dict(fsdp=True, fsdp_config={"version": 2, "cpu_offload": True})),
         "no_use_cpu": (one, dict(use_cpu=False)),  # last: it resets accelerate's process state
     }
     found = {}
@@ -205,6 +215,11 @@ def test_evaluate_gives_the_token_mean_on_every_rank(results, mesh):
         assert_close(got["eval"]["eval_perplexity"], want_ppl, rtol=1e-5, what="eval_perplexity")
 
 
+def test_fsdp_training_arguments_run_zero3(results):
+    assert all(rank_res["fsdp2"]["zero_stage"] == 3 for rank_res in results[0])
+    assert all(rank_res["dp2"]["zero_stage"] == 1 for rank_res in results[0])
+
+
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_save_model_writes_the_stock_weights(results, mesh):
     everyone, ref, *_ = results
@@ -261,6 +276,9 @@ def test_resume_at_another_mesh_matches_the_uninterrupted_run(results):
         ("microbatches", "not a multiple of num_microbatches=2"),
         ("push_with_token", "would upload the token"),  # stock's checkpoint push pickles the args it uploads
         ("no_use_cpu", "use_cpu=True"),
+        ("fsdp1", "asks for FSDP1; hf3d runs FSDP2 (fsdp_version: 2)"),
+        ("fsdp2_on_a_zero1_model", "asks for zero_stage=3 (the model has 1)"),
+        ("fsdp2_offload", "asks for CPU offload"),
     ],
 )
 def test_settings_hf3d_cannot_run_are_refused(results, case, words):

@@ -12,6 +12,7 @@ their position as usual, next to the `hf3d/` checkpoint folder.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -19,26 +20,25 @@ import torch.distributed as dist
 
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.save import save_checkpoint
+from ..parallel.sharding import launch_settings, mesh_settings, mismatches, sharding_settings
 
 CHECKPOINT_SUBDIR = "hf3d"
 
 
 def check_accelerator(acc, pmodel) -> None:
-    """Refuse Accelerator settings that would fight hf3d's own parallelism, one line each."""
+    """Refuse Accelerator settings that would fight hf3d's own parallelism, one line each. FSDP2 and a
+    ParallelismConfig map onto hf3d's zero stage and mesh (hf3d/parallel/sharding.py): the model must have been
+    built with what they ask for (`hf3d.ParallelConfig.from_env()` reads it from the launch)."""
     from accelerate.utils import DistributedType
 
-    foreign = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.FSDP: "FSDP"}
-    foreign[DistributedType.MEGATRON_LM] = "Megatron-LM"
+    foreign = {DistributedType.DEEPSPEED: "DeepSpeed", DistributedType.MEGATRON_LM: "Megatron-LM"}
     if acc.distributed_type in foreign:
         raise ValueError(
             f"the Accelerator runs {foreign[acc.distributed_type]}, but hf3d does its own tensor/pipeline/data "
-            "parallelism; launch without the DeepSpeed/FSDP/Megatron-LM plugin"
+            "parallelism; launch without the DeepSpeed/Megatron-LM plugin"
         )
-    if getattr(acc, "parallelism_config", None) is not None:
-        raise ValueError(
-            "the Accelerator has a parallelism_config, but hf3d's mesh comes from hf3d.ParallelConfig; "
-            "build the Accelerator without parallelism_config"
-        )
+    wanted, where = fsdp_request(acc)
+    check_request(pmodel, wanted, where)
     if acc.gradient_accumulation_steps > 1:
         raise ValueError(
             f"gradient_accumulation_steps={acc.gradient_accumulation_steps}: hf3d accumulates inside each step; "
@@ -57,6 +57,50 @@ def check_accelerator(acc, pmodel) -> None:
             f"the Accelerator sees {acc.num_processes} process(es) but {world} were launched; on CPU build it "
             "with Accelerator(cpu=True) (accelerate reports a single process on CPU otherwise)"
         )
+
+
+def fsdp_request(acc) -> tuple[dict, str]:
+    """The ParallelConfig fields the Accelerator's FSDP plugin and ParallelismConfig ask for, or on a CPU (where
+    accelerate runs MULTI_CPU and keeps no FSDP plugin) the launch's fsdp_config; and where they come from."""
+    plugin = getattr(getattr(acc, "state", None), "fsdp_plugin", None)
+    pc = getattr(acc, "parallelism_config", None)
+    sizes = None
+    if pc is not None:
+        names = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+        sizes = {n: int(getattr(pc, f"{n}_size", 1) or 1) for n in names}
+    if plugin is not None:
+        where = "the Accelerator's FSDP plugin"
+        wanted = sharding_settings(
+            version=plugin.fsdp_version,
+            reshard_after_forward=plugin.reshard_after_forward is not False,
+            cpu_offload=_offloads(plugin.cpu_offload),
+            activation_checkpointing=bool(plugin.activation_checkpointing),
+            sizes=sizes,
+            where=where,
+        )
+        return wanted, where
+    if sizes is not None:
+        where = "the Accelerator's parallelism_config"
+        return mesh_settings(sizes, where=where), where
+    return launch_settings(os.environ), "the accelerate launch config (fsdp_config)"
+
+
+def check_request(pmodel, wanted: dict, where: str) -> None:
+    """The model must have been built with what an FSDP configuration asks for (`wanted`, ParallelConfig fields)."""
+    bad = mismatches(pmodel.pcfg, wanted)
+    if bad:
+        raise ValueError(
+            f"{where} asks for {', '.join(bad)}: build the model with those settings (hf3d.ParallelConfig.from_env() "
+            "reads them from the launch, from_env(training_args=args) from TrainingArguments; hf3d train: the "
+            "parallel section), or run without that FSDP config"
+        )
+
+
+def _offloads(policy) -> bool:
+    """accelerate's cpu_offload: a bool, FSDP1's CPUOffload or FSDP2's CPUOffloadPolicy (an OffloadPolicy: none)."""
+    if isinstance(policy, bool) or policy is None:
+        return bool(policy)
+    return type(policy).__name__ == "CPUOffloadPolicy" or bool(getattr(policy, "offload_params", False))
 
 
 def _mark(obj):

@@ -45,8 +45,9 @@ from ..evaluation.evaluator import Evaluator, load_tasks
 from ..hf.folders import EXPORT, is_weights_file
 from ..model import IGNORE_INDEX, ParallelModel
 from ..optim.zero import ParallelOptimizer, build_optimizer
+from ..parallel.sharding import training_args_settings
 from ..utils import files
-from .accelerate import CHECKPOINT_SUBDIR, check_accelerator
+from .accelerate import CHECKPOINT_SUBDIR, check_accelerator, check_request
 
 EXPORT_STAGING = ".hf3d-export"  # save_model writes here first: hf3d's export replaces its whole target folder
 
@@ -97,6 +98,19 @@ def check_training_args(args: TrainingArguments, pmodel: ParallelModel) -> None:
         raise ValueError(f"hf3d.Trainer does not support {', '.join(named)} yet")
 
 
+def without_fsdp(args: TrainingArguments, pmodel: ParallelModel) -> TrainingArguments:
+    """`fsdp` / `fsdp_config` map onto hf3d's zero stage (hf3d/parallel/sharding.py): the model must have been built
+    with what they ask for (`hf3d.ParallelConfig.from_env(training_args=args)`). The stock Trainer then gets a copy
+    without them, so that it wraps nothing in accelerate's FSDP: hf3d shards the model itself."""
+    wanted = training_args_settings(args)
+    if not wanted:
+        return args
+    check_request(pmodel, wanted, "TrainingArguments(fsdp=..., fsdp_config=...)")
+    plain = copy.copy(args)
+    plain.fsdp, plain.fsdp_config, plain.fsdp_plugin_args = None, None, None
+    return plain
+
+
 def without_secrets(args: TrainingArguments) -> TrainingArguments:
     """A copy of args to save beside an export, whose `*_token` fields (hub_token) are None: the fields stock's
     own `to_dict` masks. training_args.bin travels with every export and checkpoint, and may be pushed."""
@@ -105,6 +119,29 @@ def without_secrets(args: TrainingArguments) -> TrainingArguments:
         if f.name.endswith("_token"):
             setattr(clean, f.name, None)
     return clean
+
+
+def _in_lockstep(dataloader, pm):
+    """(batch, counted) of the dataloader's batches; when a forward is collective over dp (`pm.lockstep`: ZeRO-3,
+    expert parallelism) every replica runs as many forwards, a replica out of batches running its last batch again
+    (or a row of token 0), not counted, until none has batches left (one small all-reduce per batch)."""
+    if not (pm.lockstep and pm.dp_size > 1):
+        for inputs in dataloader:
+            yield inputs, True
+        return
+    batches, last = iter(dataloader), None
+    while True:
+        inputs = next(batches, None)
+        more = torch.tensor([0 if inputs is None else 1], device=pm.device)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=pm.mesh.get_group("dp"))
+        if not more.item():
+            return
+        if inputs is not None:
+            last = inputs
+            yield inputs, True
+            continue
+        ids = last["input_ids"] if last is not None else torch.zeros(1, 2 * pm.pcfg.cp * pm.pcfg.tp, dtype=torch.long)
+        yield {"input_ids": ids, "labels": ids}, False
 
 
 class _EveryNth:
@@ -149,6 +186,7 @@ class Trainer(HFTrainer):
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer", use_cpu=not torch.cuda.is_available())
         check_training_args(args, model)
+        args = without_fsdp(args, model)
         model._is_accelerate_prepared = True  # accelerate must not wrap it in DDP (DESIGN decision 10)
         super().__init__(model, args, *rest, **kwargs)
         check_accelerator(self.accelerator, model)
@@ -310,13 +348,15 @@ class Trainer(HFTrainer):
         pm.eval()
         self.callback_handler.eval_dataloader = dataloader
         totals = torch.zeros(3, dtype=torch.float64, device=pm.device)  # [token loss sum, label tokens, rows]
-        for inputs in dataloader:
+        for inputs, counted in _in_lockstep(dataloader, pm):
             inputs = self._prepare_inputs(inputs)
             labels = inputs.pop("labels", None)
             if labels is None:
                 raise ValueError(f"{description} needs labels in every batch: hf3d.Trainer reports the loss")
             with torch.no_grad():
                 logits = pm(**inputs).logits
+            if not counted:  # a forward for the replicas that still have batches (ZeRO-3, ep > 1)
+                continue
             targets = labels[:, 1:].to(logits.device).flatten()
             loss_sum = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"

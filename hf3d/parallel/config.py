@@ -8,6 +8,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from .sharding import launch_settings, training_args_settings
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the training and export dtypes, torch.<name>
 PP_SCHEDULES = ("afab", "1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -226,15 +228,20 @@ class ParallelConfig:
         self._check_microbatches()
 
     @classmethod
-    def from_env(cls, **overrides) -> ParallelConfig:
+    def from_env(cls, training_args=None, **overrides) -> ParallelConfig:
         """A config from the HF3D_* environment variables (ENV_VARS), for launch scripts that set the
-        degrees outside the Python code. Unset or empty variables take the field defaults; keyword
-        overrides win over the environment: `ParallelConfig.from_env(num_microbatches=8)`."""
+        degrees outside the Python code, and from an FSDP2 configuration users already have: an `accelerate
+        launch` whose config asks for FSDP2, or `training_args`, transformers TrainingArguments with `fsdp` set
+        (their zero stage, HSDP split, tp, cp and recompute: hf3d/parallel/sharding.py). Unset or empty variables
+        take the field defaults; the TrainingArguments win over accelerate's launch, HF3D_* over both, and
+        keyword overrides over everything: `ParallelConfig.from_env(num_microbatches=8)`."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
             raise TypeError(f"ParallelConfig.from_env got unknown field(s) {', '.join(unknown)}")
-        kwargs, used = {}, []
+        fsdp = launch_settings(os.environ) | (training_args_settings(training_args) if training_args else {})
+        fsdp = {k: v for k, v in fsdp.items() if k not in overrides}
+        kwargs, used = dict(fsdp), [f"the FSDP2 config's {fsdp}"] if fsdp else []
         for name, var in ENV_VARS.items():
             raw = os.environ.get(var, "").strip()
             if not raw or name in overrides:

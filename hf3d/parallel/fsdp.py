@@ -88,7 +88,8 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
     for group in sharded:
         group[0].set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)  # group[0] holds the group's FSDP state
         group[0].set_force_sum_reduction_for_comms(True)
-    _restore_layout_attributes(pmodel.hf_model, saved)
+    pmodel.fsdp_layout = saved
+    restore_layout_attributes(pmodel.hf_model, saved)
     return sharded
 
 
@@ -122,8 +123,9 @@ def _layout_attributes(model: nn.Module) -> dict[tuple[str, str], dict]:
     return out
 
 
-def _restore_layout_attributes(model: nn.Module, saved: dict) -> None:
-    """hf3d's attributes onto FSDP2's sharded parameters, which replaced the originals under the same names."""
+def restore_layout_attributes(model: nn.Module, saved: dict) -> None:
+    """hf3d's attributes onto FSDP2's sharded parameters, which replaced the originals under the same names (and
+    are replaced again by a `module.to()`, which swaps a DTensor parameter's contents and drops its attributes)."""
     for mname, module in model.named_modules(remove_duplicate=False):
         for pname, p in module.named_parameters(recurse=False):
             for attr, value in saved.get((mname, pname), {}).items():
