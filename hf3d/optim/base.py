@@ -108,6 +108,9 @@ class ParallelOptimizer(torch.optim.Optimizer):
     def finish_grad_sync(self) -> None:
         """Run the gradient reductions still pending and wait for them."""
 
+    def microbatch_done(self) -> None:
+        """A micro-batch's backward has ended (train_step without pipelining calls it)."""
+
     # -- step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:

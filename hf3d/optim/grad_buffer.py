@@ -91,7 +91,11 @@ class GradBuffer:
         self.hf_shapes, self.uses = hf_shapes or {}, uses or {}
         self.buckets: list[Bucket] = []
         offset = base
-        for members, is_deferred in ((params, False), (list(deferred), True)):
+        # vectors (norm weights, biases) in buckets of their own, after the matrices: a layer's norms are registered
+        # after its projections but reached by backward among them (post-attention norm) or after them (input norm),
+        # so in the matrices' buckets they would hold a bucket open while the next fills (two full buckets, ZeRO-2)
+        matrices, vectors = [p for p in params if p.dim() > 1], [p for p in params if p.dim() <= 1]
+        for members, is_deferred in ((matrices, False), (vectors, False), (list(deferred), True)):
             current: list[nn.Parameter] = []
             for p in members:
                 current.append(p)
@@ -202,13 +206,19 @@ class GradBuffer:
         elif b.pending == 0 and not b.deferred:
             self._launch(b)
 
+    def land(self) -> None:
+        """ZeRO-2: wait for the reductions in flight and land them in the shards, freeing their full buckets (after
+        a micro-batch's backward, so that none is held through the next forward)."""
+        if self.sharded_grads:
+            for b in self.buckets:
+                if b.work is not None:
+                    self._complete(b)
+
     def _open(self, b: Bucket) -> None:
         """ZeRO-2: give bucket b a zeroed full-size gradient to fill, once the reduction in flight has landed."""
         if not self.sharded_grads or b.staging is not None:
             return
-        for other in self.buckets:
-            if other.work is not None:
-                self._complete(other)
+        self.land()
         b.staging = torch.zeros(b.numel, dtype=torch.float32, device=self.main_grad.device)
         self._point(b, b.staging)
 
@@ -219,6 +229,8 @@ class GradBuffer:
             sum_partial_over_tp(p, p.main_grad, 0, self.tp_group, self.hf_shapes)
 
     def _launch(self, b: Bucket) -> None:
+        if self.sharded_grads:  # ZeRO-2: one reduction in flight at a time, so one full bucket beside the filling one
+            self.land()
         self._sync_partial_tp(b)
         if b.deferred and self.tied_group is not None and not self.sharded_grads:
             for p in b.params:

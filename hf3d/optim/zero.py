@@ -180,6 +180,11 @@ class BucketedOptimizer(ParallelOptimizer):
         for buf in self.buffers:
             buf.finish()
 
+    def microbatch_done(self) -> None:
+        """ZeRO-2: the reductions of the micro-batch land before the next forward (no full bucket held through it)."""
+        for buf in self.buffers:
+            buf.land()
+
     def _scale_grads(self, coef: torch.Tensor) -> None:
         self.main_grad.mul_(coef)
 

@@ -97,5 +97,7 @@ def run_microbatches(pmodel, input_ids, position_ids, targets, num_tokens, *, z_
         del out
         objective, aux = close_forward(stats, pmodel.cp.rank, objective, chain)
         objective.backward()
+        if pmodel.grad_sync is not None:
+            pmodel.grad_sync.microbatch_done()
         sums += torch.stack([ce, z, aux])
     return sums

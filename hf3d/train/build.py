@@ -81,14 +81,33 @@ def _model_config(cfg: ModelConfig):
         ) from None
 
 
+MEMORY_LABELS = {  # opt.memory_report()'s keys, as the start line names them
+    "params": "weights",
+    "master_weights": "fp32 master weights",
+    "main_grads": "fp32 gradients",
+    "grad_bucket": "+ a bucket in flight",
+    "gathered_unit": "+ the largest group gathered",
+    "optimizer_state": "optimizer state",
+    "total": "total",
+}
+
+
 def report_memory(opt, out: Path, rank0: bool, write) -> None:
-    """Every rank's training-state bytes, printed and written to <output_dir>/memory.json."""
+    """Every rank's training-state bytes written to <output_dir>/memory.json, and one line of them at the start: each
+    part's MiB per rank (a range where the ranks differ, as pipeline stages do), under the run's zero stage."""
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, opt.memory_report())
-    if rank0:
-        files.write_file(out / "memory.json", json.dumps(reports, indent=1), replace=True)
-        for r, rep in enumerate(reports):
-            write(f"hf3d: rank {r} training state (MiB): " + ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rep.items()))
+    if not rank0:
+        return
+    files.write_file(out / "memory.json", json.dumps(reports, indent=1), replace=True)
+    parts = []
+    for key, label in MEMORY_LABELS.items():
+        values = [rep.get(key, 0) / 2**20 for rep in reports]
+        if key in reports[0] and (max(values) > 0 or key in ("params", "main_grads", "optimizer_state")):
+            lo, hi = min(values), max(values)
+            parts.append(f"{label} {lo:.2f}" + ("" if f"{lo:.2f}" == f"{hi:.2f}" else f"-{hi:.2f}"))
+    head = f"hf3d: training state per rank (MiB, ZeRO-{opt.zero_stage}; each rank's in memory.json): "
+    write(head + ", ".join(parts))
 
 
 @dataclasses.dataclass
