@@ -13,7 +13,7 @@ arithmetic they should equal for N parameters at dp ranks: ZeRO-1 4N + 4N + 8N/d
 (+ one bucket while a micro-batch fills it: the largest, since a parameter is never split over buckets); ZeRO-3
 4N/dp + 4N/dp + 8N/dp (+ the groups gathered for compute). Targets as the issue put them: ZeRO-3's weights +
 gradients + state at most 0.3x ZeRO-1's (the arithmetic gives 0.4x at dp=4 with fp32 weights: (4+4+8)/4 over
-4 + 4 + 8/4; 0.3x needs dp >= 8 or so); ZeRO-2's gradients at most 1/dp + one bucket.
+4 + 4 + 8/4, i.e. 2/(dp + 1): at most 0.3x from dp = 6 on); ZeRO-2's gradients at most 1/dp + one bucket.
 
 Speed, dp=2 (2 processes, one thread each): the three stages built side by side in the same processes, steps
 interleaved in rotated order, median step time of the slowest rank (regression guards on this CPU, not targets of
