@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -694,14 +693,6 @@ def _dist_world(fx: dict, out: str) -> None:
     res = _attempt_dist_cases(fx, "dist", wide_ckpt=wide_ckpt, smol=smol, smol_opt=opt)
     dist.barrier()
     report(res, out)
-
-
-def _launch_env(**env):
-    """`ParallelConfig.from_env()` under these environment variables (an accelerate launch's)."""
-    import hf3d
-
-    with mock.patch.dict(os.environ, env):
-        return hf3d.ParallelConfig.from_env()
 
 
 def _zero3_optimizer(ctx: dict, cls, **kw):
@@ -2106,14 +2097,14 @@ CASES: list[Case] = [
         "launch-fsdp1-config",
         LAUNCH,
         "`accelerate launch` with an FSDP1 config (`fsdp_version: 1`), read by `ParallelConfig.from_env()`",
-        lambda fx: _launch_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="1"),
+        lambda fx: _from_env(fx, ACCELERATE_USE_FSDP="true", FSDP_VERSION="1"),
         ["the accelerate launch config (fsdp_config) asks for FSDP1", "set fsdp_version to 2"],
     ),
     _c(
         "launch-fsdp-offload",
         LAUNCH,
         "`accelerate launch` with FSDP2 and `fsdp_offload_params: true`",
-        lambda fx: _launch_env(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_OFFLOAD_PARAMS="true"),
+        lambda fx: _from_env(fx, ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_OFFLOAD_PARAMS="true"),
         ["asks for CPU offload of the parameters, which hf3d does not build"],
     ),
     _c(
