@@ -194,6 +194,17 @@ def _mup(d: dict) -> str:
     return "; ".join(parts)
 
 
+def _sharding(d: dict) -> str:
+    m, sp, z3 = d["memory"], d["speed"]["over_zero1"], d["memory"]["zero3_over_zero1"]
+    return (
+        f"{d['params'] / 1e6:.1f}M params, dp=4: ZeRO-3 / ZeRO-1 state {z3:.3f}x (arithmetic 0.4x; target ≤ 0.3x: "
+        f"{met(z3 <= 0.3)}); ZeRO-2 peak gradients {m['zero2_peak_gradients'] / 2**20:.1f} MiB, bound "
+        f"{m['zero2_bound'] / 2**20:.1f} ({met(m['zero2_peak_gradients'] <= m['zero2_bound'])}); dp=2 step over "
+        f"ZeRO-1: ZeRO-2 {sp['2']:.3f}x (≤ 1.1x: {met(sp['2'] <= 1.1)}), ZeRO-3 {sp['3']:.3f}x "
+        f"(≤ 1.3x: {met(sp['3'] <= 1.3)})"
+    )
+
+
 @dataclass
 class Benchmark:
     name: str  # its results file: results/<name>.json
@@ -231,6 +242,8 @@ BENCHMARKS = [
               "tokens, at tp1, tp2 and pp2", "3", _eval),
     Benchmark("generate", "bench_generate.py", [], "generation at the mesh (`ParallelModel.generate`): tp1 / stock "
               "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
+    Benchmark("sharding", "bench_sharding.py", [], "sharded gradients and weights: what a rank holds at ZeRO-1/2/3 "
+              "(dp=4) and the step time (dp=2), CPU", "5", _sharding),
     Benchmark("mup", "bench_mup.py", [], "spectral µP against standard parametrization: coordinate check and lr "
               "transfer (tiny Llama, CPU)", "41", _mup),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",

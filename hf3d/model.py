@@ -16,7 +16,7 @@ from .optim.parametrization import Parametrization
 from .parallel.config import ParallelConfig, check_cp_seq_len
 from .parallel.context import CPContext
 from .parallel.expert import is_expert
-from .parallel.fsdp import local_shard, reshard_all, restore_layout_attributes
+from .parallel.fsdp import reshard_all, restore_layout_attributes
 from .parallel.mesh import data_parallel_group
 from .parallel.microbatches import train_step
 from .parallel.pipeline import relay_forward
@@ -134,19 +134,13 @@ class ParallelModel(nn.Module):
         """The dtype the layers compute in and exports hold (under ZeRO-3 the fp32 shards are cast to it)."""
         return self.compute_dtype or next(self.hf_model.parameters()).dtype
 
-    def local_fragments(self) -> list[tuple[str, nn.Parameter, torch.Tensor, int]]:
-        """(name, param, flat, start) per parameter: the elements this rank stores, a flat tensor holding param's
-        row-major elements from `start` on (the whole parameter; under ZeRO-3 FSDP2's shard of it)."""
-        return [(name, p, *local_shard(p)) for name, p in self.unique_parameters()]
-
     @property
     def device(self) -> torch.device:
         return next(self.hf_model.parameters()).device
 
     def unique_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their runtime names, each shared Parameter once. Under ZeRO-3 these are
-        FSDP2's sharded parameters: a group still gathered (the stage's ends after a forward without backward, an
-        evaluation's) is freed first, since a gathered group lists its gathered tensors instead."""
+        """This rank's parameters under their runtime names, each shared Parameter once: under ZeRO-3 FSDP2's
+        shards (a group left gathered, as the stage's ends after an evaluation's forward, is freed first)."""
         if self.fsdp_modules:
             reshard_all(self)
             restore_layout_attributes(self.hf_model, self.fsdp_layout)
@@ -267,28 +261,7 @@ class ParallelModel(nn.Module):
         (HF semantics) and shift_labels (already shifted)."""
         input_ids = input_ids.to(self.device)
         targets, given, name = self._targets(input_ids, labels, shift_labels)
-        position_ids = self._positions(input_ids, position_ids)
-        check_vocab(self, input_ids, given, name)
-        was_training = self.training
-        self.eval()  # dropout off, as in stock evaluation
-        input_ids, targets = self.cp.split(input_ids), self.cp.split(targets)
-        try:
-            if self.pcfg.pp == 1:
-                local_logits = self.stages[0](input_ids, position_ids=position_ids)
-            else:
-                local_logits = relay_forward(self, input_ids, position_ids)
-        finally:
-            self.train(was_training)
-        row_groups = torch.zeros(len(targets), dtype=torch.long) if groups is None else groups
-        sums = torch.zeros(2, num_groups, device=self.device)
-        if local_logits is not None:
-            losses = self.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten()).view_as(targets)
-            sums = _group_sums(losses, targets != IGNORE_INDEX, row_groups.to(self.device), num_groups)
-        del local_logits
-        if self.pcfg.pp > 1:
-            dist.broadcast(sums, group=self.mesh.get_group("pp"), group_src=self.stage_owners[-1])
-        self._replica_sum(sums)  # every cp rank counted its own targets
-        return (sums[0], sums[1]) if groups is not None else (sums[0, 0], sums[1, 0])
+        return _eval_loss(self, input_ids, targets, given, name, position_ids, groups, num_groups)
 
     # -- training ---------------------------------------------------------------------------------
     def train_step(
@@ -344,6 +317,33 @@ class ParallelModel(nn.Module):
         from .hf.export import save_hf
 
         save_hf(self, out_dir, max_shard_bytes=max_shard_bytes, extra_files=extra_files)
+
+
+@torch.no_grad()
+def _eval_loss(pmodel, input_ids, targets, given, name, position_ids, groups, num_groups):
+    """`ParallelModel.eval_loss` (see there), once the targets are known."""
+    position_ids = pmodel._positions(input_ids, position_ids)
+    check_vocab(pmodel, input_ids, given, name)
+    was_training = pmodel.training
+    pmodel.eval()  # dropout off, as in stock evaluation
+    input_ids, targets = pmodel.cp.split(input_ids), pmodel.cp.split(targets)
+    try:
+        if pmodel.pcfg.pp == 1:
+            local_logits = pmodel.stages[0](input_ids, position_ids=position_ids)
+        else:
+            local_logits = relay_forward(pmodel, input_ids, position_ids)
+    finally:
+        pmodel.train(was_training)
+    row_groups = torch.zeros(len(targets), dtype=torch.long) if groups is None else groups
+    sums = torch.zeros(2, num_groups, device=pmodel.device)
+    if local_logits is not None:
+        losses = pmodel.lm_head.token_losses(local_logits.flatten(0, 1), targets.flatten()).view_as(targets)
+        sums = _group_sums(losses, targets != IGNORE_INDEX, row_groups.to(pmodel.device), num_groups)
+    del local_logits
+    if pmodel.pcfg.pp > 1:
+        dist.broadcast(sums, group=pmodel.mesh.get_group("pp"), group_src=pmodel.stage_owners[-1])
+    pmodel._replica_sum(sums)  # every cp rank counted its own targets
+    return (sums[0], sums[1]) if groups is not None else (sums[0, 0], sums[1, 0])
 
 
 def _group_sums(losses: torch.Tensor, counted: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from .parallel.layout import get_pieces
 from .parallel.mesh import build_mesh, device_type, expert_group, init_distributed
 from .parallel.rng import DropoutRNG
 from .parallel.stage import StageModule, layer_costs, split_layers, stage_ranks
-from .utils.compat import check_fp8_rowwise, check_pipeline_schedule
+from .utils.compat import check_fp8_rowwise, check_pipeline_schedule, check_zero_stage
 
 
 def parallelize(
@@ -109,14 +109,11 @@ def parallelize(
     pmodel = _assemble(
         hf_model, config, pcfg, plan, mesh=mesh, cp=cp, rng=rng, hf_shapes=hf_shapes, tokenizer_dir=tokenizer_dir
     )
-    pmodel.compute_dtype = dtype
     if compile:
         compile_layers([layer for stage in pmodel.stages for layer in stage.layers])
-    if pcfg.zero_stage == 3:
-        pmodel.fsdp_modules = apply_fsdp(pmodel, compute_dtype=dtype)
-    pmodel.router_stats = ep.stats
+    pmodel.compute_dtype, pmodel.router_stats, pmodel.parametrization = dtype, ep.stats, parametrization
     pmodel.fp8, pmodel.fp8_projections = fp8, fp8_projections
-    pmodel.parametrization = parametrization
+    pmodel.fsdp_modules = apply_fsdp(pmodel, compute_dtype=dtype) if pcfg.zero_stage == 3 else []
     return pmodel
 
 
@@ -125,6 +122,7 @@ def _checked_adapter(config, pcfg: ParallelConfig, attn_implementation: str, com
     if compile:
         check_compile(device_type(), config)
     check_pipeline_schedule(pcfg.pp_schedule, pcfg.pp)
+    check_zero_stage(pcfg.zero_stage)
     adapter = get_adapter(config.model_type)
     adapter.check_tp(config, pcfg.tp)
     adapter.check_ep(config, pcfg.ep)

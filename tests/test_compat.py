@@ -42,6 +42,18 @@ def test_names_are_this_torchs():
     assert compat.BEFORE_2_13 == (tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13))
 
 
+def test_zero3_is_refused_before_2_13_only():
+    import pytest
+
+    for stage in (0, 1, 2):
+        compat.check_zero_stage(stage)
+    if compat.BEFORE_2_13:
+        with pytest.raises(ValueError, match="zero_stage=3 needs torch 2.13 or later"):
+            compat.check_zero_stage(3)
+    else:
+        compat.check_zero_stage(3)
+
+
 def test_calls_reach_torch_at_call_time(monkeypatch):
     calls = []
 

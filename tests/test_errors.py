@@ -45,7 +45,8 @@ def test_unknown_pp_schedule_lists_the_known_ones():
 @pytest.mark.parametrize(
     "kwargs,words",
     [
-        (dict(zero_stage=2), ["zero_stage", "0 or 1", "2"]),
+        (dict(zero_stage=4), ["zero_stage", "0, 1, 2 or 3", "4"]),
+        (dict(zero_stage=3, dp_shard=0), ["dp_shard", "positive integer"]),
         (dict(tp=0), ["tp", "positive", "0"]),
         (dict(tp=-2), ["tp", "positive", "-2"]),
         (dict(tp=2.0), ["tp", "positive integer", "2.0"]),
@@ -214,7 +215,7 @@ def _error_world(paths: dict, out: str) -> None:
     _attempt(res, "optimizer_not_an_optimizer", lambda: build(pm, torch.nn.Linear, lr=1e-3))
     _attempt(res, "optimizer_unknown_kwarg", lambda: build(pm, adamw, lr=1e-3, not_a_kwarg=1))
     _attempt(res, "optimizer_bad_lr_type", lambda: build(pm, adamw, lr="x"))
-    _attempt(res, "optimizer_zero_stage", lambda: build(pm, adamw, lr=1e-3, zero_stage=2))
+    _attempt(res, "optimizer_zero_stage", lambda: build(pm, adamw, lr=1e-3, zero_stage=5))
     _attempt(res, "optimizer_bucket_size", lambda: build(pm, adamw, lr=1e-3, bucket_size=0))
 
     _token_id_cases(res, P(paths["llama"], C()))  # tp=1, dp=2
@@ -342,7 +343,7 @@ EXPECTED = {
     "optimizer_not_an_optimizer": ("TypeError", ["torch.optim.Optimizer", "Linear"]),
     "optimizer_unknown_kwarg": ("TypeError", ["AdamW", "not_a_kwarg"]),
     "optimizer_bad_lr_type": ("TypeError", ["AdamW", "'x'"]),
-    "optimizer_zero_stage": ("ValueError", ["zero_stage", "0 or 1", "2"]),
+    "optimizer_zero_stage": ("ValueError", ["zero_stage", "0, 1, 2 or 3", "5"]),
     "optimizer_bucket_size": ("ValueError", ["bucket_size", "positive", "0"]),
 }
 

@@ -7,8 +7,9 @@ the exported weights element-wise. Both stages run at dp2 (2 micro-batches), dp4
 and sequence parallelism: the gradients each tp rank has only part of), pp2 x dp2 under 1f1b and interleaved
 1f1b, HSDP 2 x 2, cp2 x dp2 and ep2; ZeRO-2 also with its other collectives, ZeRO-3 also under zbv with a tied
 head (two stages of one rank, each an FSDP2 root). A checkpoint saved at ZeRO-3 tp1 dp4 resumes at ZeRO-1 tp2
-dp2 and the reverse. The memory report's arithmetic is checked; the bytes themselves are measured by
-benchmarks/bench_sharding.py.
+dp2 and the reverse. ZeRO-3 with full recompute runs against stock too, and with µP's lr groups and with torchao's
+FP8 (emulated) against ZeRO-1 with the same settings. The memory report's arithmetic is checked; the bytes
+themselves are measured by benchmarks/bench_sharding.py.
 
 Mutations, each one thing made wrong that a check here must catch: a ZeRO-2 shard reduced twice; ZeRO-3
 gradients reduced in bf16; ZeRO-3 gradients averaged over dp instead of summed; HSDP shards not summed over
@@ -90,6 +91,13 @@ RUNS = _both_stages(
     ),
     "zero3/pp2-dp2-zbv-tied": (4, "llama4", dict(zero_stage=3, pp=2, pp_schedule="zbv", num_microbatches=4), {}),
 }
+RUNS["zero3/dp2-recompute"] = (2, "llama", dict(zero_stage=3, recompute="full"), {})
+# features with no stock twin here: ZeRO-3 against ZeRO-1 with the same settings, same tolerances
+# name: (world size, family, ParallelConfig keywords, parallelize keywords)
+PAIRS = {
+    "mup": (2, "llama", dict(parametrization="spectral_mup", mup_base_width=32, mup_output_multiplier=2.0), {}),
+    "fp8-tensorwise": (2, "llama", {}, dict(fp8=dict(recipe="tensorwise", emulate=True))),
+}
 RESUMES = {  # name: (ParallelConfig keywords of the first two steps, of the third)
     "zero3-dp4->zero1-tp2-dp2": (dict(zero_stage=3), dict(zero_stage=1, tp=2)),
     "zero1-tp2-dp2->zero3-dp4": (dict(zero_stage=1, tp=2), dict(zero_stage=3)),
@@ -107,8 +115,8 @@ def _data():
 
 
 # -- worker side -------------------------------------------------------------------------------------------
-def _run(dirs, family, pkw, okw, out) -> dict:
-    pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**pkw))
+def _run(dirs, family, pkw, okw, out, **parallelize_kw) -> dict:
+    pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**pkw), **parallelize_kw)
     losses, norms, opt = hf3d_run(pm, _data(), dp_rows(pm, BATCH), **okw)
     pm.save_pretrained(out)
     return dict(losses=losses, norms=norms, report=opt.memory_report(), dp=pm.dp_size)
@@ -195,12 +203,24 @@ def _worker(world: int, dirs: dict, out: str) -> None:
     for name, (w, family, pkw, what) in MUTATIONS.items():
         if w == world:
             res[name] = _mutated(dirs, family, pkw, what, f"{out}/{name}")
+    for name, (w, family, pkw, xkw) in PAIRS.items():
+        if w == world and (name != "fp8-tensorwise" or _has_torchao()):
+            for z in (1, 3):
+                res[f"pair/{name}/zero{z}"] = _run(
+                    dirs, family, {**pkw, "zero_stage": z}, {}, f"{out}/{name}-{z}", **xkw
+                )
     if world == 4:
         for name, (first, then) in RESUMES.items():
             res[name] = _resume(dirs, first, then, f"{out}/{name}")
     if world == 2:
         res["prefetch"] = {ahead: _gathers_before_each_layer(dirs, ahead) for ahead in (1, 2)}
     torch.save(res, f"{out}/rank{dist.get_rank()}.pt")
+
+
+def _has_torchao() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
 
 
 # -- parent side -------------------------------------------------------------------------------------------
@@ -281,6 +301,20 @@ def test_sharded_training_matches_stock(world, refs, initial):
         _check_run(world[0][name], world["out"] / name, refs[family], initial[family], _kind(family))
 
 
+def test_zero3_equals_zero1_under_mup_and_fp8(world):
+    """µP's lr groups and torchao's FP8 matmuls (emulated) on a ZeRO-3 model: the numbers of ZeRO-1's."""
+    if _size(world) != 2:
+        pytest.skip("the pairs run on 2 ranks")
+    names = [n for n in PAIRS if f"pair/{n}/zero3" in world[0]]
+    assert "mup" in names and ("fp8-tensorwise" in names or not _has_torchao())
+    for name in names:
+        got, want = world[0][f"pair/{name}/zero3"], world[0][f"pair/{name}/zero1"]
+        assert_close(got["losses"], want["losses"], rtol=LOSS_RTOL, what=f"{name} loss")
+        assert_close(got["norms"], want["norms"], rtol=NORM_RTOL, what=f"{name} grad norm")
+        out = world["out"]
+        assert_close(_exported(out / f"{name}-3"), _exported(out / f"{name}-1"), atol=WEIGHT_ATOL["dense"], what=name)
+
+
 def test_a_checkpoint_resumes_across_zero_stages_and_meshes(world, refs, initial):
     if _size(world) != 4:
         pytest.skip("the resumes run on 4 ranks")
@@ -291,6 +325,18 @@ def test_a_checkpoint_resumes_across_zero_stages_and_meshes(world, refs, initial
         assert_close(res["losses"], losses[2:], rtol=LOSS_RTOL, what=f"{name} loss of step 3")
         assert_close(res["norms"], norms[2:], rtol=NORM_RTOL, what=f"{name} grad norm of step 3")
         _check_weights(_exported(world["out"] / name / "final"), sd, initial["llama"], "dense", what=name)
+
+
+def test_hf3d_convert_reads_a_zero3_checkpoint(world, dirs, initial, tmp_path):
+    """The checkpoint saved at ZeRO-3 dp4 after step 2 converts to an HF folder (`hf3d convert to-hf`, one
+    process) holding the oracle's weights after 2 steps."""
+    from hf3d.checkpoint.convert import checkpoint_to_hf
+
+    if _size(world) != 4:
+        pytest.skip("the checkpoint is saved on 4 ranks")
+    _, _, sd = reference_run(dirs["llama"], _data()[:2])
+    out = checkpoint_to_hf(world["out"] / "zero3-dp4->zero1-tp2-dp2" / "ckpt", tmp_path / "hf")
+    _check_weights(_exported(out), sd, initial["llama"], "dense", what="hf3d convert to-hf of a ZeRO-3 checkpoint")
 
 
 def test_every_planted_mistake_is_caught(world, refs, initial):

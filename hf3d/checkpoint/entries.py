@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ..optim import state as optim_state
-from ..parallel.fsdp import first_replica, is_sharded
+from ..parallel.fsdp import first_replica, is_sharded, local_fragments
 from ..parallel.layout import hf_boxes
 
 MODEL_PREFIX = "model/"
@@ -179,7 +179,7 @@ def write_ranges(pmodel, opt):
     ranks write in parallel; without one, the first copy of every element: dp rank 0 (cp rank 0) its parameters
     whole, or under ZeRO-3 every rank its shard (the first replica's, under HSDP)."""
     out = []
-    for _, p, flat, start in pmodel.local_fragments():
+    for _, p, flat, start in local_fragments(pmodel):
         if opt is not None:
             s = opt._flat_range[id(p)][0]
             lo, hi = opt.written_range(p)

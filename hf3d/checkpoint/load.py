@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from ..optim import state as optim_state
-from ..parallel.fsdp import reshard_all
+from ..parallel.fsdp import local_fragments, reshard_all
 from ..parallel.layout import hf_boxes
 from ..utils import files
 from .entries import MASTER_KEY, MODEL_PREFIX, SHAPE_FIELDS, Boxes, LoadPlanner, get_entry, optim_key
@@ -91,7 +91,7 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
     stored = SafeReader(path).read_metadata().state_dict_metadata
     has_master = any(k.startswith(optim_key(MASTER_KEY, "")) for k in stored)
     training = meta["kind"] == "training" and opt is not None
-    fragments = pmodel.local_fragments()  # the whole parameters, or ZeRO-3's fp32 shards
+    fragments = local_fragments(pmodel)  # the whole parameters, or ZeRO-3's fp32 shards
     # fp32 parameters are their own master weights: take them from the fp32 masters when there are some
     stored = fragments[0][2].dtype
     params_from = optim_key(MASTER_KEY, "") if has_master and stored == torch.float32 else MODEL_PREFIX

@@ -15,6 +15,14 @@ pipeline stage and bottom-up:
   schedule's module itself, so torch.distributed.pipelining runs FSDP2 its own way: gradients accumulate
   unsharded over the micro-batches and are reduce-scattered once, after the stage's last backward.
 
+Reshard after forward: at pp = 1 a decoder layer is resharded after its forward and gathered again for its
+backward (ZeRO-3's memory). Under pipelining it stays gathered from its first forward to the step's gradient
+reduction: the schedule keeps a stage gathered through its backwards anyway (torch.distributed.pipelining's FSDP2
+path), so resharding after each forward would only add an all-gather per micro-batch; and zbv / dualpipev need
+it, since their backward is split into an input pass and a weight pass that finds the weight gradients through
+the stage's registered parameters, which must then be the gathered ones the forward used (resharded, both
+schedules ran 1-30 % off in grad norm).
+
 Precision: the sharded parameters stay fp32 (they are the master weights) and FSDP2 casts a gathered group to the
 model dtype for compute and reduces gradients in fp32 (`MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)`).
 Gradients are summed, not averaged: each micro-batch's loss is already divided by the global token count
@@ -35,14 +43,6 @@ import torch
 from torch import nn
 
 from .mesh import expert_fsdp_mesh, fsdp_mesh
-
-RESHARD_AFTER_FORWARD = """A decoder layer is resharded after its forward and gathered again for its backward at pp
-= 1 (ZeRO-3's memory). Under pipelining it stays gathered from its first forward to the step's gradient reduction:
-the schedule keeps a stage gathered through its backwards anyway (torch.distributed.pipelining's FSDP2 path), so
-resharding after each forward would only add an all-gather per micro-batch; and zbv / dualpipev need it, since their
-backward is split into an input pass and a weight pass that finds the weight gradients through the stage's
-registered parameters, which must then be the gathered ones the forward used (resharded, both ran 1-30 % off in grad
-norm)."""
 
 REDUCE_DTYPE = torch.float32  # gradients are reduced in fp32 whatever the compute dtype
 GRADIENT_DIVIDE_FACTOR = 1.0  # summed over the shard group, not averaged (the loss is already the global mean)
@@ -68,7 +68,7 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
         fully_shard(module, mesh=on, mp_policy=policy, reshard_after_forward=reshard)
         sharded.append(module if isinstance(module, list) else [module])
 
-    per_layer = pmodel.pcfg.pp == 1  # reshard after forward (see RESHARD_AFTER_FORWARD)
+    per_layer = pmodel.pcfg.pp == 1  # reshard after forward (the module docstring says why)
     for stage in pmodel.stages:
         for layer in stage.layers:
             experts = _experts(layer)
@@ -149,6 +149,12 @@ def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     ranks = param.device_mesh.size(-1)  # the shard axis is the last (HSDP: replicate, shard)
     r0 = min(param.device_mesh.get_local_rank(-1) * -(-rows // ranks), rows)
     return local.view(-1), r0 * (param.numel() // rows if rows else 0)
+
+
+def local_fragments(pmodel) -> list[tuple[str, nn.Parameter, torch.Tensor, int]]:
+    """(name, param, flat, start) per parameter of the model: the elements this rank stores, a flat tensor holding
+    param's row-major elements from `start` on (the whole parameter; under ZeRO-3 FSDP2's shard of it)."""
+    return [(name, p, *local_shard(p)) for name, p in pmodel.unique_parameters()]
 
 
 def first_replica(param: torch.Tensor) -> bool:

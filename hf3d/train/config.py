@@ -443,9 +443,10 @@ def check_launch(cfg: TrainConfig, *, world_size: int) -> int:
     folder. Returns dp."""
     p, r = cfg.parallel, cfg.run
     check_attn_implementation(cfg.model.attn_implementation, "model.attn_implementation")
-    from ..utils.compat import check_pipeline_schedule
+    from ..utils.compat import check_pipeline_schedule, check_zero_stage
 
     check_pipeline_schedule(p.pp_schedule, p.pp, key="parallel.pp_schedule")
+    check_zero_stage(p.zero_stage, key="parallel.zero_stage")
     if r.save_final:  # the export at the end replaces only an earlier export there
         from ..hf.folders import EXPORT, check_output_dir
 

@@ -24,6 +24,10 @@ this instance of _C._FunctionBase"), a built-in one is not. On gloo its warm-up 
 stage ("Pair is not connected"). `BEFORE_2_13` is what a caller checks to refuse them.
 
 4. FP8 rowwise on a CPU: before 2.13 the CPU `torch._scaled_mm` takes per-tensor scales only (`check_fp8_rowwise`).
+
+5. ZeRO-3: before 2.13 FSDP2 reduced the gradients of a grouped `fully_shard([embedding, norm, head])` wrongly when
+the head runs outside the group's forward, as hf3d's chunked-loss head does (pytorch#180428, in 2.13's release
+notes); `check_zero_stage` refuses the stage there.
 """
 
 from __future__ import annotations
@@ -73,6 +77,17 @@ def check_pipeline_schedule(schedule: str, pp: int, key: str = "pp_schedule") ->
         raise ValueError(
             f"{key}={schedule!r} needs torch 2.13 or later: torch {torch.__version__}'s pipelining cannot run its "
             "split backward on hf3d's layers; use '1f1b' or 'interleaved-1f1b', or upgrade torch"
+        )
+
+
+def check_zero_stage(zero_stage: int, key: str = "zero_stage") -> None:
+    """Refuse ZeRO-3 before torch 2.13: its FSDP2 reduced the gradients of a grouped `fully_shard([..., head])` whose
+    head runs outside the group's forward (hf3d's chunked-loss head) wrongly (fixed by pytorch#180428, in 2.13)."""
+    if BEFORE_2_13 and zero_stage == 3:
+        raise ValueError(
+            f"{key}=3 needs torch 2.13 or later: torch {torch.__version__}'s FSDP2 reduces the gradients of a head "
+            "run outside its group's forward wrongly (fixed in 2.13); use zero_stage 2 (gradients and optimizer "
+            "state sharded), or upgrade torch"
         )
 
 
