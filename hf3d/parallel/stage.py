@@ -54,24 +54,15 @@ class StageModule(nn.Module):
         self.cp = cp if cp is not None and cp.active else None
         self.dropout_rng = dropout_rng  # when the layers draw dropout masks: recompute replays them
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        *chain: torch.Tensor,
-        position_ids: torch.Tensor,
-        head: bool = True,
-        segments: Segments | None = None,
-        decode=None,
-        carry=None,
-    ):
-        """Under a pipeline schedule (hf3d/parallel/pipeline.py) the stage is the schedule's module itself, so
-        that FSDP2's root is what the schedule runs: `chain` then holds the router statistics of a MoE model's
-        load-balancing loss that travel with the activations, and `carry` the RouterStats that continues them,
-        and the stage returns (its output, the statistics). Otherwise see `run`."""
+    def forward(self, x: torch.Tensor, *chain: torch.Tensor, position_ids: torch.Tensor, carry=None, **options):
+        """`run(x, position_ids, **options)`. Under a pipeline schedule (hf3d/parallel/pipeline.py) the stage is the
+        schedule's module itself, so that FSDP2's root is what the schedule runs: `chain` then holds the router
+        statistics of a MoE model's load-balancing loss that travel with the activations, and `carry` the
+        RouterStats that continues them, and the stage returns (its output, the statistics)."""
         if carry is None:
-            return self.run(x, position_ids, head, segments, decode)
+            return self.run(x, position_ids, **options)
         carry.start(chain[0] if chain else None, x.device)
-        out = self.run(x, position_ids, head)
+        out = self.run(x, position_ids, **options)
         return out, carry.stop().clone()  # a node of this stage's own, even with no MoE layer here
 
     def run(
