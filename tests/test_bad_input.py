@@ -173,6 +173,12 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     ):
         fx[f"task_{name}"] = _jsonl(tasks / f"{name}.jsonl", [row, row, bad])
     fx["prompts_empty"] = _jsonl(tasks / "prompts_empty.jsonl", [{"prompt": "ROMEO:"}, {"prompt": ""}])
+    fx["task_long_line"] = str(tasks / "long_line.jsonl")  # a line of 17 MiB: over the 16 MiB a line may hold
+    Path(fx["task_long_line"]).write_text(json.dumps({**row, "prompt": "ROMEO:"}) + "\n" + " " * (17 << 20) + "\n")
+    fx["task_latin1"] = str(tasks / "latin1.jsonl")
+    Path(fx["task_latin1"]).write_bytes(json.dumps(row).encode() + b'\n{"query": "caf\xe9"}\n')
+    fx["task_deep"] = str(tasks / "deep.jsonl")
+    Path(fx["task_deep"]).write_text(json.dumps(row) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
     fx["task_not_json"] = str(tasks / "not_json.jsonl")
     Path(fx["task_not_json"]).write_text(json.dumps(row) + "\n{'query': 'single quotes'}\n")
     fx["csv"] = str(d / "table.csv")
@@ -2177,6 +2183,30 @@ CASES: list[Case] = [
         how="main",
     ),
     _c(
+        "eval-line-too-long",
+        EVAL,
+        "a task file with a line of 17 MiB (a whole book as one row)",
+        lambda fx: _eval(fx, fx["task_long_line"]),
+        ["long_line.jsonl line 2 is longer than 16 MiB, the most hf3d reads as one row or prompt: shorten it"],
+        how="main",
+    ),
+    _c(
+        "eval-not-utf8",
+        EVAL,
+        "a task file with a latin-1 byte",
+        lambda fx: _eval(fx, fx["task_latin1"]),
+        ["latin1.jsonl line 2 is not valid UTF-8 (byte 0xe9 at column 15); re-encode the file as UTF-8"],
+        how="main",
+    ),
+    _c(
+        "eval-json-too-deep",
+        EVAL,
+        "a task file with a line of JSON nested 100,000 deep",
+        lambda fx: _eval(fx, fx["task_deep"]),
+        ["deep.jsonl line 2 nests JSON deeper than hf3d parses: flatten the row"],
+        how="main",
+    ),
+    _c(
         "eval-gold-range",
         EVAL,
         "`gold` 2 in a row of two choices",
@@ -2274,6 +2304,14 @@ CASES: list[Case] = [
         "an empty prompt in `--prompts FILE`",
         lambda fx: ["generate", fx["smollm"], "--prompts", fx["prompts_empty"]],
         ["prompts_empty.jsonl line 2: the prompt is empty"],
+        how="main",
+    ),
+    _c(
+        "generate-prompts-line-too-long",
+        GEN,
+        "a line of 17 MiB in `--prompts FILE`",
+        lambda fx: ["generate", fx["smollm"], "--prompts", fx["task_long_line"]],
+        ["long_line.jsonl line 2 is longer than 16 MiB, the most hf3d reads as one row or prompt: shorten it"],
         how="main",
     ),
     _c(

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -471,6 +472,66 @@ def test_a_long_context_is_cut_from_the_left_and_a_long_choice_refused():
         encode_examples(tok, [context], [(" w50 w51 w52",)], window=2, where="t")
 
 
+def test_a_context_far_longer_than_the_window_is_cut_by_characters_to_the_same_ids(bpe):
+    """Only the characters the window can hold are encoded (hf3d/utils/tokens.py); the ids kept are those of the
+    whole context encoded and cut by tokens, in the log-likelihood and the generative paths. Mutation: keeping
+    one character a token for each token drops ids the window should hold (the equality fails)."""
+    from hf3d.evaluation.generative import generate_block  # noqa: F401 - the generative path's cut is the same call
+    from hf3d.utils.tokens import chars_for, cut_left
+
+    lines = [json.loads(line)["text"] for line in (ROOT / "examples" / "data" / "shakespeare.jsonl").open()][:400]
+    context = "\n".join(lines) + "\nROMEO: "
+    assert len(context) > 20 * chars_for(64, bpe)  # the cut happens, far from the window
+    (ex,) = encode_examples(bpe, [context], [("hello there", "friend")], window=64, where="t")
+    whole_ctx = bpe(context.rstrip())["input_ids"]
+    for choice, ctx, cont in zip(("hello there", "friend"), ex.contexts, ex.continuations):
+        whole = bpe(context.rstrip() + " " + choice)["input_ids"]  # the trailing space moves to the choice
+        assert cont == whole[len(whole_ctx) :] and ctx == whole[: len(whole_ctx)][-(65 - len(cont)) :]
+    assert ex.cut
+    kept, cut = cut_left(context, 64, bpe)
+    assert cut and bpe(kept)["input_ids"][-64:] == bpe(context)["input_ids"][-64:]
+    from hf3d.generation.command import _refuse_long_prompts  # a prompt surely over the window: never tokenised
+
+    _refuse_long_prompts(["x" * chars_for(64, bpe)], bpe, 64)
+    with pytest.raises(ValueError, match=r"^prompt 1 is 2,715 characters, more than the model's 64 positions"):
+        _refuse_long_prompts(["ROMEO:", "x" * (chars_for(64, bpe) + 1)], bpe, 64)
+
+
+def test_a_line_longer_than_the_limit_is_refused_before_it_is_held(tmp_path):
+    """A 120 MB line in a task file and in a prompts file: one line each, and what reading them allocates stays
+    far under the file's size (tracemalloc's peak; the limit is 16 MiB). A non-UTF-8 byte and JSON nested
+    100,000 deep are one line naming the line too."""
+    import tracemalloc
+
+    from hf3d.evaluation.tasks import load_task
+    from hf3d.generation.command import read_prompts
+
+    size = 120 << 20
+    big = tmp_path / "big.jsonl"
+    with big.open("w") as f:
+        f.write('{"query": "a b", "choices": ["c"], "gold": 0, "prompt": "p"}\n')
+        f.write('{"query": "' + "x" * size + '", "prompt": "y"}\n')
+    for read in (lambda: load_task(str(big)), lambda: read_prompts(None, str(big))):
+        tracemalloc.start()
+        with pytest.raises(ValueError) as e:
+            read()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert str(e.value) == (
+            f"{big} line 2 is longer than 16 MiB, the most hf3d reads as one row or prompt: shorten it (a model "
+            "reads only its last max_length tokens anyway)"
+        )
+        assert peak < 3 * (16 << 20) < 2 * size, peak  # measured 34.1 MB: the limit read twice over, not the file
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"query": "a", "choices": ["b"], "gold": 0}\n{"query": "caf\xe9", "choices": [], "gold": 0}\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl line 2 is not valid UTF-8 \(byte 0xe9 at column 15\)"):
+        load_task(str(latin))
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"deep.jsonl line 1 nests JSON deeper than hf3d parses: flatten the row"):
+        read_prompts(None, str(deep))
+
+
 def test_each_normalisation_divides_by_its_own_length():
     # " ab": 3 characters, 1 token, -3.0; " c": 2 characters, 2 tokens, -2.5; " dddddddd": 9 characters, 3 tokens
     logprobs, tokens, chars = [-3.0, -2.5, -4.5], [1, 2, 3], [3, 2, 9]
@@ -587,6 +648,56 @@ def test_hub_mappings_write_the_cloze_rows(name):
 def test_every_hub_task_has_a_mapping_tested():
     tested = set(HUB_LINES) | {"arc_challenge"}  # arc_challenge: arc_easy's mapping on another subset
     assert set(hub_tasks.HUB_TASKS) == tested
+
+
+def _plant_hellaswag(launch: Path) -> None:
+    """Three rows under ./Rowan/hellaswag/ whose gold is the only ending: a benchmark scored from them is 1.0."""
+    planted = launch / "Rowan" / "hellaswag"
+    planted.mkdir(parents=True)
+    row = {"activity_label": "Planted", "ctx_a": "x", "ctx_b": "y", "endings": ["z"], "label": "0"}
+    (planted / "validation.jsonl").write_text("".join(json.dumps(row) + "\n" for _ in range(3)))
+
+
+def test_a_folder_named_like_a_hub_task_in_the_launch_folder_is_never_read(tmp_path, monkeypatch):
+    """`datasets` takes ./Rowan/hellaswag/ for the Hub dataset Rowan/hellaswag; hf3d resolves Hub ids from an empty
+    folder of its own. Offline with an empty cache the planted rows are refused with the Hub's line (they were
+    scored before: acc 1.0). Mutation: loading from the launch folder returns the three planted rows."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    _plant_hellaswag(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-cache")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match=r"^task 'hellaswag' reads the Hub dataset Rowan/hellaswag, split validation"):
+        hub_tasks.load_hub_task("hellaswag")
+    assert Path.cwd() == tmp_path  # the launch folder is given back
+
+
+def test_a_hub_task_names_its_revision_row_count_and_fingerprint(tmp_path, monkeypatch):
+    """results.json's source for a Hub task: the snapshot's commit (read from the cache's path), the rows and a
+    SHA-256 of the mapped rows; the rows come from the Hub's side even with a planted folder in the launch one."""
+    import datasets
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    line = HUB_LINES["hellaswag"][0]
+
+    class Cached(list):
+        cache_files = [{"filename": f"/cache/Rowan___hellaswag/default/0.0.0/{commit}/hellaswag-validation.arrow"}]
+
+    def load_dataset(path, subset=None, split=None):  # datasets' own rule: a local path first
+        return ["planted"] if os.path.exists(path) else Cached([line, line])
+
+    _plant_hellaswag(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    task = hub_tasks.load_hub_task("hellaswag")
+    rows = json.dumps([[r.query, list(r.choices), r.gold] for r in task.rows]).encode()
+    assert task.source == (
+        f"Rowan/hellaswag, split validation, revision {commit}, 2 rows, "
+        f"rows sha256 {hashlib.sha256(rows).hexdigest()[:16]}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------

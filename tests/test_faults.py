@@ -497,16 +497,20 @@ def test_no_unsafe_deserialisation_or_remote_code_in_the_package():
     assert not {k: v for k, v in found.items() if v}
 
 
+SAMPLED = ["samples.prompts=['ROMEO:']", "samples.every=1", "samples.max_new_tokens=4"]
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_kill_right_after_a_checkpoint_loses_no_metrics_record(tmp_path, mode):
     """Killed between publishing step 3's checkpoint and writing step 3's record: the resumed run starts
     at step 4, so step 3's record must already be on disk (write the record first: a kill after the
-    record and before the checkpoint re-trains that step, and the resumed run drops the stale record).
-    With checkpoint.async the kill comes from the background thread, as `latest` is updated."""
+    record and before the checkpoint re-trains that step, and the resumed run drops the stale record); so must
+    step 3's sample in samples.jsonl (drawn every step). With checkpoint.async the kill comes from the background
+    thread, as `latest` is updated."""
     out = tmp_path / "run"
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
-    args = _train_args(out, "run.steps=5", "parallel.tp=1", "checkpoint.every=1", "run.save_final=false")
+    args = _train_args(out, "run.steps=5", "parallel.tp=1", "checkpoint.every=1", "run.save_final=false", *SAMPLED)
     args += ["checkpoint.async=true"] if mode == "async" else []
     cmd = [sys.executable, str(driver), "0", "3", "published", str(tmp_path / "exits.log"), "--", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -515,14 +519,15 @@ def test_a_kill_right_after_a_checkpoint_loses_no_metrics_record(tmp_path, mode)
     proc = subprocess.run([sys.executable, "-m", "hf3d", *args], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in _metrics(out, "samples.jsonl")] == [1, 2, 3, 4, 5]  # step 3's sample was not lost
 
 
 # -- 7. SIGKILL between resumes ------------------------------------------------------------------------
-LOOP = ["run.steps=20", "parallel.tp=1", "checkpoint.every=1", "checkpoint.keep_last=2"]
+LOOP = ["run.steps=20", "parallel.tp=1", "checkpoint.every=1", "checkpoint.keep_last=2", SAMPLED[0], "samples.every=3"]
 
 
-def _metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def _metrics(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -554,6 +559,7 @@ def test_sigkill_loop_resumes_to_the_uninterrupted_run_bit_for_bit(tmp_path, mod
     a, b = _metrics(straight), _metrics(killed)
     assert [r["step"] for r in b] == list(range(1, 21))  # each step once: none trained twice, none skipped
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert _metrics(straight, "samples.jsonl") == _metrics(killed, "samples.jsonl")  # every sample, once
     fa, fb = load_file(straight / "final" / "model.safetensors"), load_file(killed / "final" / "model.safetensors")
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
 

@@ -47,6 +47,7 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 def generate_block(pmodel, tokenizer, contexts: list[str], cfg, window: int) -> tuple[list[str], int]:
     """This replica's contexts answered: (texts cut at the stop strings, contexts cut from the left)."""
     from ..generation.command import new_tokens
+    from ..utils.tokens import cut_left
 
     keep = window - cfg.max_new_tokens
     if keep < 1:
@@ -56,8 +57,9 @@ def generate_block(pmodel, tokenizer, contexts: list[str], cfg, window: int) -> 
         )
     tok = copy.copy(tokenizer)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    ids = [list(x) for x in tok(contexts)["input_ids"]] if contexts else []
-    cut = sum(len(x) > keep for x in ids)
+    shortened = [cut_left(ctx, keep, tok) for ctx in contexts]  # only what the window holds is encoded
+    ids = [list(x) for x in tok([ctx for ctx, _ in shortened])["input_ids"]] if contexts else []
+    cut = sum(len(x) > keep or chars for x, (_, chars) in zip(ids, shortened))
     ids = [x[-keep:] for x in ids]
     rows = cfg.batch_rows or 8
     chunks = [ids[i : i + rows] for i in range(0, len(ids), rows)]

@@ -8,16 +8,29 @@ Winogrande's sentence cut at its blank with each option completing it, BoolQ's p
 answered " yes" / " no"; and GSM8K as a generative task (exact match on the final number). lighteval's templates
 also normalise capitalisation and end punctuation of a few fields; these mappings do not.
 
-The datasets come through `datasets.load_dataset` (the HF cache; offline, only what is cached).
+The datasets come through `datasets.load_dataset` (the HF cache; offline, only what is cached), called from an
+empty folder of its own: `datasets` takes a local folder or file named like the repo first, so a folder
+`Rowan/hellaswag/` in the launch directory would otherwise replace the benchmark. A task's `source` (results.json's)
+names the repo, split, revision (the cached snapshot's commit), row count and a SHA-256 of the rows as mapped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
 import re
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from ..utils import files
 from .tasks import Row, Task, check_answer_row, check_row
+
+_WORKING_FOLDER = files.Kind("working folder", lambda name: False)
+"""The empty folder Hub ids are resolved from: hf3d writes nothing into it."""
 
 
 @dataclass(frozen=True)
@@ -109,15 +122,48 @@ def load_hub_task(name: str) -> Task:
     try:
         import datasets
 
-        rows = datasets.load_dataset(spec.repo, spec.subset, split=spec.split)
+        with _away_from_the_launch_folder():
+            rows = datasets.load_dataset(spec.repo, spec.subset, split=spec.split)
     except Exception as e:  # offline, not cached, gated, renamed: all end the same way for the user
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
             f"task {name!r} reads the Hub dataset {where}, which could not be loaded ({first[:200]}): run once "
             "where the Hub is reachable to cache it, or pass the task as a JSONL file of {query, choices, gold} rows"
         ) from None
+    revision = _revision(rows)
     rows = [as_row(spec, line, f"{where} row {i}") for i, line in enumerate(rows)]
-    return Task(name, rows, where, spec.generative)
+    digest = hashlib.sha256(json.dumps([[r.query, list(r.choices), r.gold] for r in rows]).encode()).hexdigest()
+    source = f"{where}, revision {revision}, {len(rows)} rows, rows sha256 {digest[:16]}"
+    return Task(name, rows, source, spec.generative)
+
+
+@contextlib.contextmanager
+def _away_from_the_launch_folder():
+    """The working directory an empty folder of its own while `datasets` resolves a Hub id (no local path
+    named like the repo can be taken for it); caches given as relative paths are made absolute first."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    for module, key in ((datasets.config, "HF_DATASETS_CACHE"), (hub, "HF_HUB_CACHE")):
+        value = getattr(module, key, None)
+        if value is not None and not os.path.isabs(value):  # set relative by HF_HOME=./cache, say
+            setattr(module, key, type(value)(os.path.abspath(value)))
+    here, empty = os.getcwd(), tempfile.mkdtemp(prefix="hf3d-hub-task-")
+    os.chdir(empty)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+        files.remove_dir(empty, _WORKING_FOLDER)  # empty: datasets writes into its cache, never here
+
+
+def _revision(rows) -> str:
+    """The commit of the cached snapshot the rows were built from (a folder of the datasets cache), or "unknown"."""
+    for entry in getattr(rows, "cache_files", None) or []:
+        for part in Path(entry.get("filename", "")).parts:
+            if re.fullmatch(r"[0-9a-f]{40}", part):
+                return part
+    return "unknown"
 
 
 def as_row(spec: HubTask, line: dict, where: str) -> Row:

@@ -12,7 +12,8 @@ Harness does, so that the first continuation token has something to be predicted
 The window: what the model reads for one choice is its context and its continuation but the last token. When
 that exceeds the window, the context is cut from the left, keeping the last `window + 1 - len(continuation)`
 tokens (lighteval's `(context + continuation)[-(window + 1):][:-1]`). A continuation longer than the window
-itself cannot be scored and is refused.
+itself cannot be scored and is refused. A context far longer than the window is first cut by characters
+(hf3d/utils/tokens.py), so only what the window can hold is ever encoded; the ids kept are the same.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ def empty_context_id(tokenizer) -> int:
 def encode_examples(tokenizer, contexts: list[str], choices: list[tuple[str, ...]], *, window: int, where: str):
     """Each row's choices in tokens (one Example per row), every context cut from the left to fit `window`
     (see the module docstring). The texts are encoded in two batched tokenizer calls."""
+    from ..utils.tokens import cut_left
+
+    shortened = [cut_left(ctx, window, tokenizer) for ctx in contexts]
+    contexts = [ctx for ctx, _ in shortened]
     pairs = [split_space(ctx, choice) for ctx, row in zip(contexts, choices) for choice in row]
     unique = list(dict.fromkeys(ctx for ctx, _ in pairs))
     encoded = dict(zip(unique, _encode(tokenizer, unique)))
@@ -73,7 +78,7 @@ def encode_examples(tokenizer, contexts: list[str], choices: list[tuple[str, ...
     empty_id = empty_context_id(tokenizer)
     examples, k = [], 0
     for i, row in enumerate(choices):
-        example = Example([], [], False)
+        example = Example([], [], shortened[i][1])
         for j in range(len(row)):
             ctx, cont = pair_ids(encoded[pairs[k][0]], wholes[k], empty_id)
             k += 1

@@ -81,6 +81,7 @@ def generate_texts(pmodel, tokenizer, prompts: list[str], **options) -> list[dic
     block = prompts[lo:hi] or (
         prompts[:1] if pmodel.lockstep else []
     )  # an expert (ZeRO-3: shard) group decodes together
+    _refuse_long_prompts(prompts, tok, getattr(pmodel.config, "max_position_embeddings", None))
     records = []
     if block:
         batch = tok(block, return_tensors="pt", padding=True)
@@ -96,6 +97,22 @@ def generate_texts(pmodel, tokenizer, prompts: list[str], **options) -> list[dic
         everyone = [None] * dp
         dist.all_gather_object(everyone, records, group=pmodel.mesh.get_group("dp"))
     return [r for part in everyone for r in part]
+
+
+def _refuse_long_prompts(prompts: list[str], tokenizer, window: int | None) -> None:
+    """A prompt so long in characters that it surely holds more tokens than the model reads is refused before it
+    is tokenised (which would cost about 165 times its size in memory)."""
+    from ..utils.tokens import chars_for
+
+    if window is None:
+        return
+    most = chars_for(window, tokenizer)
+    for i, text in enumerate(prompts):
+        if len(text) > most:
+            raise ValueError(
+                f"prompt {i} is {len(text):,} characters, more than the model's {window} positions "
+                "(max_position_embeddings) can hold: shorten the prompt"
+            )
 
 
 def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new_tokens: int, output, dtype, attn,

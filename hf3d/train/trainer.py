@@ -75,19 +75,11 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
             if run.pusher is not None:  # what the background pushes did since the last record
                 record.update(run.pusher.take_news())
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
+            _record_samples(run, step, record, texts)  # so are the step's samples and the trackers' log
             _checkpoint_and_stop(run, step, record, health, signum, bar)
         except Exception as e:
             _let_the_write_finish(run, e)
             raise
-        drawn = samples(run, step + 1) if cfg.samples.due(step + 1, r.steps) else []
-        for i, sample in enumerate(drawn):
-            texts.write(sample)
-            if run.rank0:
-                tqdm.write(f"hf3d: sample {i} at step {step + 1}: {json.dumps(sample['prompt'] + sample['text'])}")
-        if run.trackers:
-            run.acc.log(
-                {**record, **{f"samples/{i}": s["prompt"] + s["text"] for i, s in enumerate(drawn)}}, step=step + 1
-            )
         if step == run.start:  # optimizer state exists from the first step on
             report_memory(run.opt, run.out, run.rank0, tqdm.write)
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
@@ -102,6 +94,21 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     if run.pusher is not None:
         _finish_pushes(run)
     return record
+
+
+def _record_samples(run: Run, step: int, record: dict, texts: MetricsWriter) -> None:
+    """The step's samples (when due) into samples.jsonl and the trackers' log of the step, both before the step's
+    checkpoint: a stop or a kill after that checkpoint loses neither, and a resume from an earlier one writes them
+    again (each writer drops the records past the step it resumes from)."""
+    from tqdm.auto import tqdm
+
+    drawn = samples(run, step + 1) if run.cfg.samples.due(step + 1, run.cfg.run.steps) else []
+    for i, sample in enumerate(drawn):
+        texts.write(sample)
+        if run.rank0:
+            tqdm.write(f"hf3d: sample {i} at step {step + 1}: {json.dumps(sample['prompt'] + sample['text'])}")
+    if run.trackers:
+        run.acc.log({**record, **{f"samples/{i}": s["prompt"] + s["text"] for i, s in enumerate(drawn)}}, step=step + 1)
 
 
 def _finish_pushes(run: Run) -> None:
