@@ -11,7 +11,8 @@ the client reads: X-Repo-Commit, ETag / X-Linked-Etag, X-Linked-Size, Content-Le
 spoken: clients must run with HF_HUB_DISABLE_XET=1.
 
 Like the Hub, a commit is all or nothing: it is refused (422) unless every LFS object it names was
-uploaded. Knobs for the failure tests: `fail_first` (answer the first N requests 503) and
+uploaded. Knobs for the failure tests: `fail_first` (answer the first N requests 503), `fail_commits`
+(answer every commit 503: a branch is made, its commit never lands) and
 `read_only` (repo ids whose writes get 403) and `ignored` (path suffixes the repo's .gitignore
 names: the client leaves such files out of the commit). Every request is logged in `requests`.
 """
@@ -65,12 +66,14 @@ class FakeHub:
         token: str,
         *,
         fail_first: int = 0,
+        fail_commits: bool = False,
         read_only: tuple[str, ...] = (),
         ignored: tuple[str, ...] = (),
         port: int = 0,
         say=None,
     ):
         self.token, self.fail_first, self.read_only, self.ignored = token, fail_first, set(read_only), ignored
+        self.fail_commits = fail_commits
         self.port, self.say = port, say  # say(line): told of each commit (the command line's server)
         self.repos: dict[str, dict] = {}  # id -> {"private", "branches": {name: oid}, "commits": {oid: {path: Blob}}}
         self.lfs: dict[str, bytes] = {}  # sha256 -> content, as PUT by clients
@@ -80,6 +83,7 @@ class FakeHub:
             ("POST", r"/api/repos/create", self.create_repo),
             ("POST", r"/api/validate-yaml", self.validate_yaml),
             ("POST", rf"/api/models/{REPO}/branch/(?P<branch>[^/]+)", self.create_branch),
+            ("DELETE", rf"/api/models/{REPO}/branch/(?P<branch>[^/]+)", self.delete_branch),
             ("POST", rf"/api/models/{REPO}/preupload/(?P<rev>[^/]+)", self.preupload),
             ("POST", rf"/api/models/{REPO}/commit/(?P<rev>[^/]+)", self.commit),
             ("POST", rf"/{REPO}\.git/info/lfs/objects/batch", self.lfs_batch),
@@ -101,7 +105,7 @@ class FakeHub:
             def do_GET(self):
                 hub.handle(self)
 
-            do_HEAD = do_POST = do_PUT = do_GET
+            do_HEAD = do_POST = do_PUT = do_DELETE = do_GET
 
             def log_message(self, *args):  # quiet; `requests` keeps the log
                 pass
@@ -204,6 +208,14 @@ class FakeHub:
         self.repos[repo]["branches"][branch] = start
         return 200, {}, {}
 
+    def delete_branch(self, req, body, query, repo, branch):
+        self._auth(req, repo, write=True)
+        branch = unquote(branch)
+        if branch == "main" or branch not in self.repos[repo]["branches"]:
+            raise Refusal(404 if branch != "main" else 403, f"cannot delete branch {branch}")
+        del self.repos[repo]["branches"][branch]
+        return 200, {}, {}
+
     def validate_yaml(self, req, body, query):
         content = json.loads(body)["content"]
         m = re.match(r"---\n(.*?)\n---\n", content, re.S)
@@ -264,6 +276,8 @@ class FakeHub:
 
     def commit(self, req, body, query, repo, rev):
         self._auth(req, repo, write=True)
+        if self.fail_commits:
+            raise Refusal(503, "Service Unavailable (injected by the test server: commits fail)")
         branch = unquote(rev)
         tree = dict(self.files(repo, self._head(repo, branch)))
         lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]

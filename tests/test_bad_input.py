@@ -841,6 +841,13 @@ CASES: list[Case] = [
         ["checkpoint.push_to_hub.every must be >= 1", "got 0"],
     ),
     _c(
+        "config-ckpt-push-timeout",
+        CFG,
+        "`checkpoint.push_to_hub.timeout_s: 0`",
+        lambda fx: _set("checkpoint.push_to_hub.repo=me/run", "checkpoint.push_to_hub.timeout_s=0"),
+        ["checkpoint.push_to_hub.timeout_s must be a number of seconds > 0, got 0"],
+    ),
+    _c(
         "config-ckpt-push-unknown-key",
         CFG,
         "`checkpoint.push_to_hub.branch` (no such key)",

@@ -9,14 +9,17 @@ HF_HUB_DISABLE_XET=1 and an empty HF_HOME would have set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import huggingface_hub.constants as hub_constants
 import pytest
@@ -33,7 +36,7 @@ from models import make_model_dir  # noqa: E402
 
 from hf3d import cli  # noqa: E402
 from hf3d.checkpoint.marker import MARKER  # noqa: E402
-from hf3d.hf.hub import write_model_card  # noqa: E402
+from hf3d.hf.hub import HubError, push_to_hub, write_model_card  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_test9f3Kq2ZtW7mXcR4vBn8LpYs"
@@ -205,6 +208,19 @@ def test_push_to_a_branch(model_dir, hub_env, capsys):
         assert _push(model_dir, "--revision", "step-40") == 0, capsys.readouterr().err
         assert "config.json" in hub.files("user/tiny", "step-40")
         assert set(hub.files("user/tiny", "main")) == {".gitattributes"}
+
+
+def test_a_failed_commit_leaves_no_branch_it_made(model_dir, hub_env, capsys):
+    """Commits answered 503: the branch the push made is deleted (no `step_N` holding only .gitattributes); a
+    branch that was there before stays. Mutation: not deleting leaves step-41 behind."""
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        assert _push(model_dir, "--revision", "step-40") == 0, capsys.readouterr().err
+        hub.fail_commits = True
+        assert _push(model_dir, "--revision", "step-41") == 1
+        assert _push(model_dir, "--revision", "step-40") == 1
+        assert set(hub.repos["user/tiny"]["branches"]) == {"main", "step-40"}
+    assert "the Hub answered 503 while uploading to user/tiny" in capsys.readouterr().err
 
 
 def test_a_card_with_broken_metadata_is_refused(model_dir, hub_env, capsys):
@@ -461,7 +477,7 @@ def test_a_stop_signal_leaves_the_waiting_pushes_said_and_their_checkpoints_kept
     said = next(line for line in lines if "not waiting for the Hub pushes of steps" in line)
     left = [int(n) for n in said.split("steps [", 1)[1].split("]", 1)[0].split(", ")]
     assert left[:2] == [1, 2], said
-    assert "push them with `hf3d convert to-hf` and `hf3d push --revision step_<N>`" in said
+    assert "a resume of this run pushes them, or push one with `hf3d convert to-hf` and `hf3d push" in said
     assert lines[-1].startswith("hf3d: stopped by SIGTERM after step ") and lines[-1].endswith("exit code 143")
     assert lines.index(said) < len(lines) - 1
     for n in left:
@@ -490,7 +506,6 @@ def _pusher_run(tmp_path: Path, hub: FakeHub, hub_env, steps: list[int], *, dama
         took.append(time.perf_counter() - t0)
         assert ckpt in pusher.pinned()  # rotation keeps it until converted (a conversion takes 0.1 s or more)
     pusher.finish()
-    assert not pusher.pinned()
     return lines, pusher.take_news(), took
 
 
@@ -504,9 +519,12 @@ def test_checkpoint_pushes_refuse_a_damaged_checkpoint_and_never_hold_the_caller
     (warning,) = [line for line in lines if line.startswith("hf3d: warning:")]
     assert "the Hub push of checkpoint step_1 to user/ckpts (branch step_1) failed: checkpoint" in warning
     assert "is damaged" in warning and "training goes on" in warning and "\n" not in warning
-    assert news == {"hub_push_error": warning.removeprefix("hf3d: warning: ").removesuffix("; training goes on"),
-                    "hub_pushed": 2}  # fmt: skip
-    assert lines[-1] == "hf3d: Hub pushes to user/ckpts: steps [2] pushed; failed: steps [1] (see the warnings above)"
+    kept = "; training goes on, the checkpoint is kept for a later push"
+    assert news == {"hub_push_error": warning.removeprefix("hf3d: warning: ").removesuffix(kept), "hub_pushed": 2}
+    assert lines[-1] == (
+        "hf3d: Hub pushes to user/ckpts: steps [2] pushed; failed: steps [1] (kept for the next resume to push; see "
+        "the warnings above)"
+    )
     original = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).state_dict()
     from safetensors.torch import load
 
@@ -543,3 +561,149 @@ def test_rotation_keeps_a_checkpoint_pinned_for_its_push(tmp_path):
     assert one.is_dir()  # still being converted for the Hub
     finish_save(root, 1, two)
     assert not one.exists()
+
+
+# -- a Hub that hangs or fails: the run is never held for good, and no checkpoint waiting for a push is lost ------
+@contextlib.contextmanager
+def _silent_hub():
+    """A server that accepts connections (the kernel's backlog does) and never answers a byte."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(64)
+        yield SimpleNamespace(url=f"http://127.0.0.1:{sock.getsockname()[1]}")
+
+
+def _checkpoints(tmp_path: Path, steps: list[int]) -> dict[int, Path]:
+    from hf3d.checkpoint.convert import hf_to_checkpoint
+
+    src = make_model_dir(tmp_path / "m", "llama")
+    return {n: hf_to_checkpoint(src, tmp_path / "run" / "checkpoints" / f"step_{n}") for n in steps}
+
+
+def _pending(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "run" / "hub_pending.json").read_text())
+
+
+def test_a_hanging_hub_ends_the_wait_at_the_timeout_and_keeps_the_checkpoints(tmp_path, hub_env):
+    """Every request hangs: each gives up after request_timeout_s, a push retries for at most timeout_s, and the
+    end of the run waits at most timeout_s, then names the pushes left; every checkpoint stays listed and pinned.
+    Mutation: joining the worker without a timeout holds finish() for good (the 4 s bound fails)."""
+    from hf3d.train.config import CheckpointPushConfig
+    from hf3d.train.hub_push import CheckpointPusher
+
+    ckpts = _checkpoints(tmp_path, [1, 2])
+    lines: list[str] = []
+    with _silent_hub() as hub:
+        hub_env(hub.url)
+        cfg = CheckpointPushConfig(repo="user/ckpts", timeout_s=1.5, request_timeout_s=0.3)
+        pusher = CheckpointPusher(cfg, tmp_path / "run", say=lines.append, retry_wait_s=0.05)
+        for n, ckpt in ckpts.items():
+            pusher.submit(ckpt, n)
+        t0 = time.monotonic()
+        assert pusher.finish() == 0
+        took = time.monotonic() - t0
+    assert took < 1.5 + 2.5, took  # timeout_s and the last poll; measured 1.6 s
+    with _silent_hub() as hub:  # one request gives up after request_timeout (huggingface_hub's default: never)
+        hub_env(hub.url)
+        failed: list[str] = []
+
+        def push() -> None:
+            try:
+                push_to_hub(ckpts[1].parent.parent.parent / "m", "user/x", retries=1, retry_wait_s=0.01,
+                            request_timeout=0.3)  # fmt: skip
+            except HubError as e:
+                failed.append(str(e))
+
+        worker = threading.Thread(target=push, daemon=True)
+        worker.start()
+        worker.join(10)  # measured 0.7 s: two attempts of 0.3 s
+        assert not worker.is_alive() and "could not reach the Hub while creating the repo" in failed[0], failed
+    said = next(line for line in lines if "not waiting for the Hub pushes of steps" in line)
+    assert "(after 1.5 s): their checkpoints" in said and str(tmp_path / "run" / "hub_pending.json") in said
+    assert sorted(_pending(tmp_path)["steps"]) == ["1", "2"]
+    assert pusher.pinned() == frozenset(ckpts.values()) and all(c.is_dir() for c in ckpts.values())
+
+
+def test_a_failing_hub_keeps_every_checkpoint_records_every_failure_and_a_resume_pushes_them(tmp_path, hub_env):
+    """503 on every request: the three pushes fail, each failure is a line of the next record's hub_push_error,
+    keep_last=1 rotation keeps all three (pinned), hub_pending.json lists them with their errors; a new pusher on
+    the same output_dir (a resume) against a Hub that answers pushes the three first, then forgets them.
+    Mutations: unpinning once converted (rotation deletes steps 1-2), keeping only the newest failure."""
+    from hf3d.checkpoint.rotation import finish_save
+    from hf3d.train.config import CheckpointPushConfig
+    from hf3d.train.hub_push import CheckpointPusher
+
+    ckpts, out = _checkpoints(tmp_path, [1, 2, 3]), tmp_path / "run"
+    cfg = CheckpointPushConfig(repo="user/ckpts")
+    lines: list[str] = []
+    with FakeHub(TOKEN, fail_first=10**9) as hub:
+        hub_env(hub.url)
+        pusher = CheckpointPusher(cfg, out, say=lines.append, retry_wait_s=0.01)
+        for n, ckpt in ckpts.items():
+            pusher.submit(ckpt, n)
+        pusher.finish()
+    news = pusher.take_news()
+    errors = news["hub_push_error"].splitlines()
+    assert [e.split(" to user/ckpts")[0] for e in errors] == [f"the Hub push of checkpoint step_{n}" for n in (1, 2, 3)]
+    assert all("answered 503" in e for e in errors) and "hub_pushed" not in news
+    finish_save(out / "checkpoints", 1, ckpts[3], pinned=pusher.pinned())
+    assert all((c / MARKER).is_file() for c in ckpts.values())
+    assert [v["error"] for v in _pending(tmp_path)["steps"].values()] == errors
+    lines.clear()
+    with FakeHub(TOKEN) as hub:
+        hub_env(hub.url)
+        again = CheckpointPusher(cfg, out, say=lines.append)
+        assert again.pinned() == frozenset(ckpts.values())
+        again.finish()
+        assert set(hub.repos["user/ckpts"]["branches"]) == {"main", "step_1", "step_2", "step_3"}
+    assert lines[0] == "hf3d: pushing to user/ckpts the checkpoints of steps [1, 2, 3] an earlier run left unpushed"
+    assert lines[-1] == "hf3d: Hub pushes to user/ckpts: steps [1, 2, 3] pushed"
+    assert not (out / "hub_pending.json").exists() and not again.pinned()
+
+
+def test_checkpoints_waiting_for_a_push_are_kept_without_push_to_hub_until_dropped(tmp_path):
+    """A resume without checkpoint.push_to_hub keeps what hub_pending.json lists (said once); drop_pending_pushes
+    forgets them; a record that is not hf3d's is refused in one line."""
+    from hf3d.train.hub_push import pending_checkpoints
+    from hf3d.utils import files
+
+    out = tmp_path / "run"
+    out.mkdir()
+    record = {"repo": "user/ckpts", "steps": {"4": {"checkpoint": "checkpoints/step_4", "error": "answered 503"}}}
+    files.write_file(out / "hub_pending.json", json.dumps(record), replace=True)
+    lines: list[str] = []
+    assert pending_checkpoints(out, drop=False, say=lines.append) == {out / "checkpoints" / "step_4"}
+    assert lines == [
+        "hf3d: the checkpoints of steps [4] wait for a Hub push (hub_pending.json): kept; set checkpoint.push_to_hub "
+        "to push them, or checkpoint.drop_pending_pushes=true to let keep_last drop them"
+    ]
+    assert pending_checkpoints(out, drop=True, say=lines.append) == frozenset()
+    assert not (out / "hub_pending.json").exists() and "forgot the Hub pushes of steps [4]" in lines[-1]
+    for bad in ('{"steps": [1]}', '{"steps": {"1": {"checkpoint": "../../elsewhere"}}}'):
+        files.write_file(out / "hub_pending.json", bad, replace=True)
+        with pytest.raises(ValueError, match=r"hub_pending.json (is not hf3d's record|names '\.\./\.\./elsewhere')"):
+            pending_checkpoints(out, drop=False, say=lines.append)
+
+
+def test_a_stop_signal_ends_the_wait_for_a_hanging_hub_at_once(tmp_path):
+    """`hf3d train` whose Hub never answers, timeout_s=600: the end of the run waits; SIGTERM then ends it within
+    seconds with 143, naming the pushes left, every checkpoint kept (keep_last=1) and listed for the resume."""
+    with _silent_hub() as hub:
+        proc = _train_with_pushes(tmp_path, hub, "run.steps=2", "checkpoint.push_to_hub.timeout_s=600", popen=True)
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "hf3d: waiting up to 600 s for" in line:
+                break
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    screen = "".join(seen) + rest
+    assert proc.returncode == 143, screen[-3000:]
+    assert took < 10, took  # measured 0.3 s: the wait polls the signal every 0.1 s
+    said = next(line for line in screen.splitlines() if "not waiting for the Hub pushes of steps" in line)
+    assert "(stopped by SIGTERM)" in said
+    out = tmp_path / "run"
+    assert sorted(_pending(tmp_path)["steps"]) == ["1", "2"]
+    assert all((out / "checkpoints" / f"step_{n}" / MARKER).is_file() for n in (1, 2))

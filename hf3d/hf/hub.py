@@ -30,6 +30,7 @@ whose files contain it is refused.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -45,6 +46,8 @@ from ..utils import files as hf3d_files
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+REQUEST_TIMEOUT_S = 120.0
+"""How long a Hub request may wait for an answer, or go without moving a byte, before it fails (and is retried)."""
 SUMMARY_FILE = "hf3d_training.json"
 CARD_FILE = "README.md"
 LOSS_CURVE_FILE = "loss_curve.png"
@@ -264,11 +267,16 @@ def push_to_hub(
     endpoint: str | None = None,
     retries: int = 3,
     retry_wait_s: float = 1.0,
+    request_timeout: float | None = REQUEST_TIMEOUT_S,
+    deadline: float | None = None,
 ) -> str:
     """Upload an HF model directory (+ a model card when it has none) to `repo_id`; returns the commit URL.
 
-    Transient failures (connection errors, 429, 5xx) are retried `retries` times, waiting
-    `retry_wait_s`, then twice that, and so on. `endpoint` defaults to HF_ENDPOINT / huggingface.co.
+    Transient failures (connection errors, 429, 5xx, a request that times out) are retried `retries` times,
+    waiting `retry_wait_s`, then twice that, and so on, but none begins after `deadline` (a time.monotonic()
+    value). `request_timeout`: seconds a request may wait for an answer, or go without sending or receiving a
+    byte, before it fails (set on huggingface_hub's shared client, whose default waits for ever; None leaves
+    it). `endpoint` defaults to HF_ENDPOINT / huggingface.co.
     """
     from huggingface_hub import CommitOperationAdd, HfApi, get_token
     from huggingface_hub.hf_api import RepoFile
@@ -285,24 +293,34 @@ def push_to_hub(
         logger.info("wrote the model card %s", card)
         files = _model_files(model_dir)
 
+    if request_timeout is not None:
+        import huggingface_hub
+
+        huggingface_hub.get_session().timeout = request_timeout
     api = HfApi(endpoint=endpoint, token=token)
     endpoint = api.endpoint
 
     def attempt(step: str, fn: Callable[[], T]) -> T:
-        return _with_retries(fn, step=step, repo_id=repo_id, endpoint=endpoint, retries=retries, wait_s=retry_wait_s)
+        return _with_retries(
+            fn, step=step, repo_id=repo_id, endpoint=endpoint, retries=retries, wait_s=retry_wait_s, deadline=deadline
+        )
 
     attempt("creating the repo", lambda: api.create_repo(repo_id, private=private, exist_ok=True))
-    if revision not in (None, "main"):
-        attempt(f"creating branch {revision!r} of", lambda: api.create_branch(repo_id, branch=revision, exist_ok=True))
-    commit = attempt(
-        "uploading to",
-        lambda: api.create_commit(
-            repo_id,
-            operations=[CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(model_dir / rel)) for rel in files],
-            commit_message=commit_message or f"Upload {model_dir.resolve().name} with hf3d",
-            revision=revision,
-        ),
+    made = revision not in (None, "main") and attempt(
+        f"creating branch {revision!r} of", lambda: _new_branch(api, repo_id, revision)
     )
+    operations = [CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(model_dir / rel)) for rel in files]
+    message = commit_message or f"Upload {model_dir.resolve().name} with hf3d"
+    try:
+        commit = attempt(
+            "uploading to",
+            lambda: api.create_commit(repo_id, operations=operations, commit_message=message, revision=revision),
+        )
+    except Exception:
+        if made:  # the branch this push made holds no commit: deleted, so that no empty step branch stays behind
+            with contextlib.suppress(Exception):
+                api.delete_branch(repo_id, branch=revision)
+        raise
     remote = attempt(
         "checking the upload to",
         lambda: {
@@ -318,6 +336,17 @@ def push_to_hub(
             "(a .gitignore in the repo?); fix the repo, then push again"
         )
     return commit.commit_url
+
+
+def _new_branch(api, repo_id: str, revision: str) -> bool:
+    """Make the branch `revision`; whether this call made it (False: it was there)."""
+    try:
+        api.create_branch(repo_id, branch=revision, exist_ok=False)
+    except Exception as e:  # noqa: BLE001 - 409: the branch exists; anything else is the caller's to sort
+        if _status(e) == 409:
+            return False
+        raise
+    return True
 
 
 def _model_files(model_dir: Path) -> list[str]:
@@ -393,17 +422,20 @@ def _refuse_token_in(files: list[str], model_dir: Path, token: str, max_bytes: i
 # ------------------------------------------------------------------------------------------------
 # Retries and error messages
 # ------------------------------------------------------------------------------------------------
-def _with_retries(fn: Callable[[], T], *, step: str, repo_id: str, endpoint: str, retries: int, wait_s: float) -> T:
+def _with_retries(
+    fn: Callable[[], T], *, step: str, repo_id: str, endpoint: str, retries: int, wait_s: float, deadline=None
+) -> T:
     """Retries are safe: creating a repo or branch is exist_ok, and a commit is all or nothing."""
     attempt = 1
     while True:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - sorted into transient / final below
-            if not _is_transient(e) or attempt > retries:
+            wait = wait_s * 2 ** (attempt - 1)
+            late = deadline is not None and time.monotonic() + wait > deadline
+            if not _is_transient(e) or attempt > retries or late:
                 raise _explain(e, step=step, repo_id=repo_id, endpoint=endpoint, attempts=attempt) from None
             what = f"answered {_status(e)}" if _status(e) else f"gave {type(e).__name__}"
-            wait = wait_s * 2 ** (attempt - 1)
             logger.warning(
                 "the Hub %s while %s %s; retry %d of %d in %g s", what, step, repo_id, attempt, retries, wait
             )

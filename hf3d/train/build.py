@@ -137,6 +137,7 @@ class Run:
     tokenizer: object = None  # the model folder's (samples: text generated during the run)
     told: set = dataclasses.field(default_factory=set)  # the checkpoints rotation said it keeps (once each)
     pusher: object = None  # checkpoint.push_to_hub, rank 0: hub_push.CheckpointPusher
+    hub_pins: frozenset = frozenset()  # without it: checkpoints an earlier run left waiting for a push (rank 0)
 
 
 def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[str]]:

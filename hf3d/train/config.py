@@ -159,7 +159,8 @@ class CheckpointPushConfig:
     """YAML `checkpoint.push_to_hub`: each checkpoint (or every N-th) uploaded to the Hub while the run goes on,
     as a stock HF folder (the checkpoint converted, as `hf3d convert to-hf` converts it) on a branch of its own,
     `step_<N>`, by rank 0 in the background (hf3d/train/hub_push.py). A failed push is one warning line and
-    a `hub_push_error` in metrics.jsonl; the run goes on. The end of the run waits for the pushes left."""
+    a `hub_push_error` in metrics.jsonl; the run goes on, and its checkpoint is kept until a push of it
+    succeeds (the next resume tries again). The end of the run waits at most timeout_s for the pushes left."""
 
     repo: str = ""
     """The Hub repo id, NAMESPACE/NAME (created when missing); the token comes from HF_TOKEN or `hf auth login`."""
@@ -167,9 +168,20 @@ class CheckpointPushConfig:
     """Push every N-th checkpoint: those at multiples of N·checkpoint.every steps, and the last step's. 1: each."""
     private: bool = True
     """Create the repo private (an existing repo keeps its setting)."""
+    timeout_s: float = 1800.0
+    """The most one checkpoint's push retries for, and the most the end of the run waits for the pushes left:
+    those not done by then are named, their checkpoints kept for the next resume to push."""
+    request_timeout_s: float = 120.0
+    """How long one Hub request may wait for an answer, or go without moving a byte, before it fails (and is
+    retried while timeout_s allows)."""
 
     def __post_init__(self) -> None:
         from ..hf.hub import check_repo_id
+
+        for key in ("timeout_s", "request_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"checkpoint.push_to_hub.{key} must be a number of seconds > 0, got {value!r}")
 
         if not self.repo:
             raise ValueError("checkpoint.push_to_hub.repo is missing: give the Hub repo, e.g. my-user/my-run")
@@ -210,6 +222,9 @@ class CheckpointConfig:
     nothing, as with false."""
     push_to_hub: CheckpointPushConfig | None = None
     """Upload checkpoints to the Hub as the run goes (repo, every, private): see CheckpointPushConfig."""
+    drop_pending_pushes: bool = False
+    """true: forget the checkpoints an earlier run of this output_dir left waiting for a Hub push (recorded in
+    hub_pending.json), so that keep_last may delete them; false keeps them (and push_to_hub pushes them)."""
 
     def __post_init__(self) -> None:
         if self.every < 0:

@@ -21,7 +21,7 @@ from ..utils.faults import RunState, is_communication_error, leave, root_cause
 from .build import Run, announce, build_run, report_memory, resume_run
 from .config import TrainConfig
 from .finish import finish_run, training_summary
-from .hub_push import CheckpointPusher
+from .hub_push import CheckpointPusher, pending_checkpoints
 from .metrics import (
     MetricsWriter,
 )
@@ -59,7 +59,9 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     stop = StopSignal(run.pmodel.device)
     health = StepHealth(r, skipped=int(run.saved.get("skipped_steps", 0)) if run.start else 0)
     if run.rank0 and cfg.checkpoint.push_to_hub is not None:  # uploads in the background, rank 0 only
-        run.pusher = CheckpointPusher(cfg.checkpoint.push_to_hub, run.out)
+        run.pusher = CheckpointPusher(cfg.checkpoint.push_to_hub, run.out, drop=cfg.checkpoint.drop_pending_pushes)
+    elif run.rank0:  # what an earlier run left waiting for a push is kept all the same
+        run.hub_pins = pending_checkpoints(run.out, drop=cfg.checkpoint.drop_pending_pushes, say=tqdm.write)
     for step in range(run.start, r.steps):
         state.step = step + 1
         try:
@@ -92,7 +94,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
     run.rope.enter(r.steps - 1)  # a run complete at its resume exports the last stage's settings too
     finish_run(cfg, run.pmodel, run.out, metrics.path, record, run.rank0)
     if run.pusher is not None:
-        _finish_pushes(run)
+        _finish_pushes(run, stop)
     return record
 
 
@@ -111,13 +113,16 @@ def _record_samples(run: Run, step: int, record: dict, texts: MetricsWriter) -> 
         run.acc.log({**record, **{f"samples/{i}": s["prompt"] + s["text"] for i, s in enumerate(drawn)}}, step=step + 1)
 
 
-def _finish_pushes(run: Run) -> None:
-    """Rank 0, at the end: wait for the Hub pushes left, then drop what keep_last kept only for them."""
-    run.pusher.finish()
+def _finish_pushes(run: Run, stop: StopSignal) -> None:
+    """Rank 0, at the end: wait for the Hub pushes left (at most their timeout, or until a stop signal, which
+    ends the run with 128 + its number), then drop what keep_last kept only for those that were pushed."""
+    signum = run.pusher.finish(stopped=lambda: stop.received)
     root = run.out / "checkpoints"
     saves = step_dirs(root)
     if saves:
-        prune_saves(root, run.cfg.checkpoint.keep_last, saves[-1][1], told=run.told)
+        prune_saves(root, run.cfg.checkpoint.keep_last, saves[-1][1], told=run.told, pinned=run.pusher.pinned())
+    if signum:
+        leave(128 + signum)
 
 
 def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, signum: int, bar) -> None:
@@ -141,7 +146,7 @@ def _checkpoint_and_stop(run: Run, step: int, record: dict, health: StepHealth, 
         push = run.pusher is not None and c.push_due(step + 1, run.cfg.run.steps)
 
         def published() -> None:  # rank 0, once the checkpoint is complete (in the background when async)
-            pinned = run.pusher.pinned() if run.pusher is not None else ()  # being converted for the Hub
+            pinned = run.pusher.pinned() if run.pusher is not None else run.hub_pins  # waiting for a Hub push
             finish_save(root, c.keep_last, path, told=run.told, pinned=pinned)
             if push:
                 run.pusher.submit(path, step + 1)
