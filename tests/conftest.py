@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -49,11 +51,26 @@ def _audit_log(tmp_path_factory) -> Path:
     except ImportError:
         pass
     os.environ[audit.LOG_ENV] = str(log)
+    os.environ[audit.FILE_ENV] = audit.__file__
     audit.install()
     audit.watching = True
-    yield log
+    with _audit_line_in_site_packages():
+        yield log
     audit.watching = False
     os.environ.pop(audit.LOG_ENV, None)
+    os.environ.pop(audit.FILE_ENV, None)
+
+
+@contextlib.contextmanager
+def _audit_line_in_site_packages():
+    """For the session, a .pth file in site-packages whose line watches every Python process the suite starts
+    (tests/audit.py: commands, torchrun workers, the checkpoint writer under `python -I`); removed afterwards."""
+    pth = Path(sysconfig.get_paths()["purelib"]) / f"hf3d_suite_audit_{os.getpid()}.pth"
+    pth.write_text(audit.START_LINE)
+    try:
+        yield
+    finally:
+        pth.unlink(missing_ok=True)
 
 
 _said = {"found": 0, "logged": 0}

@@ -728,6 +728,15 @@ def _attempt_dist_cases(fx: dict, how: str, **more) -> dict[str, tuple[str, str]
 # ------------------------------------------------------------------------------------------------
 # The registry
 # ------------------------------------------------------------------------------------------------
+def _hub_pending_not_hf3ds(fx):
+    from hf3d.train.hub_push import pending_checkpoints
+
+    out = Path(fx["tmp"]) / "pending-run"
+    out.mkdir(exist_ok=True)
+    (out / "hub_pending.json").write_text('{"steps": [1, 2]}')
+    return pending_checkpoints(out, drop=False, say=print)
+
+
 def _c(id, category, bad, trigger, words, **kw) -> Case:
     return Case(id, category, bad, trigger, tuple(words), **kw)
 
@@ -1344,6 +1353,22 @@ CASES: list[Case] = [
     ),
     # --- launch: the world vs the config ---------------------------------------------------------------
     _c(
+        "set-python-tag",
+        SET,
+        "`--set` with a YAML python tag (`run.steps=!!python/object/apply:os.system [...]`)",
+        lambda fx: [
+            "train",
+            str(TINY_SMOLLM.parent.parent / "configs" / "tiny-smollm.yaml"),
+            "--set",
+            'run.steps=!!python/object/apply:os.system ["true"]',
+        ],  # fmt: skip
+        [
+            "--set 'run.steps=!!python/object/apply:os.system [\"true\"]': the value is not YAML hf3d reads",
+            "write a plain value",
+        ],  # fmt: skip
+        how="main",
+    ),
+    _c(
         "launch-tp-does-not-fit",
         LAUNCH,
         "`parallel.tp: 3` for a model of 6 query and 2 KV heads, on 1 process",
@@ -1780,6 +1805,13 @@ CASES: list[Case] = [
             "may have been crafted to run code",
         ],
         how="dist",
+    ),
+    _c(
+        "ckpt-hub-pending-not-hf3ds",
+        CKPT,
+        "an output_dir whose hub_pending.json (the checkpoints waiting for a Hub push) is not hf3d's record",
+        _hub_pending_not_hf3ds,
+        ["<tmp>/pending-run/hub_pending.json is not hf3d's record of the checkpoints waiting for a Hub push"],
     ),
     _c(
         "ckpt-old-version",

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..parallel.config import ParallelConfig
 from ..utils import files
-from ..utils.configfile import build_section
+from ..utils.configfile import build_section, set_value
 from .config import TaskEvalConfig
 from .evaluator import EvalResults, Evaluator, load_tasks
 
@@ -29,7 +29,6 @@ RESULTS_FILE = "results.json"
 
 def parallel_config(overrides: list[str]) -> ParallelConfig:
     """The mesh from `--set parallel.KEY=VALUE ...` (dp: the processes left over, as in hf3d train)."""
-    import yaml
 
     values = {}
     for item in overrides:
@@ -40,7 +39,7 @@ def parallel_config(overrides: list[str]) -> ParallelConfig:
                 f"--set expects parallel.KEY=VALUE (the mesh, e.g. parallel.tp=2), got {item!r}; the evaluation's "
                 "own options are flags (--limit, --num-fewshot, --max-length, ...)"
             )
-        values[name] = yaml.safe_load(value)
+        values[name] = set_value(item, value)
     return build_section(ParallelConfig, values, "parallel")
 
 

@@ -32,7 +32,7 @@ from ..data import DataConfig
 from ..evaluation.config import TaskEvalConfig
 from ..parallel.config import DTYPE_NAMES, ParallelConfig, check_attn_implementation, check_cp_seq_len
 from ..utils import files
-from ..utils.configfile import build_section, key_of
+from ..utils.configfile import build_section, key_of, set_value
 from .lr_schedules import ScheduleConfig, decay_start_step, describe_schedule
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -408,7 +408,7 @@ class TrainConfig:
                 target = target.setdefault(part, {})
                 if not isinstance(target, dict):
                     raise ValueError(f"--set {item!r}: {part!r} is not a mapping in the config file")
-            target[name] = yaml.safe_load(value)
+            target[name] = set_value(item, value)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         built = {}
         for section, values in raw.items():

@@ -37,6 +37,18 @@ def build_section(cls, values: dict | None, where: str):
     return cls(**kwargs)
 
 
+def set_value(item: str, value: str):
+    """The value of one `--set KEY=VALUE` as YAML reads it (safe_load: plain values, lists, mappings), or one line
+    naming the item when it is not YAML hf3d reads (a python tag, a broken quote)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        detail = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ValueError(f"--set {item!r}: the value is not YAML hf3d reads ({detail}); write a plain value") from None
+
+
 def key_of(field_name: str) -> str:
     """The YAML key of a dataclass field: a Python keyword is spelled with a trailing underscore in the
     code (checkpoint.async is the field `async_`)."""
