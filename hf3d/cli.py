@@ -36,7 +36,7 @@ def _launch(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
 
         TrainConfig.from_yaml(args.config, args.set or [])
     else:  # eval, generate
-        from .evaluation.command import check_model
+        from .model_source import check_model
 
         if args.func is _generate:
             from .generation.command import read_prompts

@@ -116,6 +116,8 @@ def _verdict(event: str, args: tuple) -> str | None:
     if event in _DELETES:
         if isinstance(args[0], int):  # os.ftruncate of a file this process opened (that open was judged)
             return None
+        if _in_frame("_write_atomic", "importlib"):  # Python caching the bytecode of a module hf3d imports
+            return None
         stack = _stack()
         if stack and stack[0][0] == "hf3d":
             return f"{event}{args[:2]} from {_where(stack[0])}, outside hf3d/utils/files.py"
@@ -146,6 +148,16 @@ def _verdict(event: str, args: tuple) -> str | None:
         if asker is not None and stack[0][0] != "torch's own":
             return f"pickle.find_class{args} under {_where(asker)} (innermost: {_where(stack[0])})"
     return None
+
+
+def _in_frame(function: str, file_part: str) -> bool:
+    """Whether a frame of `function`, in a file whose name holds `file_part`, is on this thread's stack."""
+    f = sys._getframe(0)
+    while f is not None:
+        if f.f_code.co_name == function and file_part in f.f_code.co_filename:
+            return True
+        f = f.f_back
+    return False
 
 
 def _importing(package: str) -> bool:

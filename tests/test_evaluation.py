@@ -140,7 +140,7 @@ def _score(env, path, pcfg_kw: dict, attn: str, share: bool) -> dict:
 
 def _checkpoint_job(env) -> dict:
     """A step of AdamW at tp2, saved as a checkpoint and exported; the checkpoint read at pp2 and scored."""
-    from hf3d.evaluation.command import load_model
+    from hf3d.model_source import load_model
 
     trained_checkpoint(env["dirs"]["llama"], env["root"])
     pm2 = load_model(

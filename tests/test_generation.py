@@ -99,7 +99,7 @@ def _generate(pm) -> dict:
 
 
 def _checkpoint_job(env) -> dict:
-    from hf3d.evaluation.command import load_model
+    from hf3d.model_source import load_model
 
     trained_checkpoint(env["dirs"]["llama"], env["root"])
     pm2 = load_model(

@@ -46,7 +46,7 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 def generate_block(pmodel, tokenizer, contexts: list[str], cfg, window: int) -> tuple[list[str], int]:
     """This replica's contexts answered: (texts cut at the stop strings, contexts cut from the left)."""
-    from ..generation.command import new_tokens
+    from ..generation.decode import new_tokens
     from ..utils.tokens import cut_left
 
     keep = window - cfg.max_new_tokens

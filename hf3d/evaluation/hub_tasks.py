@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..utils import files
-from .tasks import Row, Task, check_answer_row, check_row
+from .rows import Row, Task, check_answer_row, check_row
 
 _WORKING_FOLDER = files.Kind("working folder", lambda name: False)
 """The empty folder Hub ids are resolved from: hf3d writes nothing into it."""

@@ -15,7 +15,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from ..utils import files
@@ -59,19 +58,11 @@ def sampling_options(args) -> dict:
     return {"do_sample": sample, **options, **({"seed": args.seed} if args.seed is not None else {})}
 
 
-def new_tokens(row: torch.Tensor, eos) -> list[int]:
-    """A row's generated ids up to and with its first EOS (the padding after it left out)."""
-    ids = row.tolist()
-    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-    for i, token in enumerate(ids):
-        if token in eos:
-            return ids[: i + 1]
-    return ids
-
-
 def generate_texts(pmodel, tokenizer, prompts: list[str], **options) -> list[dict]:
     """Every prompt's {"prompt", "generated_ids", "text"}, in order, on every rank: the prompts split over dp in
     contiguous blocks, each replica decoding its block padded on the left. Collective over the whole mesh."""
+    from .decode import new_tokens
+
     tok = copy.copy(tokenizer)
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -120,7 +111,7 @@ def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new
     """What `hf3d generate` does; collective over the launched processes. Returns every prompt's record."""
     from transformers import AutoTokenizer
 
-    from ..evaluation.command import check_model, load_model
+    from ..model_source import check_model, load_model
 
     check_model(model)
     if output is not None:

@@ -345,3 +345,13 @@ def _all_done(unfinished: torch.Tensor, pmodel, synced: bool) -> bool:
     if synced:
         dist.all_reduce(left, op=dist.ReduceOp.MAX, group=pmodel.mesh.get_group("dp"))
     return not bool(left)
+
+
+def new_tokens(row: torch.Tensor, eos) -> list[int]:
+    """A row's generated ids up to and with its first EOS (the padding after it left out)."""
+    ids = row.tolist()
+    eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+    for i, token in enumerate(ids):
+        if token in eos:
+            return ids[: i + 1]
+    return ids
