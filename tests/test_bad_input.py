@@ -408,7 +408,7 @@ def _set(*overrides: str):
 def _check_run(*overrides: str, world_size: int = 1) -> list[str]:
     from transformers import AutoConfig
 
-    from hf3d.train.config import check_run
+    from hf3d.train.checks import check_run
 
     cfg = _set("parallel.tp=1", *overrides)
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_SMOLLM))
@@ -418,7 +418,7 @@ def _check_run_dropout(*overrides: str) -> list[str]:
     """check_run of the tiny SmolLM example with attention dropout 0.1 in its config."""
     from transformers import AutoConfig
 
-    from hf3d.train.config import check_run
+    from hf3d.train.checks import check_run
 
     model_config = AutoConfig.from_pretrained(TINY_SMOLLM, attention_dropout=0.1)
     return check_run(_set("parallel.tp=1", *overrides), world_size=1, model_config=model_config)
@@ -428,7 +428,7 @@ def _check_moe_run(*overrides: str, world_size: int) -> list[str]:
     """check_run of the tiny Qwen3-MoE example (8 experts)."""
     from transformers import AutoConfig
 
-    from hf3d.train.config import check_run
+    from hf3d.train.checks import check_run
 
     cfg = _set("parallel.tp=1", f"model.path={TINY_MOE}", *overrides)
     return check_run(cfg, world_size=world_size, model_config=AutoConfig.from_pretrained(TINY_MOE))
@@ -437,7 +437,7 @@ def _check_moe_run(*overrides: str, world_size: int) -> list[str]:
 def _check_other_router() -> list[str]:
     from transformers import MixtralConfig
 
-    from hf3d.train.config import check_run
+    from hf3d.train.checks import check_run
 
     return check_run(_set("parallel.tp=1"), world_size=1, model_config=MixtralConfig(num_hidden_layers=1))
 

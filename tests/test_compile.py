@@ -252,7 +252,8 @@ def test_auto_compiles_on_cuda_and_picks_flex_attention_only_when_compiled(monke
 def test_a_run_says_what_auto_compile_chose():
     from transformers import AutoConfig
 
-    from hf3d.train.config import TrainConfig, check_run
+    from hf3d.train.checks import check_run
+    from hf3d.train.config import TrainConfig
 
     cfg = TrainConfig.from_yaml(str(ROOT / "examples/configs/tiny-smollm.yaml"), ["parallel.tp=1"])
     lines = check_run(cfg, world_size=1, model_config=AutoConfig.from_pretrained(ROOT / "examples/models/tiny-smollm"))

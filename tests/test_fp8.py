@@ -381,7 +381,8 @@ def test_a_recipe_slower_than_bf16_says_so_when_the_run_starts():
     from transformers import AutoConfig
 
     from hf3d.parallel.fp8 import speed_note
-    from hf3d.train.config import TrainConfig, check_run
+    from hf3d.train.checks import check_run
+    from hf3d.train.config import TrainConfig
 
     assert speed_note("off", device_type="cpu", compiled=False, hidden_size=960) is None
     assert speed_note("tensorwise", device_type="cuda", compiled=True, hidden_size=2048) is None

@@ -164,7 +164,8 @@ def test_the_long_context_example_ships_the_smollm3_recipe(tmp_path):
     check_run against a 4k-position SmolLM3-3B-shaped config (Llama-shaped here) on 8 processes."""
     from transformers import LlamaConfig
 
-    from hf3d.train.config import TrainConfig, check_run
+    from hf3d.train.checks import check_run
+    from hf3d.train.config import TrainConfig
 
     raw = yaml.safe_load(EXAMPLE.read_text())
     assert raw["model"]["path"] == "HuggingFaceTB/SmolLM3-3B" and raw["model"]["dtype"] == "bfloat16"

@@ -184,7 +184,8 @@ def test_stages_example_config_checks_out():
     decay starts (said in the derived values), and a stage moved past the run refused with one line."""
     from transformers import AutoConfig
 
-    from hf3d.train.config import TrainConfig, check_run
+    from hf3d.train.checks import check_run
+    from hf3d.train.config import TrainConfig
 
     path = "examples/configs/smollm3-style-stages.yaml"
     cfg = TrainConfig.from_yaml(str(ROOT / path))

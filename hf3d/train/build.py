@@ -24,7 +24,8 @@ from ..parallel.mesh import device_type, on_rank0
 from ..parallel.rng import seed_streams
 from ..utils import files
 from ..utils.faults import RunState, store_barrier
-from .config import DTYPES, ModelConfig, TrainConfig, check_launch, check_run
+from .checks import check_launch, check_run
+from .config import DTYPES, ModelConfig, TrainConfig
 from .lr_schedules import base_lr, build_lr_scheduler
 from .metrics import (
     available_trackers,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .config import TrainConfig, stage_model_overrides
+from .checks import stage_model_overrides
+from .config import TrainConfig
 
 
 class StageRoPE:
