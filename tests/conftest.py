@@ -64,8 +64,14 @@ def _audit_log(tmp_path_factory) -> Path:
 @contextlib.contextmanager
 def _audit_line_in_site_packages():
     """For the session, a .pth file in site-packages whose line watches every Python process the suite starts
-    (tests/audit.py: commands, torchrun workers, the checkpoint writer under `python -I`); removed afterwards."""
-    pth = Path(sysconfig.get_paths()["purelib"]) / f"hf3d_suite_audit_{os.getpid()}.pth"
+    (tests/audit.py: commands, torchrun workers, the checkpoint writer under `python -I`); removed afterwards, and
+    those of killed sessions when the next one starts."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    for left in site.glob("hf3d_suite_audit_*.pth"):  # a killed session's: its process is gone
+        pid = left.stem.rsplit("_", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            left.unlink(missing_ok=True)
+    pth = site / f"hf3d_suite_audit_{os.getpid()}.pth"
     pth.write_text(audit.START_LINE)
     try:
         yield
