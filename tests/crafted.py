@@ -102,18 +102,6 @@ def fake_checkpoint(path: Path, step: int, **meta) -> Path:
     return path
 
 
-def adopt(root: Path) -> Path:
-    """Every folder hf3d made under `root`, a copy, recorded as made where it now is (its owner file rewritten with
-    this folder's identity): what a test that copies a finished run stands for, the run itself."""
-    from hf3d.utils import files
-
-    for owner in sorted(root.rglob(files.OWNER_FILE)):
-        record = json.loads(owner.read_text())
-        if "inode" in record:
-            owner.write_text(json.dumps({**record, **files._identity(owner.parent)}) + "\n")
-    return root
-
-
 def craft_expanded(ckpt: Path, name: str, n: int) -> None:
     """Add the weight `name` to the checkpoint, declared [n, n] float32 and stored as ONE element with strides
     (0, 0) (torch.save keeps an expanded tensor's strides and its one-element storage): a reader that trusts the

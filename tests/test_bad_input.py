@@ -325,6 +325,10 @@ def _model_folders(fx: dict, tmp: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TINY_SMOLLM / name, tmp / "models" / "smollm")
     fx["smollm"] = str(tmp / "models" / "smollm")
+    (tmp / "a-file").write_text("not a folder\n")
+    fx["a_file"] = str(tmp / "a-file")
+    (tmp / "eval-samples" / "samples_shakespeare-word.jsonl").mkdir(parents=True)
+    fx["eval_samples_folder"] = str(tmp / "eval-samples")
     (tmp / "models" / "config-only").mkdir()
     shutil.copy(TINY_SMOLLM / "config.json", tmp / "models" / "config-only")
     fx["config_only"] = str(tmp / "models" / "config-only")
@@ -601,6 +605,20 @@ def _auto_over_damaged(fx) -> str:
         found = _resolve(fx, "auto", fx["damaged_root"])
     lines = err.getvalue().splitlines()
     return f"{lines[0] if len(lines) == 1 else lines} -> resumes from {found}"
+
+
+def _rewind(fx):
+    """`checkpoint.resume:` step_4 of the output folder that holds step_8 (no replace_later_steps): the check
+    `hf3d train` runs once the resume is resolved, before anything is written (a run whose folder holds them)."""
+    from crafted import fake_checkpoint
+
+    from hf3d.train.build import _refuse_replacing_later_saves
+
+    root = Path(fx["tmp"]) / "rewound" / "checkpoints"
+    step_4, _ = (fake_checkpoint(root / f"step_{n}", n, sequence=i) for i, n in enumerate((4, 8), 1))
+    checkpoint = SimpleNamespace(resume=str(step_4), load_step=True, replace_later_steps=False)
+    run = SimpleNamespace(cfg=SimpleNamespace(checkpoint=checkpoint), out=root.parent, start=4, resume_from=step_4)
+    return _refuse_replacing_later_saves(run)
 
 
 def _ckpt(fx) -> str:
@@ -1245,6 +1263,14 @@ CASES: list[Case] = [
         how="main",
     ),
     _c(
+        "cli-convert-out-under-a-file",
+        SET,
+        "`hf3d convert from-hf` into a path under a file",
+        lambda fx: ["convert", "from-hf", fx["smollm"], f"{fx['a_file']}/ckpt"],
+        ["hf3d convert: error: <tmp>/a-file/ckpt lies under <tmp>/a-file, which is a file: choose another output"],
+        how="main",
+    ),
+    _c(
         "cli-convert-crafted-metadata",
         SET,
         "`hf3d convert to-hf` of a checkpoint whose .metadata would run a command (os.system as a dotted name)",
@@ -1416,6 +1442,13 @@ CASES: list[Case] = [
         "`run.output_dir` whose final/ holds a file of the user's beside an earlier export",
         lambda fx: _check_run(f"run.output_dir={fx['foreign_run']}"),
         ["<tmp>/foreign-run/final holds 'my_notes.txt', which hf3d does not write there", "choose a new output path"],
+    ),
+    _c(
+        "launch-output-dir-a-file",
+        LAUNCH,
+        "`run.output_dir` that is a file",
+        lambda fx: _check_run(f"run.output_dir={fx['a_file']}"),
+        ["run.output_dir <tmp>/a-file is a file: give the path of a folder"],
     ),
     _c(
         "launch-metrics-link",
@@ -1795,6 +1828,17 @@ CASES: list[Case] = [
         ["<tmp>/ckpt/partial/checkpoints holds checkpoint folders but none is complete (step_3)"],
     ),
     _c(
+        "ckpt-resume-older-replaces-later",
+        CKPT,
+        "`checkpoint.resume:` step_4 of the run's own folder, which holds step_8 (another trajectory's)",
+        _rewind,
+        [
+            "the run goes on at step 5 from <tmp>/rewound/checkpoints/step_4",
+            "(step_8) that its saves would replace",
+            "set checkpoint.replace_later_steps: true",
+        ],  # fmt: skip
+    ),
+    _c(
         "ckpt-bytes-entry",
         CKPT,
         "`hf3d.load_checkpoint` of a checkpoint whose .metadata declares a weight as DCP bytes (a pickle)",
@@ -1941,7 +1985,7 @@ CASES: list[Case] = [
         lambda ctx: __import__("hf3d").save_checkpoint(
             Path(ctx["fx"]["blocker"]) / "step_1", ctx["pm"], ctx["opt"], step=1
         ),
-        ["could not write the checkpoint <tmp>/ckpt/a-file/step_1", "nothing was published", "can write"],
+        ["<tmp>/ckpt/a-file/step_1 lies under <tmp>/ckpt/a-file, which is a file: choose another output path"],
         how="dist",
     ),
     _c(
@@ -2286,6 +2330,30 @@ CASES: list[Case] = [
         how="main",
     ),
     _c(
+        "eval-output-dir-a-file",
+        EVAL,
+        "`--output-dir` that is a file",
+        lambda fx: ["eval", fx["smollm"], "--tasks", "shakespeare-word", "--output-dir", fx["a_file"]],
+        ["hf3d eval: error: --output-dir <tmp>/a-file is a file: give the path of a folder"],
+        how="main",
+    ),
+    _c(
+        "eval-samples-file-a-folder",
+        EVAL,
+        "`--log-samples` where `samples_<task>.jsonl` is a folder",
+        lambda fx: [
+            "eval",
+            fx["smollm"],
+            "--tasks",
+            "shakespeare-word",
+            "--log-samples",
+            "--output-dir",
+            fx["eval_samples_folder"],
+        ],  # fmt: skip
+        ["--output-dir: the file <tmp>/eval-samples/samples_shakespeare-word.jsonl is a folder or not a regular file"],
+        how="main",
+    ),
+    _c(
         "eval-unknown-task",
         EVAL,
         "a misspelt task name (`hellaswagg`)",
@@ -2329,6 +2397,22 @@ CASES: list[Case] = [
         how="subprocess",
     ),
     # --- generation (hf3d generate, ParallelModel.generate) ------------------------------------------------
+    _c(
+        "generate-output-a-folder",
+        GEN,
+        "`--output` onto a folder",
+        lambda fx: ["generate", fx["smollm"], "--prompt", "a", "--output", fx["tmp"]],
+        ["hf3d generate: error: --output <tmp> is a folder or not a regular file: give the path of a file"],
+        how="main",
+    ),
+    _c(
+        "generate-output-under-a-file",
+        GEN,
+        "`--output` under a file",
+        lambda fx: ["generate", fx["smollm"], "--prompt", "a", "--output", f"{fx['a_file']}/out.jsonl"],
+        ["--output <tmp>/a-file/out.jsonl lies under <tmp>/a-file, which is a file: choose another path"],
+        how="main",
+    ),
     _c(
         "generate-empty-prompt",
         GEN,

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
-from crafted import adopt, fake_checkpoint, payloads, write_crafted  # noqa: E402
+from crafted import fake_checkpoint, payloads, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, train_losses  # noqa: E402
@@ -37,6 +37,7 @@ import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
 from hf3d.checkpoint import entries, save  # noqa: E402
 from hf3d.optim import state as optim_state
+from hf3d.utils import files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, SEQ, STEPS, SAVE_AT = 4, 16, 6, 3
@@ -527,18 +528,22 @@ ASYNC = {"sync": (), "async": ("checkpoint.async=true",)}
 @pytest.mark.parametrize("mode", list(ASYNC))
 def test_sigterm_checkpoints_the_step_and_resumes_bit_for_bit(tmp_path, straight, mode):
     """SIGTERM on one rank during step 4: every rank finishes step 4, step_4 is saved, the run exits
-    with 143; resume: auto then ends exactly where the uninterrupted run ends. With checkpoint.async the
-    stop waits for the write (step_4 complete when the run has exited); the resumed run saves in the
-    background and still equals the synchronous uninterrupted run."""
-    out = tmp_path / "stopped"
+    with 143; the run folder is moved (`mv runs/stopped elsewhere/stopped`), and resume: auto there ends exactly
+    where the uninterrupted run ends. With checkpoint.async the stop waits for the write (step_4 complete when
+    the run has exited); the resumed run saves in the background and still equals the synchronous uninterrupted
+    run."""
+    out, moved = tmp_path / "runs" / "stopped", tmp_path / "elsewhere" / "stopped"
     with pytest.raises(mp.ProcessExitedException) as e:
         spawn(_train_world, 2, str(out), None, 4, *ASYNC[mode])
     assert e.value.exit_code == 143
     assert checkpoint.resolve_resume("auto", out / "checkpoints") == out / "checkpoints" / "step_4"
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"
     assert [r["step"] for r in _metrics(out)] == [1, 2, 3, 4]
-    spawn(_train_world, 2, str(out), None, None, *ASYNC[mode])
-    _same_run(straight, out)
+    moved.parent.mkdir()
+    os.rename(out, moved)
+    spawn(_train_world, 2, str(moved), None, None, *ASYNC[mode])
+    _same_run(straight, moved)
+    assert files.owner_record(moved, files.RUN_FILE)["parent_inode"] == moved.parent.stat().st_ino  # claimed there
 
 
 @pytest.mark.parametrize("mode", list(ASYNC))
@@ -560,10 +565,11 @@ def test_train_resumes_bit_for_bit_after_a_writer_dies_mid_save(tmp_path, straig
 
 
 def test_auto_resume_passes_over_a_damaged_newest_checkpoint(tmp_path, straight, capfd):
-    """The uninterrupted run's folder with step_10's largest file cut in half (its marker intact): the same
-    command with resume: auto warns once, naming the file, and retrains steps 6-10 from step_5, exactly."""
+    """A copy (`cp -r`) of the uninterrupted run's folder with step_10's largest file cut in half (its marker
+    intact): the same command with resume: auto warns once, naming the file, and retrains steps 6-10 from
+    step_5, exactly. The copy is a run of its own: its checkpoints and export are its own (replaced, rotated)."""
     out = tmp_path / "damaged"
-    adopt(shutil.copytree(straight, out))  # the run's own folder, not a copy of it
+    shutil.copytree(straight, out, symlinks=True)
     largest = max((out / "checkpoints" / "step_10").iterdir(), key=lambda f: f.stat().st_size)
     size = largest.stat().st_size
     os.truncate(largest, size // 2)
@@ -578,3 +584,7 @@ def test_auto_resume_passes_over_a_damaged_newest_checkpoint(tmp_path, straight,
     assert "Traceback" not in err
     _same_run(straight, out)
     assert checkpoint.find_damage(largest.parent, checkpoint.read_marker(largest.parent)) is None  # saved again
+    runs = [files.owner_record(d, files.RUN_FILE)["run"] for d in (straight, out)]
+    assert runs[0] != runs[1]  # a copy and its original: two runs
+    for d in (out / "final", out / "checkpoints" / "step_5", out / "checkpoints" / "step_10"):
+        assert files.origin(d) == "here" and files.owner_record(d)["run"] == runs[1], d

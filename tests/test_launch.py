@@ -102,6 +102,20 @@ def test_a_refusal_appears_once_on_the_whole_screen(tmp_path):
     assert not (tmp_path / "run" / "final").exists()
 
 
+def test_the_workers_import_nothing_from_the_launch_folder(tmp_path):
+    """`hf3d train --nproc-per-node 1` launched from a folder holding a `numpy.py`: the worker (which imports numpy
+    with torch) never runs it, and ends on its own refusal (dp=3 on one process)."""
+    ran = tmp_path / "numpy-ran"
+    (tmp_path / "numpy.py").write_text(f"open({str(ran)!r}, 'w').close()\nraise SystemExit(7)\n")
+    config = ROOT / "examples" / "configs" / "tiny-smollm.yaml"
+    cmd = [sys.executable, "-P", "-m", "hf3d", "train", "--nproc-per-node", "1", str(config), "--set", *TINY]
+    cmd += ["parallel.dp=3", f"run.output_dir={tmp_path}/run"]  # -P: the launcher as the `hf3d` script runs it
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert not ran.exists(), proc.stderr[-2000:]
+    assert proc.returncode == 1 and "world size 1 is not tp·pp·dp=3·cp" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_config_refused_before_the_workers_start_is_one_line(tmp_path, capsys):
     from hf3d.cli import main
 

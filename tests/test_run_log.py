@@ -68,7 +68,8 @@ def run(tmp_path_factory):
     first = _train([sys.executable], config, f"run.output_dir={out}", "run.save_final=false")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     mesh = ["parallel.cp=2", "parallel.num_microbatches=2"]
-    resumed = _train(torchrun, config, f"run.output_dir={out}", f"checkpoint.resume={out}/checkpoints/step_2", *mesh)
+    resume = [f"checkpoint.resume={out}/checkpoints/step_2", "checkpoint.replace_later_steps=true"]  # step_4 goes
+    resumed = _train(torchrun, config, f"run.output_dir={out}", *resume, *mesh)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return config, out, first, resumed, records
 
@@ -98,6 +99,10 @@ def test_every_step_number_is_counted_from_1(run):
     assert "hf3d: data stage anneal: steps 3..4: plays 50.0%, poems 50.0%" in first
     assert f"hf3d: saved {out}/checkpoints/step_2" in first
     assert "2 steps done, training goes on at step 3" in resumed
+    assert (
+        "hf3d: warning: checkpoint.replace_later_steps: the later checkpoints of another trajectory (step_4) are "
+        "replaced as the run reaches their steps" in resumed
+    )
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["stage"] for r in records] == [0, 0, 1, 1]  # the stage of step 3 is anneal's, as the line says
     assert records[0]["lr"] == pytest.approx(1.5e-3) and records[1]["lr"] == pytest.approx(3e-3)  # it warms up

@@ -674,6 +674,104 @@ def test_copies_moves_and_earlier_folders_are_never_resumed_from_silently_nor_ro
     assert line.startswith(f"hf3d: warning: resuming from {root / 'step_50'}, which is not this run's own save")
 
 
+def test_a_run_moved_or_copied_as_a_whole_keeps_its_folders_and_a_dropped_in_one_stays_foreign(tmp_path, capsys):
+    """A run folder (checkpoints step_4, step_8 and its export) copied with `cp -r` and moved with `mv`: in both,
+    its folders are the run's own (resumed, replaced, rotated) before and after `claim_run` records the new
+    place; a colleague's checkpoint dropped into the copy, a checkpoint copied inside a run that did not move,
+    and one copied from the claimed copy back into the original (two runs now) stay foreign. A kill in the
+    middle of a claim changes nothing `origin` reads."""
+    from hf3d.hf.folders import EXPORT
+
+    run = tmp_path / "runs" / "a"
+    run.mkdir(parents=True)
+    assert files.claim_run(run) is None and files.claim_run(run) is None  # a new run, then nothing to do
+    root = run / "checkpoints"
+    for step, sequence in [(4, 1), (8, 2)]:
+        fake_checkpoint(root / f"step_{step}", step, sequence=sequence)
+    files.make_dir(run / "final", EXPORT)
+    other = tmp_path / "runs" / "b"
+    other.mkdir()
+    files.claim_run(other)
+    colleague = fake_checkpoint(other / "checkpoints" / "step_12", 12, sequence=3)
+    inside = shutil.copytree(root / "step_8", root / "step_9")
+    assert files.origin(inside) == "elsewhere"  # the run did not move: a copy inside it is a copy
+    shutil.rmtree(inside)
+
+    copy = shutil.copytree(run, tmp_path / "forks" / "a", symlinks=True)
+    dropped = shutil.copytree(colleague, copy / "checkpoints" / "step_12")
+    ours = [copy / "checkpoints" / "step_4", copy / "checkpoints" / "step_8", copy / "final"]
+    assert [files.origin(d) for d in ours + [dropped]] == ["here", "here", "here", "elsewhere"]
+    assert files.refusal(copy / "final", EXPORT) is None
+    capsys.readouterr()
+    assert checkpoint.resolve_resume("auto", copy / "checkpoints") == ours[1]  # the dropped one is passed over
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"hf3d: warning: not resuming from {dropped}, saved after step_8"), line
+
+    def dying(path, data, **kw):  # a kill after the first owner file is recorded again
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        calls.append(path)
+        return write_file(path, data, **kw)
+
+    calls, write_file = [], files.write_file
+    files.write_file = dying
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            files.claim_run(copy)
+    finally:
+        files.write_file = write_file
+    assert [files.origin(d) for d in ours + [dropped]] == ["here", "here", "here", "elsewhere"]
+    assert files.claim_run(copy) == 3  # the run's three folders; the dropped one is not the run's
+    assert [files.origin(d) for d in ours + [dropped]] == ["here", "here", "here", "elsewhere"]
+    checkpoint.finish_save(copy / "checkpoints", keep_last=1, published=ours[1])
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["latest", "step_12", "step_8"]
+    back = shutil.copytree(ours[1], root / "step_80")  # from the claimed copy into the original: another run's
+    assert files.origin(back) == "elsewhere"
+    shutil.rmtree(back)
+
+    moved = tmp_path / "elsewhere" / "a"
+    moved.parent.mkdir()
+    os.rename(run, moved)
+    assert files.owner_record(moved, files.RUN_FILE)["parent_inode"] != moved.parent.stat().st_ino
+    assert files.claim_run(moved) == 3
+    mine = [moved / "checkpoints" / "step_4", moved / "checkpoints" / "step_8", moved / "final"]
+    assert [files.origin(d) for d in mine] == ["here"] * 3 and files.refusal(moved / "final", EXPORT) is None
+
+
+def test_a_run_going_on_from_an_earlier_step_never_replaces_another_trajectorys_checkpoints_unannounced(tmp_path):
+    """A run saved step_4 and step_8; resuming step_4 (or starting over) into the same folder would replace step_8
+    at step 8: refused at start in one line naming step_8 and the key; with the key, said at start. A copy from
+    elsewhere at a later step is not the run's to replace (resume and rotation leave it alone)."""
+    from types import SimpleNamespace
+
+    from hf3d.train.build import _refuse_replacing_later_saves
+
+    root = tmp_path / "run" / "checkpoints"
+    step_4, step_8 = (fake_checkpoint(root / f"step_{n}", n, sequence=i) for i, n in enumerate((4, 8), 1))
+    shutil.copytree(fake_checkpoint(tmp_path / "other" / "step_12", 12), root / "step_12")
+
+    def run(resume_from, start, allow=False, auto=False):
+        resume = "auto" if auto else "none" if resume_from is None else str(resume_from)
+        cfg = SimpleNamespace(checkpoint=SimpleNamespace(replace_later_steps=allow, resume=resume, load_step=True))
+        return SimpleNamespace(cfg=cfg, out=root.parent, start=start, resume_from=resume_from, later_saves_line=None)
+
+    for resume_from, start, frm in [(step_4, 4, f"from {step_4}"), (None, 0, "from the start (no checkpoint")]:
+        with pytest.raises(ValueError) as e:
+            _refuse_replacing_later_saves(run(resume_from, start))
+        assert str(e.value).startswith(f"the run goes on at step {start + 1} {frm}") and (
+            f"{root} holds checkpoints of later steps from another trajectory ({'step_4, ' * (start == 0)}step_8)"
+            " that its saves would replace: set checkpoint.replace_later_steps: true" in str(e.value)
+        ), e.value
+    allowed = run(step_4, 4, allow=True)
+    _refuse_replacing_later_saves(allowed)
+    assert allowed.later_saves_line.startswith(
+        "checkpoint.replace_later_steps: the later checkpoints of another trajectory (step_8) are replaced"
+    )
+    for resume_from, start in [(step_8, 8), (step_4, 8)]:  # the newest, or a step_4 whose step counter reads 8
+        _refuse_replacing_later_saves(run(resume_from, start))
+    _refuse_replacing_later_saves(run(step_4, 4, auto=True))  # auto passed over step_8: damaged, retrained
+
+
 def test_a_folder_of_an_earlier_hf3d_is_replaced_only_at_its_own_path_holding_only_its_files(tmp_path):
     """An owner file without identity (hf3d before this rule): its kind and its files still decide."""
     ckpt = _legacy(fake_checkpoint(tmp_path / "step_1", 1))

@@ -147,6 +147,13 @@ def resolve_resume(spec: str, root: Path) -> Path | None:
     raise ValueError(f"checkpoint.resume={spec!r} is neither a complete checkpoint nor a folder of them")
 
 
+def later_saves(root: Path, start: int, resumed: Path | None) -> list[Path]:
+    """This run's own complete checkpoints under root at steps past `start` (`resumed` aside): saves of another
+    trajectory when the run goes on from step `start`, which its saves would replace as it reaches their steps
+    and keep_last would rotate away. A copy from elsewhere is not among them: hf3d never deletes one."""
+    return [d for step, d in step_dirs(root) if step > start and d != resumed and _ours(d)]
+
+
 def clean_leftovers(root: Path) -> None:
     """What killed saves and removals left under a run's checkpoints folder, cleaned: trash folders and replaced
     `step_<N>.old` ones gone (`files.sweep`), a `step_<N>.old` whose `step_<N>` is missing (a publish without

@@ -45,12 +45,12 @@ def parallel_config(overrides: list[str]) -> ParallelConfig:
 
 
 def check_output_dir(output_dir: Path, tasks, log_samples: bool) -> None:
-    """The folder may exist (its results are replaced); nothing hf3d writes there may be a link."""
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ValueError(f"--output-dir {output_dir} is a file: give a folder for results.json")
+    """Before the scoring: the folder may exist (its results are replaced) or be made; each file hf3d writes there
+    is a file or nothing yet, never a link (`files.check_output`)."""
+    files.check_output(output_dir, "--output-dir", folder=True)
     names = [RESULTS_FILE] + ([f"samples_{t.name}.jsonl" for t in tasks] if log_samples else [])
     for name in names:
-        files.refuse_link(output_dir / name)
+        files.check_output(output_dir / name, "--output-dir: the file")
 
 
 def run_eval(

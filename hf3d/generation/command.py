@@ -114,8 +114,8 @@ def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new
     from ..model_source import check_model, load_model
 
     check_model(model)
-    if output is not None:
-        files.refuse_link(Path(output))
+    if output is not None:  # before the model loads: a path that cannot be written fails now, not at the end
+        files.check_output(output, "--output")
     pmodel = load_model(model, pcfg, dtype=dtype, attn_implementation=attn)
     if state is not None:
         state.locate(pmodel.mesh)

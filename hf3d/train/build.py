@@ -14,7 +14,7 @@ import yaml
 
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.marker import is_complete
-from ..checkpoint.rotation import clean_leftovers, resolve_resume
+from ..checkpoint.rotation import clean_leftovers, later_saves, resolve_resume
 from ..checkpoint.save import PendingCheckpoint
 from ..evaluation.evaluator import Evaluator, load_tasks
 from ..models import get_adapter
@@ -131,6 +131,7 @@ class Run:
     saved_to: Path | None = None
     pending: PendingCheckpoint | None = None  # checkpoint.async: the save being written in the background
     schedule_change: str | None = None  # the resume line when run.steps changed (_schedule_change)
+    later_saves_line: str | None = None  # said at start when checkpoint.replace_later_steps lets it replace some
     flops_per_token: float = 0.0
     peak_flops: float | None = None  # of one device, when known (MFU)
     rope: StageRoPE | None = None  # the model's RoPE settings follow the data stages
@@ -227,6 +228,7 @@ def resume_run(run: Run) -> None:
     for group in opt.param_groups:  # the schedule's peak lr (times µP's scale), whatever the checkpoint held
         group["lr"] = o.lr * group.get("lr_scale", 1.0)
         group.pop("initial_lr", None)
+    _refuse_replacing_later_saves(run)
     if run.start > r.steps:
         raise ValueError(
             f"the run resumed from {run.resume_from} is already at step {run.start}, past run.steps={r.steps}: raise "
@@ -236,6 +238,31 @@ def resume_run(run: Run) -> None:
     if run.resume_from is not None and c.load_scheduler and "scheduler" in run.saved:
         run.sched.load_state_dict(run.saved["scheduler"])
         run.schedule_change = _schedule_change(run)
+
+
+def _refuse_replacing_later_saves(run: Run) -> None:
+    """A run told to go on from an earlier step than checkpoints of its own output folder (resume: PATH or none,
+    load_step: false), which are another trajectory's, is refused in one line naming them, unless
+    checkpoint.replace_later_steps lets it replace them. resume: auto goes on from the run's newest save: what
+    lies past it is damaged (retrained) or was announced when a run went back to an earlier one."""
+    c, root = run.cfg.checkpoint, run.out / "checkpoints"
+    if c.resume == "auto" and c.load_step:
+        return
+    later = later_saves(root, run.start, run.resume_from)
+    if not later:
+        return
+    names = ", ".join(d.name for d in later)
+    frm = f"from {run.resume_from}" if run.resume_from is not None else "from the start (no checkpoint resumed)"
+    if not c.replace_later_steps:
+        raise ValueError(
+            f"the run goes on at step {run.start + 1} {frm}, and {root} holds checkpoints of later steps from "
+            f"another trajectory ({names}) that its saves would replace: set checkpoint.replace_later_steps: true "
+            "to replace them as the run reaches their steps, or choose another run.output_dir"
+        )
+    run.later_saves_line = (
+        f"checkpoint.replace_later_steps: the later checkpoints of another trajectory ({names}) are replaced as "
+        "the run reaches their steps, and keep_last rotates them away with the run's older saves"
+    )
 
 
 def _schedule_change(run: Run) -> str | None:
@@ -262,6 +289,12 @@ def announce(run: Run, derived: list[str], missing: list[str]) -> None:
     say = tqdm.write
     if run.rank0:
         run.out.mkdir(parents=True, exist_ok=True)
+        moved = files.claim_run(run.out)  # before anything is written: a moved or copied run folder is this run's
+        if moved is not None:
+            say(
+                f"hf3d: {run.out} was moved or copied here as a whole: its {moved} checkpoint and export folder(s) "
+                "are this run's own"
+            )
         resolved = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
         files.write_file(run.out / "config.yaml", resolved, replace=True)
         say("hf3d: resolved config (also in " + str(run.out / "config.yaml") + "):\n" + resolved.rstrip())
@@ -289,6 +322,8 @@ def announce(run: Run, derived: list[str], missing: list[str]) -> None:
             say(f"hf3d: resumed from {run.resume_from} (restored: {restored}): {at}")
             if run.schedule_change:
                 say(f"hf3d: {run.schedule_change}")
+        if run.later_saves_line:
+            say(f"hf3d: warning: {run.later_saves_line}")
         if run.start == cfg.run.steps:
             say(f"hf3d: the run is complete at step {run.start} (run.steps); writing its final outputs again")
     if run.trackers:

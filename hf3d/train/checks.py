@@ -23,6 +23,7 @@ RUN_FILES = (
     "checkpoints/latest",
     "hub_push",
     "hub_pending.json",
+    files.RUN_FILE,
 )
 """The files `hf3d train` writes (and replaces) in its output folder, and the folder checkpoint.push_to_hub converts
 checkpoints into."""
@@ -38,6 +39,7 @@ def check_launch(cfg: TrainConfig, *, world_size: int) -> int:
 
     check_pipeline_schedule(p.pp_schedule, p.pp, key="parallel.pp_schedule")
     check_zero_stage(p.zero_stage, key="parallel.zero_stage")
+    files.check_output(r.output_dir, "run.output_dir", folder=True)  # before the work, not at its first write
     if r.save_final:  # the export at the end replaces only an earlier export there
         from ..hf.folders import EXPORT, check_output_dir
 

@@ -27,7 +27,7 @@ import yaml
 
 from ..data import DataConfig
 from ..parallel.config import ParallelConfig
-from ..utils.configfile import build_section, key_of, set_value
+from ..utils.configfile import build_section, key_of, other_name_hint, set_value
 from .sections import (
     DTYPES,
     CheckpointConfig,
@@ -97,7 +97,7 @@ class TrainConfig:
                 import difflib
 
                 near = difflib.get_close_matches(str(section), list(fields), n=1, cutoff=0.5)
-                hint = f"did you mean {near[0]!r}? " if near else ""
+                hint = other_name_hint(section, "") or (f"did you mean {near[0]!r}? " if near else "")
                 raise ValueError(f"unknown config section {section!r}; {hint}sections: {', '.join(fields)}")
             sub_cls = type(fields[section].default_factory())
             try:

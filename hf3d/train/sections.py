@@ -202,6 +202,11 @@ class CheckpointConfig:
     drop_pending_pushes: bool = False
     """true: forget the checkpoints an earlier run of this output_dir left waiting for a Hub push (recorded in
     hub_pending.json), so that keep_last may delete them; false keeps them (and push_to_hub pushes them)."""
+    replace_later_steps: bool = False
+    """A run that goes on from an earlier step than checkpoints of its own output_dir (resume: PATH to an older
+    checkpoint, resume: none, load_step: false) would replace them as it reaches their steps, and keep_last
+    would rotate the others away: they belong to another trajectory, so the run is refused at start, naming
+    them. true lets it go on and replace them (said at start)."""
 
     def __post_init__(self) -> None:
         if self.every < 0:

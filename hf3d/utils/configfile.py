@@ -17,6 +17,42 @@ from typing import Any, Union
 
 _NONE = type(None)
 
+OTHER_NAMES = {
+    **dict.fromkeys(("learning_rate", "max_lr"), "optim.lr"),
+    **dict.fromkeys(("min_learning_rate", "lr_min"), "optim.min_lr"),
+    **dict.fromkeys(("lr_warmup_steps", "lr_warmup_iters", "num_warmup_steps"), "optim.warmup_steps"),
+    **dict.fromkeys(("lr_scheduler_type", "lr_decay_style", "lr_scheduler"), "optim.schedule"),
+    **dict.fromkeys(("clip_grad", "gradient_clipping", "grad_clip"), "optim.max_grad_norm"),
+    **dict.fromkeys(("max_steps", "train_iters", "train_steps", "total_steps"), "run.steps"),
+    **dict.fromkeys(("global_batch_size", "train_batch_size"), "run.global_batch"),
+    **dict.fromkeys(("logging_steps", "log_interval", "iteration_step_info_interval"), "run.log_every"),
+    **dict.fromkeys(("save_steps", "save_interval", "checkpoint_interval"), "checkpoint.every"),
+    **dict.fromkeys(("save_total_limit",), "checkpoint.keep_last"),
+    **dict.fromkeys(("resume_from_checkpoint", "resume_checkpoint_path", "load"), "checkpoint.resume"),
+    **dict.fromkeys(("seq_length", "sequence_length", "max_seq_length", "block_size"), "data.seq_len"),
+    **dict.fromkeys(("tensor_model_parallel_size", "tp_size", "tensor_parallel_size"), "parallel.tp"),
+    **dict.fromkeys(("pipeline_model_parallel_size", "pp_size", "pipeline_parallel_size"), "parallel.pp"),
+    **dict.fromkeys(("data_parallel_size", "dp_size"), "parallel.dp"),
+    **dict.fromkeys(("context_parallel_size", "cp_size"), "parallel.cp"),
+    **dict.fromkeys(("expert_model_parallel_size", "ep_size", "expert_parallel_size"), "parallel.ep"),
+    **dict.fromkeys(("gradient_accumulation_steps", "batch_accumulation_per_replica"), "parallel.num_microbatches"),
+    **dict.fromkeys(("gradient_checkpointing", "recompute_granularity"), "parallel.recompute"),
+    **dict.fromkeys(("model_name_or_path", "pretrained_model_name_or_path", "init_checkpoint"), "model.path"),
+    **dict.fromkeys(("torch_dtype",), "model.dtype"),
+}
+"""Names other trainers give a setting (the transformers Trainer, accelerate, nanotron, Megatron) -> hf3d's key
+as section.key: an unknown key named here is answered with it."""
+
+
+def other_name_hint(key: str, where: str) -> str:
+    """`did you mean ...? ` for a key another trainer uses (`OTHER_NAMES`), naming hf3d's key (its section too when
+    `where` is another section), or ""."""
+    target = OTHER_NAMES.get(str(key).lower())
+    if target is None:
+        return ""
+    section, name = target.split(".")
+    return f"did you mean {name!r}? " if where == section else f"did you mean {target}? "
+
 
 def build_section(cls, values: dict | None, where: str):
     """An instance of dataclass `cls` from `values` (a YAML mapping); `where` names it in messages."""
@@ -28,7 +64,7 @@ def build_section(cls, values: dict | None, where: str):
     for key in values:
         if key not in fields:
             near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            hint = f"did you mean {near[0]!r}? " if near else ""
+            hint = other_name_hint(key, where) or (f"did you mean {near[0]!r}? " if near else "")
             raise ValueError(f"unknown key {key!r} in {where}; {hint}known keys: {', '.join(fields)}")
     hints = typing.get_type_hints(cls)
     kwargs = {

@@ -11,6 +11,13 @@
   there (a user's NOTES.md, a subfolder, a link). An empty real folder is the one exception (removing it
   loses nothing). Owner files of hf3d before it recorded identities (`origin` "legacy") are replaced at
   their own path when they hold only their kind's files, and never deleted by rotation.
+- **A run folder moved or copied as a whole stays one run** (`claim_run`): `hf3d train` records a run identity
+  in its output folder (`RUN_FILE`: a random id and the folder's own inode numbers), and every folder hf3d makes
+  in it or one level below (its checkpoints, exports) names that id in its owner file. When the run file no
+  longer matches its folder (the whole run was moved or copied), its folders that name its id are the run's own
+  wherever it now lives (`origin` "here"), and `claim_run` records the new identities at the next start. A folder
+  of another run (a colleague's checkpoint dropped in) names another id, and one copied inside a run that did not
+  move has other inode numbers: both stay "elsewhere".
 - **Removing a folder is atomic for hf3d's purposes** (`remove_dir`): the folder is first renamed to a
   hidden trash name beside it (`TRASH_PREFIX`), then its entries are deleted one by one, the owner file
   last, then the folder. A kill at any instant leaves the whole folder at its name, or a trash folder that
@@ -49,6 +56,11 @@ OWNER_FILE = ".hf3d-made"
 """The file that marks a folder as hf3d's own: {"made_by": "hf3d", "kind", "inode", "parent_inode"}. Hidden:
 `hf3d push` skips it, and transformers' loaders ignore it."""
 
+RUN_FILE = ".hf3d-run"
+"""The file that names the run an output folder holds: {"made_by": "hf3d", "run", "inode", "parent_inode"}."""
+
+_OWNER_NAMES = (OWNER_FILE, OWNER_FILE + ".part")  # the owner file, and what a kill while it is replaced leaves
+
 TRASH_PREFIX = ".hf3d-trash."
 """The name a folder takes while `remove_dir` deletes it: `.hf3d-trash.<random>.<its name>`, beside it."""
 
@@ -73,14 +85,14 @@ class Kind:
 
 
 # -- folders -------------------------------------------------------------------------------------------------
-def owner_record(path: str | os.PathLike) -> dict | None:
-    """The owner file's record when `path` is a real folder (not a link) holding hf3d's owner file (a regular
-    file, not a link); else None."""
+def owner_record(path: str | os.PathLike, name: str = OWNER_FILE) -> dict | None:
+    """The owner file's record (or the run file's, `name`) when `path` is a real folder (not a link) holding it
+    as a regular file (not a link) written by hf3d; else None."""
     path = Path(path)
     try:
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             return None
-        fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as f:
@@ -88,7 +100,7 @@ def owner_record(path: str | os.PathLike) -> dict | None:
             return None
         try:
             record = json.loads(f.read(4096))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return record if isinstance(record, dict) and record.get("made_by") == "hf3d" else None
 
@@ -98,17 +110,44 @@ def _identity(path: Path) -> dict[str, int]:
     return {"inode": os.lstat(path).st_ino, "parent_inode": os.stat(os.path.dirname(os.path.abspath(path))).st_ino}
 
 
+def _recorded_identity(record: dict) -> dict[str, int] | None:
+    made = {k: record.get(k) for k in ("inode", "parent_inode")}
+    return made if all(isinstance(v, int) for v in made.values()) else None
+
+
+def _run_around(path: Path) -> tuple[Path, dict] | None:
+    """The run folder `path` is in (its parent or the parent's parent holding a run file) and its run file's
+    record, or None."""
+    for folder in (path.parent, path.parent.parent):
+        record = owner_record(folder, RUN_FILE)
+        if record is not None and isinstance(record.get("run"), str):
+            return folder, record
+    return None
+
+
+def _moved_with_its_run(path: Path, record: dict) -> bool:
+    """Whether the folder `path` (its owner `record`) belongs to the run around it, and that run folder was moved
+    or copied as a whole since it recorded where it was: then the folder moved with it."""
+    around = _run_around(path)
+    if around is None or record.get("run") != around[1]["run"]:
+        return False
+    folder, run = around
+    return _identity(folder) != _recorded_identity(run)
+
+
 def origin(path: str | os.PathLike) -> str | None:
-    """Whose folder `path` is: "here" (hf3d made it, and it is that folder, in the folder it was made in),
-    "elsewhere" (its owner file was made for another folder: `path` is a copy, or was moved from another
-    folder), "legacy" (an owner file of hf3d before it recorded identities), or None (not hf3d's)."""
+    """Whose folder `path` is: "here" (hf3d made it, and it is that folder, in the folder it was made in, or it
+    moved there with the whole run folder it belongs to), "elsewhere" (its owner file was made for another
+    folder: `path` is a copy, or was moved from another folder), "legacy" (an owner file of hf3d before it
+    recorded identities), or None (not hf3d's)."""
+    path = Path(path)
     record = owner_record(path)
     if record is None:
         return None
-    if not isinstance(record.get("inode"), int) or not isinstance(record.get("parent_inode"), int):
+    made = _recorded_identity(record)
+    if made is None:
         return "legacy"
-    made = {k: record[k] for k in ("inode", "parent_inode")}
-    return "here" if _identity(Path(path)) == made else "elsewhere"
+    return "here" if _identity(path) == made or _moved_with_its_run(path, record) else "elsewhere"
 
 
 def owned(path: str | os.PathLike) -> bool:
@@ -138,7 +177,7 @@ def refusal(path: str | os.PathLike, kind: Kind) -> str | None:
         return f"{path} is an hf3d folder of another kind ({record.get('kind')}, not {kind.name})"
     listed = kind.recorded(path)
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
-        if entry.name != OWNER_FILE and not _wrote(entry, kind, listed):
+        if entry.name not in _OWNER_NAMES and not _wrote(entry, kind, listed):
             return f"{path} holds {entry.name!r}, which hf3d does not write there"
     return None
 
@@ -150,10 +189,13 @@ def _wrote(entry: os.DirEntry, kind: Kind, listed: Collection[str] | None) -> bo
 
 def check_replaceable(path: str | os.PathLike, kind: Kind) -> None:
     """Refuse, in one line (ValueError), a `path` hf3d may not delete or replace with a folder of `kind`
-    (`refusal`)."""
+    (`refusal`), or could not create (`_cannot_create`)."""
     problem = refusal(path, kind)
     if problem is not None:
         raise ValueError(f"{problem}; hf3d never deletes or replaces it: move it away or choose a new output path")
+    problem = _cannot_create(Path(path)) if not os.path.lexists(path) else None
+    if problem is not None:
+        raise ValueError(f"{problem}: choose another output path")
 
 
 def remove_dir(path: str | os.PathLike, kind: Kind) -> None:
@@ -177,7 +219,7 @@ def _empty_trash(trash: Path, kind: Kind) -> None:
     (a file that came in after the check) stays, and so does the folder."""
     listed = kind.recorded(trash)
     for entry in sorted(os.scandir(trash), key=lambda e: e.name):
-        if entry.name != OWNER_FILE and _wrote(entry, kind, listed):
+        if entry.name not in _OWNER_NAMES and _wrote(entry, kind, listed) or entry.name == _OWNER_NAMES[1]:
             _unlink_if_there(Path(entry.path))
     if {e.name for e in os.scandir(trash)} == {OWNER_FILE}:
         _unlink_if_there(trash / OWNER_FILE)
@@ -221,9 +263,52 @@ def make_dir(path: str | os.PathLike, kind: Kind) -> Path:
     sweep(path.parent, kind)
     remove_dir(path, kind)
     path.mkdir(parents=True)
-    record = {"made_by": "hf3d", "kind": kind.name, **_identity(path)}
-    write_file(path / OWNER_FILE, json.dumps(record) + "\n")
+    write_file(path / OWNER_FILE, json.dumps(_owner(path, kind.name)) + "\n")
     return path
+
+
+def _owner(path: Path, kind: str, run: str | None = None) -> dict:
+    """The owner file of the folder `path`: its kind, its identity and the run it is made in (`_run_around`)."""
+    around = _run_around(path)
+    run = run or (around[1]["run"] if around is not None else None)
+    return {"made_by": "hf3d", "kind": kind, **_identity(path), **({"run": run} if run else {})}
+
+
+def claim_run(folder: str | os.PathLike) -> int | None:
+    """Make the output folder `folder` a run of hf3d's own, at the start of a run, where its run file is missing
+    or no longer matches the folder (the whole run was moved or copied): the owner file of every folder of the
+    run (`_run_members` that are "here" by `origin`) recorded again with its identity and a new run id, then
+    the run file; a copy and its original are two runs from then on. A kill midway leaves nothing that `origin`
+    reads otherwise. Returns how many folders moved with the run when it was moved or copied, else None. Rank
+    0, before anything is written into the folder."""
+    folder = Path(folder)
+    record = owner_record(folder, RUN_FILE)
+    if record is not None and _recorded_identity(record) == _identity(folder):
+        return None
+    run = uuid.uuid4().hex
+    members = [m for m in _run_members(folder) if origin(m) == "here"]
+    for member in members:
+        owner = _owner(member, owner_record(member)["kind"], run)
+        write_file(member / OWNER_FILE, json.dumps(owner) + "\n", replace=True)
+    write_file(folder / RUN_FILE, json.dumps({"made_by": "hf3d", "run": run, **_identity(folder)}) + "\n",
+               replace=True, sync=True)  # fmt: skip
+    return len(members) if record is not None else None
+
+
+def _run_members(folder: Path) -> list[Path]:
+    """The folders hf3d made in the run folder `folder` or one level below (its checkpoints folder), which
+    `_run_around` finds the run of."""
+    found = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not entry.is_dir(follow_symlinks=False) or entry.name.startswith(TRASH_PREFIX):
+            continue
+        if owner_record(entry.path) is not None:
+            found.append(Path(entry.path))
+            continue
+        for inner in sorted(os.scandir(entry.path), key=lambda e: e.name):
+            if inner.is_dir(follow_symlinks=False) and owner_record(inner.path) is not None:
+                found.append(Path(inner.path))
+    return found
 
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
@@ -303,6 +388,32 @@ def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike, kind: Kind, *,
 
 
 # -- files ---------------------------------------------------------------------------------------------------
+def check_output(path: str | os.PathLike, what: str, *, folder: bool = False) -> None:
+    """Refuse, in one line (ValueError), an output path hf3d could not write at the end of its work, before the
+    work: a link in its place, a folder where a file goes (`folder`: a file where a folder goes), a file where a
+    folder above it must be, or a nearest existing folder above it that this user may not write into."""
+    path = Path(path)
+    refuse_link(path)
+    if os.path.lexists(path) and folder != path.is_dir():
+        want, found = ("a folder", "a file") if folder else ("a file", "a folder or not a regular file")
+        raise ValueError(f"{what} {path} is {found}: give the path of {want}")
+    problem = _cannot_create(path, inside=folder)
+    if problem is not None:
+        raise ValueError(f"{what} {problem}: choose another path")
+
+
+def _cannot_create(path: Path, *, inside: bool = False) -> str | None:
+    """Why hf3d could not create `path` (or, `inside`, files in the folder `path` when it exists), in a few words
+    naming it: it lies under a file, or this user may not write where it goes; else None."""
+    above = next(p for p in path.absolute().parents if os.path.lexists(p) or p == p.parent)
+    if not above.is_dir():
+        return f"{path} lies under {above}, which is a file"
+    into = path if inside and os.path.lexists(path) else above  # where the files are created
+    if not os.access(into, os.W_OK | os.X_OK):
+        return f"{path}: this user may not write into {into}"
+    return None
+
+
 def refuse_link(path: Path) -> None:
     if path.is_symlink():
         raise ValueError(

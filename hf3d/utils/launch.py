@@ -79,8 +79,9 @@ def _run_agent(command: str, nproc: int, argv: list[str]) -> int:
         shutdown_timeout=None,  # torchrun's: 30 s, or TORCH_ELASTIC_SHUTDOWN_TIMEOUT; then SIGKILL
     )
     _quiet_agent()
+    _name_the_package()
     try:
-        launch_agent(config, sys.executable, ["-m", "hf3d", *argv])
+        launch_agent(config, sys.executable, ["-P", "-m", "hf3d", *argv])  # -P: see _name_the_package
     except SignalException as e:  # the workers got the signal, saved and exited: their line is the last one
         return 128 + int(e.sigval)
     except ChildFailedError as e:
@@ -90,6 +91,19 @@ def _run_agent(command: str, nproc: int, argv: list[str]) -> int:
         code = (silent[0][1] if silent else e.get_first_failure()[1]).exitcode
         return 128 - code if code < 0 else code
     return 0
+
+
+def _name_the_package() -> None:
+    """The workers run `python -P -m hf3d`: the launch folder is not on their `sys.path`, so a `numpy.py` (or any
+    module) lying there is never imported in place of the real one. Where this process found hf3d itself through
+    the launch folder (`python -m hf3d` in a checkout that is not installed), the workers get that folder on
+    PYTHONPATH, as this process has it."""
+    import hf3d
+
+    home = os.path.dirname(os.path.dirname(os.path.abspath(hf3d.__file__)))
+    named = sys.path if sys.flags.safe_path else sys.path[1:]  # sys.path[0]: the launch folder, or the script's
+    if home not in {os.path.abspath(p) for p in named if p}:
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [home, os.environ.get("PYTHONPATH")]))
 
 
 def _how_it_died(failure) -> str:
