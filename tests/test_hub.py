@@ -293,6 +293,32 @@ def test_minimal_card_and_summary_checks(tmp_path):
         write_model_card(tmp_path / "m", {"tokens_seen": "many"})
 
 
+def test_the_card_shows_the_runs_scores_and_the_hub_ids_a_local_run_names(tmp_path):
+    """The run's last downstream evaluation is a table of the card; export.base_model and export.datasets name the
+    Hub ids of a local start and local data in the card's metadata (a local path never reaches it)."""
+    from hf3d.train.config import TrainConfig
+    from hf3d.train.finish import training_summary
+
+    sets = ["export.base_model=HuggingFaceTB/SmolLM2-135M", "export.datasets=[HuggingFaceFW/fineweb-edu]"]
+    cfg = TrainConfig.from_yaml(str(ROOT / "examples" / "configs" / "tiny-smollm.yaml"), sets)
+    metrics = tmp_path / "metrics.jsonl"
+    record = {"step": 4, "loss": 3.5, "consumed_tokens": 512, "downstream/arc_easy/acc": 0.31}
+    metrics.write_text(json.dumps(record) + "\n")
+    summary = training_summary(cfg, metrics, record)
+    assert summary["base_model"] == "HuggingFaceTB/SmolLM2-135M"
+    assert summary["datasets"] == ["shakespeare", "HuggingFaceFW/fineweb-edu"]
+    card = write_model_card(make_model_dir(tmp_path / "m", "llama"), summary).read_text()
+    _, front, body = card.split("---\n", 2)
+    meta = yaml.safe_load(front)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M" and meta["datasets"] == ["HuggingFaceFW/fineweb-edu"]
+    assert (
+        "### Downstream evaluation at step 4\n\n| task | metric | score |\n|---|---|---|\n| arc_easy | acc | 0.3100 |"
+        in body
+    )
+    with pytest.raises(ValueError, match="export.datasets\\[0\\] 'my data' is not a Hub repo id"):
+        TrainConfig.from_yaml(str(ROOT / "examples" / "configs" / "tiny-smollm.yaml"), ["export.datasets=[my data]"])
+
+
 def test_train_pushes_its_final_model_with_the_run_card(tmp_path):
     """`export.push_to_hub` at the end of `hf3d train`: the card carries this run's figures, and the
     token shows up in no output of the run."""

@@ -102,6 +102,20 @@ def test_a_refusal_appears_once_on_the_whole_screen(tmp_path):
     assert not (tmp_path / "run" / "final").exists()
 
 
+def test_the_peers_the_agent_ends_after_a_refusal_are_not_reported_as_deaths():
+    """Rank 0 fails with hf3d's line; the agent then ends rank 1 with SIGTERM (its shutdown of the peers), while
+    rank 2 was SIGKILLed: only rank 2 gets a line. A SIGTERM death with no hf3d line anywhere is reported."""
+    from types import SimpleNamespace
+
+    from hf3d.utils.launch import _silent_deaths
+
+    said = SimpleNamespace(message="hf3d train: rank 0 (pp=0, dp=0, cp=0, tp=0) failed: ...", exitcode=1)
+    term, kill = SimpleNamespace(message="", exitcode=-15), SimpleNamespace(message="", exitcode=-9)
+    assert _silent_deaths("hf3d train", {0: said, 1: term, 2: kill}) == [(2, kill)]
+    assert _silent_deaths("hf3d train", {0: said, 1: term}) == []
+    assert _silent_deaths("hf3d train", {1: term}) == [(1, term)]
+
+
 def test_the_workers_import_nothing_from_the_launch_folder(tmp_path):
     """`hf3d train --nproc-per-node 1` launched from a folder holding a `numpy.py`: the worker (which imports numpy
     with torch) never runs it, and ends on its own refusal (dp=3 on one process)."""

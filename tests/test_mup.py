@@ -373,3 +373,24 @@ def test_train_config_takes_the_keys():
     assert (cfg.parallel.parametrization, cfg.parallel.mup_base_width) == ("spectral_mup", 48)
     assert cfg.parallel.mup_output_multiplier == 4.0
     assert cfg.to_dict()["parallel"]["mup_base_width"] == 48
+
+
+def test_a_mup_run_says_so_at_start():
+    """`hf3d train` under spectral µP prints one line: the widths, the groups' lr scales, the output multiplier;
+    under SP nothing."""
+    from types import SimpleNamespace
+
+    from hf3d.train.build import _mup_lines
+    from hf3d.train.config import TrainConfig
+
+    keys = ["parallel.parametrization=spectral_mup", "parallel.mup_base_width=48", "parallel.mup_output_multiplier=4"]
+    w = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    groups = [dict(params=[w[0]], lr_scale=1.0), dict(params=[w[1]], lr_scale=0.25), dict(params=[w[2]], lr_scale=0.25)]
+    run = SimpleNamespace(cfg=TrainConfig.from_yaml(None, keys), opt=torch.optim.AdamW(groups, lr=1e-3),
+                          pmodel=SimpleNamespace(config=SimpleNamespace(hidden_size=192)))  # fmt: skip
+    assert _mup_lines(run) == [
+        "spectral µP: hidden_size 192 over mup_base_width 48 (4x); lr scales 0.25, 1 across 3 parameter groups "
+        f"(optim.lr {run.cfg.optim.lr:g} is the proxy's); output multiplier 4"
+    ]
+    run.cfg = TrainConfig.from_yaml(None, [])
+    assert _mup_lines(run) == []

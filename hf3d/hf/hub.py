@@ -18,6 +18,7 @@ Summary keys, all optional (a missing one leaves its part of the card out):
     tokens_seen      int
     final_loss       float or None
     final_eval_loss  float or None: the card shows it with its perplexity
+    downstream       {"step": N, task: {metric: score}}: the run's last downstream evaluation, as a table
     loss_curve       list of [step, loss] pairs, may be empty
 
 A `loss_curve.png` in the directory (hf3d.train.plots.plot_loss_curve) is shown in the card and uploaded
@@ -134,6 +135,7 @@ def _check_summary(summary: Any) -> dict:
         "final_loss": (int, float, type(None)),
         "final_eval_loss": (int, float, type(None)),
         "loss_curve": list,
+        "downstream": dict,
     }
     for key, types in expected.items():
         if key in summary and not isinstance(summary[key], types):
@@ -202,13 +204,25 @@ def _training_section(s: dict) -> list[str]:
     if s.get("parallel"):
         par = s["parallel"]
         lines += ["### Parallel layout", ""]
-        if all(k in par for k in ("tp", "pp", "dp")):
+        if all(isinstance(par.get(k), int) for k in ("tp", "pp", "dp")):
             world = par["tp"] * par["pp"] * par["dp"]
             lines += [f"tp={par['tp']} × pp={par['pp']} × dp={par['dp']} ({world} processes)", ""]
         lines += [*_table(list(par), [list(par.values())]), ""]
+    if s.get("downstream"):
+        lines += _downstream(s["downstream"])
     if s.get("loss_curve"):
         lines += _loss_curve(s["loss_curve"])
     return lines
+
+
+def _downstream(scores: dict) -> list[str]:
+    """The last downstream evaluation of the run (`hf3d train`'s evals), a row per task and metric."""
+    rows = [[task, metric, value] for task, metrics in scores.items() if isinstance(metrics, dict)
+            for metric, value in metrics.items()]  # fmt: skip
+    if not rows:
+        return []
+    at = f" at step {scores['step']}" if isinstance(scores.get("step"), int) else ""
+    return [f"### Downstream evaluation{at}", "", *_table(["task", "metric", "score"], rows), ""]
 
 
 def _dataset_link(name: str) -> str:

@@ -240,6 +240,21 @@ def resume_run(run: Run) -> None:
         run.schedule_change = _schedule_change(run)
 
 
+def _mup_lines(run: Run) -> list[str]:
+    """One line under parallel.parametrization: spectral_mup: the widths, the lr scales of the optimizer's groups
+    and the output multiplier (nothing under standard parametrization)."""
+    p = run.cfg.parallel
+    if p.parametrization != "spectral_mup":
+        return []
+    width = run.pmodel.config.hidden_size
+    scales = sorted({float(g.get("lr_scale", 1.0)) for g in run.opt.param_groups})
+    return [
+        f"spectral µP: hidden_size {width} over mup_base_width {p.mup_base_width} ({width / p.mup_base_width:g}x); "
+        f"lr scales {', '.join(f'{x:g}' for x in scales)} across {len(run.opt.param_groups)} parameter groups "
+        f"(optim.lr {run.cfg.optim.lr:g} is the proxy's); output multiplier {p.mup_output_multiplier:g}"
+    ]
+
+
 def _refuse_replacing_later_saves(run: Run) -> None:
     """A run told to go on from an earlier step than checkpoints of its own output folder (resume: PATH or none,
     load_step: false), which are another trajectory's, is refused in one line naming them, unless
@@ -307,7 +322,7 @@ def announce(run: Run, derived: list[str], missing: list[str]) -> None:
                 f"hf3d: fp8 {cfg.precision.fp8}: {n} projection(s) of this rank's layers in FP8 (torchao); the head, "
                 f"embeddings, norms, routers and experts in {cfg.model.dtype}"
             )
-        for line in derived + run.pipe.summary():
+        for line in derived + run.pipe.summary() + _mup_lines(run):
             say(f"hf3d: {line}")
         if missing:
             say(tracker_install_hint(missing))

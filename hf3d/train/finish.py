@@ -73,7 +73,9 @@ def training_summary(cfg: TrainConfig, metrics_path: Path, last: dict) -> dict:
     curve = [[rec["step"], rec["loss"]] for rec in records]
     evals = [rec["eval_loss"] for rec in records if "eval_loss" in rec]
     base_model, started_from = starting_point(cfg.model.path)
+    base_model = cfg.export.base_model or base_model  # the user's word for a local folder that records none
     sources = sorted({s.label for stage in cfg.data.resolved_stages() for s in stage.sources})
+    sources += [name for name in cfg.export.datasets if name not in sources]
     hyper = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if k != "bucket_size"}
     summary = {
         "base_model": base_model,

@@ -233,6 +233,21 @@ class ExportConfig:
     """Create the Hub repo private."""
     license: str = "apache-2.0"
     """License named in the model card."""
+    base_model: str | None = None
+    """The Hub id the weights descend from, for the card's metadata (`base_model`), when model.path is a local
+    folder that does not record it (hf3d finds it in an hf3d export or checkpoint, or a Hub id as config.json's
+    _name_or_path)."""
+    datasets: list[str] = field(default_factory=list)
+    """Hub ids of the datasets the run trained on, for the card's metadata, when the data sources are local files
+    (a source given as a Hub id is named already)."""
+
+    def __post_init__(self) -> None:
+        from ..hf.hub import check_repo_id
+
+        if self.base_model is not None:
+            check_repo_id(self.base_model, where="export.base_model")
+        for i, name in enumerate(self.datasets):
+            check_repo_id(name, where=f"export.datasets[{i}]")
 
 
 @dataclass

@@ -85,12 +85,21 @@ def _run_agent(command: str, nproc: int, argv: list[str]) -> int:
     except SignalException as e:  # the workers got the signal, saved and exited: their line is the last one
         return 128 + int(e.sigval)
     except ChildFailedError as e:
-        silent = [(r, f) for r, f in sorted(e.failures.items()) if not str(f.message).startswith(command)]
+        silent = _silent_deaths(command, e.failures)
         for rank, failure in silent:  # a rank that died without hf3d's line (its peers' lines are effects)
             print(f"{command}: rank {rank} {_how_it_died(failure)}", file=sys.stderr)
         code = (silent[0][1] if silent else e.get_first_failure()[1]).exitcode
         return 128 - code if code < 0 else code
     return 0
+
+
+def _silent_deaths(command: str, failures: dict) -> list[tuple[int, object]]:
+    """The ranks that ended without hf3d's line, but those the agent itself ended with SIGTERM once another rank
+    had failed with hf3d's line (its shutdown of the peers, not a death to report)."""
+    silent = [(r, f) for r, f in sorted(failures.items()) if not str(f.message).startswith(command)]
+    if len(silent) < len(failures):
+        silent = [(r, f) for r, f in silent if f.exitcode != -int(signal.SIGTERM)]
+    return silent
 
 
 def _name_the_package() -> None:
