@@ -101,6 +101,8 @@ def _eval(args) -> int:
             batch_rows=args.batch_rows,
             max_new_tokens=args.max_new_tokens,
             stop=list(args.stop),
+            prompt_style=args.prompt_style,
+            tokenization=args.tokenization,
             log_samples=args.log_samples,
         )
         run_eval(
@@ -232,7 +234,8 @@ def _eval_parser(sub) -> None:
         required=True,
         help="comma-separated tasks: JSONL files of {query, choices, gold} rows, or names: shakespeare-next-line, "
         "shakespeare-word (shipped), hellaswag, arc_easy, arc_challenge, piqa, mmlu, commonsense_qa, winogrande, "
-        "openbookqa, boolq (Hub datasets)",
+        "openbookqa, boolq (Hub datasets; lighteval's names too: hellaswag_cf, arc_cf:easy, ...); TASK:mc scores "
+        "a multiple-choice task in the lettered formulation (' A. ...' lines, the letters scored)",
     )
     p.add_argument("--output-dir", required=True, help="folder for results.json (and samples_<task>.jsonl)")
     p.add_argument("--log-samples", action="store_true", help="also write samples_<task>.jsonl, a line per row")
@@ -246,6 +249,18 @@ def _eval_parser(sub) -> None:
         "max_position_embeddings, at most 4096); also the length of the packed rows",
     )
     p.add_argument("--batch-rows", type=int, help="rows per forward (default: 8192 tokens' worth)")
+    p.add_argument(
+        "--prompt-style",
+        default="lighteval",
+        help="the Hub tasks' prompts: lighteval (default: lighteval 0.13.0's templates, as SmolLM3's evaluation) "
+        "or harness (LM Evaluation Harness-style cloze prompts, as SmolLM2's)",
+    )
+    p.add_argument(
+        "--tokenization",
+        default="pairwise",
+        help="pairwise (default: context and each choice encoded apart, lighteval 0.13.0's transformers backend) "
+        "or joint (context + choice encoded together and split, lighteval's vLLM backend)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="generative tasks: tokens per answer (256)")
     p.add_argument(
         "--stop", nargs="*", default=["\n\n", "Question:"], metavar="TEXT", help="generative tasks: stop strings"

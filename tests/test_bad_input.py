@@ -170,6 +170,8 @@ def make_inputs(tmp: Path) -> dict[str, str]:
         ("no_choices", {**row, "choices": []}),
         ("empty_choice", {**row, "choices": [" this", ""]}),
         ("long_choice", {**row, "choices": [" this", " and that," * 20]}),
+        ("fused", {**row, "query": "I saw ge", "choices": [" lady", "ntleman"]}),  # "I saw gentleman": fewer tokens
+        ("many_choices", {**row, "choices": [f" c{i}" for i in range(27)]}),
     ):
         fx[f"task_{name}"] = _jsonl(tasks / f"{name}.jsonl", [row, row, bad])
     fx["prompts_empty"] = _jsonl(tasks / "prompts_empty.jsonl", [{"prompt": "ROMEO:"}, {"prompt": ""}])
@@ -2393,6 +2395,50 @@ CASES: list[Case] = [
             "rank 0 (pp=0, dp=0, cp=0, tp=0) failed",
             "task 'long_choice' row 2: choice 1 is",
             "more than the window of 8",
+        ],
+        how="subprocess",
+    ),
+    _c(
+        "eval-prompt-style",
+        EVAL,
+        "`hf3d eval --prompt-style lm-eval` (an unknown prompt style)",
+        lambda fx: _eval(fx, "shakespeare-word", "--prompt-style", "lm-eval"),
+        ["the evaluation's prompt_style must be lighteval or harness, got 'lm-eval'"],
+        how="main",
+    ),
+    _c(
+        "eval-train-tokenization",
+        EVAL,
+        "`evals.tokenization: joined` in `hf3d train` (an unknown rule)",
+        lambda fx: _set("evals.tasks=[shakespeare-word]", "evals.tokenization=joined"),
+        ["evals.tokenization must be pairwise or joint, got 'joined'"],
+    ),
+    _c(
+        "eval-lettered-generative",
+        EVAL,
+        "`--tasks gsm8k:mc` (the lettered formulation of a generative task)",
+        lambda fx: _eval(fx, "gsm8k:mc"),
+        ["task 'gsm8k:mc': gsm8k is generative, it has no lettered formulation", "name it 'gsm8k'"],
+        how="main",
+    ),
+    _c(
+        "eval-lettered-too-many-choices",
+        EVAL,
+        "a task of 27 choices a row scored lettered (`FILE:mc`)",
+        lambda fx: _eval(fx, fx["task_many_choices"] + ":mc"),
+        ["task 'many_choices' row 2: 27 choices, the lettered formulation has letters for 26", "without ':mc'"],
+        how="main",
+    ),
+    _c(
+        "eval-fused-choice-joint",
+        EVAL,
+        'a choice that fuses with the context\'s last word ("I saw ge" + "ntleman") under `--tokenization joint`; '
+        "real subprocess",
+        lambda fx: (_eval(fx, fx["task_fused"], "--tokenization", "joint"), fx["tmp"] + "/eval-out"),
+        [
+            "rank 0 (pp=0, dp=0, cp=0, tp=0) failed",
+            "task 'fused' row 2: choice 1 ('ntleman') has no token of its own",
+            "tokenization pairwise",
         ],
         how="subprocess",
     ),

@@ -9,16 +9,21 @@
   pp2; `hf3d eval` under torchrun on that checkpoint at dp2 writes the same scores into its contract files.
   The rows are a synthetic task of word tokens (queries up to 40 tokens, 2-5 choices of 1-6 tokens) scored
   with a 24-token window: contexts are cut from the left, units split over rows and rows over batches.
-- The formulation, rule by rule against hand-computed values: the trailing space, `whole[len(context):]` and
-  lighteval's last-token rule, the left cut, the empty context, each normalisation, the few-shot context,
-  and the layout of a packed row.
-- The Hub mappings on rows written in each dataset's own fields.
+- The formulation, rule by rule against hand-computed values: the trailing whitespace, the pairwise and the
+  joint rules (a choice fused with the context's last word, lighteval's last-token rule, a pair that encodes
+  shorter than its context), lighteval's left cut, the empty context, each normalisation, bits per byte, a task
+  of groups, the few-shot context, and the layout of a packed row.
+- Bits per byte and the lettered formulation on the shipped tasks (and rows of fused, accented choices) against
+  plain transformers on rows built here from the files.
+- The harness-style Hub mappings on rows written in each dataset's own fields (lighteval's strings:
+  tests/test_eval_prompts.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import subprocess
@@ -433,43 +438,77 @@ def bpe():
     return AutoTokenizer.from_pretrained(ROOT / "examples" / "tokenizer")
 
 
-def _pair(tok, context: str, choice: str, window: int = 64):
-    (ex,) = encode_examples(tok, [context], [(choice,)], window=window, where="t")
+def _pair(tok, context: str, choice: str, window: int = 64, pairwise: bool | None = None):
+    """One choice's (context, continuation) ids by `pairwise` (None: encode_examples' default)."""
+    rule = {} if pairwise is None else {"pairwise": pairwise}
+    (ex,) = encode_examples(tok, [context], [(choice,)], window=window, where="t", **rule)
     return ex.contexts[0], ex.continuations[0]
 
 
 def test_a_trailing_space_of_the_context_moves_to_the_choice(bpe):
-    ctx, cont = _pair(bpe, "ROMEO: ", "hello")
-    assert ctx == bpe.encode("ROMEO:") == [581, 45, 37, 47, 26]
-    assert cont == bpe.encode("ROMEO: hello")[5:] == [1726, 79]
+    """All the trailing whitespace (lighteval's rule), under both rules: "ROMEO: \n" + "hello" is scored as
+    "ROMEO:" + " \nhello"."""
+    assert _pair(bpe, "ROMEO: ", "hello") == (bpe.encode("ROMEO:"), bpe.encode(" hello"))  # pairwise
+    assert bpe.encode("ROMEO:") == [581, 45, 37, 47, 26] and bpe.encode(" hello") == [1726, 79]
+    assert _pair(bpe, "ROMEO: ", "hello", pairwise=False) == ([581, 45, 37, 47, 26], bpe.encode("ROMEO: hello")[5:])
+    ctx, cont = _pair(bpe, "ROMEO: \n", "hello")
+    assert ctx == bpe.encode("ROMEO:") and cont == bpe.encode(" \nhello")
 
 
-def test_the_continuation_is_the_whole_pair_past_the_contexts_length(bpe):
-    # "the" is one token, "there" two others: the context is the pair's own first token, not encode("the")
-    assert bpe.encode("the") == [692] and bpe.encode("there") == [84, 476]
-    assert _pair(bpe, "the", "re") == ([84], [476])
-    # "hel" + "lo" encodes to as many tokens as "hel": lighteval scores the last one
-    assert bpe.encode("hel") == [258, 76] and bpe.encode("hello") == [258, 1744]
-    assert _pair(bpe, "hel", "lo") == ([258], [1744])
+def test_a_choice_that_fuses_with_the_contexts_last_word_is_split_by_each_rule(bpe):
+    """ "the" + "re": pairwise encodes the two apart ("the" and "re"); joint encodes "there" and splits it at
+    encode("the")'s length, so the context is the pair's own first token. Mutation: joint as the default fails
+    the first lines."""
+    assert TaskEvalConfig().tokenization == "pairwise"
+    assert bpe.encode("the") == [692] and bpe.encode("re") == [265] and bpe.encode("there") == [84, 476]
+    assert _pair(bpe, "the", "re") == _pair(bpe, "the", "re", pairwise=True) == ([692], [265])  # the default
+    assert _pair(bpe, "the", "re", pairwise=False) == ([84], [476])
+    # "hel" + "lo" encodes to as many tokens as "hel": joint scores the last one (lighteval's rule)
+    assert bpe.encode("hel") == [258, 76] and bpe.encode("lo") == [76, 79] and bpe.encode("hello") == [258, 1744]
+    assert _pair(bpe, "hel", "lo") == ([258, 76], [76, 79])
+    assert _pair(bpe, "hel", "lo", pairwise=False) == ([258], [1744])
+
+
+def test_a_choice_whose_pair_encodes_shorter_than_its_context_is_scored_pairwise_and_refused_joint(bpe):
+    """ "I saw ge" is 4 tokens, "I saw gentleman" 3: jointly the choice has no token of its own (it crashed the
+    packing with an IndexError); pairwise it is "ntleman"'s own 3 tokens after the context's 4. The scores of
+    such a row are checked against plain transformers in test_bpb_and_the_lettered_formulation_on_shipped_tasks."""
+    assert bpe.encode("I saw ge") == [41, 1349, 303, 69] and bpe.encode("I saw gentleman") == [41, 1349, 1507]
+    assert _pair(bpe, "I saw ge", "ntleman") == ([41, 1349, 303, 69], bpe.encode("ntleman"))
+    with pytest.raises(ValueError) as e:
+        encode_examples(bpe, ["a", "I saw ge"], [(" b",), (" x", "ntleman")], window=64, where="task 'edge'",
+                        pairwise=False)  # fmt: skip
+    assert str(e.value) == (
+        "task 'edge' row 1: choice 1 ('ntleman') has no token of its own: the context and the choice encode to "
+        "fewer tokens than the context alone (the choice fuses with the context's last word): score the task with "
+        "tokenization pairwise (the default), which encodes the choice on its own"
+    )
+    with pytest.raises(ValueError, match=r"^t row 0: choice 0 \(' '\) encodes to no token: it cannot be scored"):
+        _pair(word_tokenizer(), "w2", " ")  # whitespace only: no token under the word tokenizer
 
 
 def test_an_empty_context_starts_from_eos():
     tok = word_tokenizer()
-    assert _pair(tok, "", " w7 w8") == ([0], [7, 8])
-    assert _pair(tok, "   ", "w7") == ([0], [7])
+    for pairwise in (True, False):
+        assert _pair(tok, "", " w7 w8", pairwise=pairwise) == ([0], [7, 8])
+        assert _pair(tok, "   ", "w7", pairwise=pairwise) == ([0], [7])
 
 
-def test_a_long_context_is_cut_from_the_left_and_a_long_choice_refused():
+def test_a_long_context_is_cut_from_the_left_as_lighteval_cuts_and_a_long_choice_refused():
+    """lighteval reads (context + continuation)[-max_length:]: the context keeps window - len(continuation)
+    tokens. Mutation: the old cut (window + 1 - len(continuation), one token more) fails each cut below."""
     tok = word_tokenizer()
     context = " ".join(f"w{i}" for i in range(2, 12))  # ids 2..11
-    (ex,) = encode_examples(tok, [context], [(" w50 w51 w52",)], window=8, where="t")
-    assert ex.contexts == [[6, 7, 8, 9, 10, 11]] and ex.continuations == [[50, 51, 52]] and ex.cut  # 8 + 1 - 3
-    (ex,) = encode_examples(tok, [context], [(" w50 w51 w52",)], window=3, where="t")
-    assert ex.contexts == [[11]]
+    cont = [50, 51, 52]
+    for window in (8, 4, 12):
+        (ex,) = encode_examples(tok, [context], [(" w50 w51 w52",)], window=window, where="t")
+        kept = (list(range(2, 12)) + cont)[-window:][: -len(cont)]
+        assert ex.contexts == [kept] and ex.continuations == [cont] and ex.cut == (window < 13), window
     (ex,) = encode_examples(tok, [context], [(" w50",)], window=11, where="t")
-    assert ex.contexts == [list(range(2, 12))] and not ex.cut  # 10 + 1 - 1 = 10 positions: fits
-    with pytest.raises(ValueError, match=r"^t row 0: choice 0 is 3 tokens, more than the window of 2 tokens"):
-        encode_examples(tok, [context], [(" w50 w51 w52",)], window=2, where="t")
+    assert ex.contexts == [list(range(2, 12))] and not ex.cut  # 10 + 1 tokens: fits
+    with pytest.raises(ValueError, match=r"^t row 0: choice 0 is 3 tokens, which with one token of its context is "
+                       r"more than the window of 3 tokens"):  # fmt: skip
+        encode_examples(tok, [context], [(" w50 w51 w52",)], window=3, where="t")
 
 
 def test_a_context_far_longer_than_the_window_is_cut_by_characters_to_the_same_ids(bpe):
@@ -482,12 +521,16 @@ def test_a_context_far_longer_than_the_window_is_cut_by_characters_to_the_same_i
     lines = [json.loads(line)["text"] for line in (ROOT / "examples" / "data" / "shakespeare.jsonl").open()][:400]
     context = "\n".join(lines) + "\nROMEO: "
     assert len(context) > 20 * chars_for(64, bpe)  # the cut happens, far from the window
-    (ex,) = encode_examples(bpe, [context], [("hello there", "friend")], window=64, where="t")
     whole_ctx = bpe(context.rstrip())["input_ids"]
-    for choice, ctx, cont in zip(("hello there", "friend"), ex.contexts, ex.continuations):
-        whole = bpe(context.rstrip() + " " + choice)["input_ids"]  # the trailing space moves to the choice
-        assert cont == whole[len(whole_ctx) :] and ctx == whole[: len(whole_ctx)][-(65 - len(cont)) :]
-    assert ex.cut
+    for pairwise in (True, False):
+        (ex,) = encode_examples(bpe, [context], [("hello there", "friend")], window=64, where="t", pairwise=pairwise)
+        for choice, ctx, cont in zip(("hello there", "friend"), ex.contexts, ex.continuations):
+            # the trailing space moves to the choice
+            whole = bpe(context.rstrip() + " " + choice)["input_ids"]
+            want = bpe(" " + choice, add_special_tokens=False)["input_ids"] if pairwise else whole[len(whole_ctx) :]
+            context_ids = whole_ctx if pairwise else whole[: len(whole_ctx)]
+            assert cont == want and ctx == context_ids[-(64 - len(cont)) :]
+        assert ex.cut
     kept, cut = cut_left(context, 64, bpe)
     assert cut and bpe(kept)["input_ids"][-64:] == bpe(context)["input_ids"][-64:]
     from hf3d.generation.command import _refuse_long_prompts  # a prompt surely over the window: never tokenised
@@ -538,12 +581,28 @@ def test_each_normalisation_divides_by_its_own_length():
     # acc: -2.5 is highest; per character -1.0, -1.25, -0.5; per token -3.0, -1.25, -1.5
     assert predictions(logprobs, tokens, chars) == {"acc": 1, "acc_norm": 2, "acc_norm_token": 1}
     examples = [
-        {"choices_logprob": logprobs, "choices_tokens": [[1], [2, 3], [4, 5, 6]], "choices_chars": chars, "gold": 2},
-        {"choices_logprob": [-1.0, -1.0], "choices_tokens": [[1], [2]], "choices_chars": [2, 2], "gold": 0},  # a tie
-    ]
+        {"choices_logprob": logprobs, "choices_tokens": [[1], [2, 3], [4, 5, 6]], "choices_chars": chars, "gold": 2,
+         "choices_bytes": [3, 2, 9]},
+        {"choices_logprob": [-1.0, -1.0], "choices_tokens": [[1], [2]], "choices_chars": [2, 2], "gold": 0,
+         "choices_bytes": [3, 2]},  # a tie; " é": 2 characters, 3 bytes
+    ]  # fmt: skip
     r = task_result("t", "s", examples, cut=0, num_fewshot=0)
-    assert r.scores == {"acc": 0.5, "acc_norm": 1.0, "acc_norm_token": 0.5}
+    ln2 = 0.6931471805599453
+    bpb = (4.5 / ln2 / 9 + 1.0 / ln2 / 3) / 2  # each row's gold: nats to bits, over its bytes; the mean of the rows
+    assert r.scores == pytest.approx({"acc": 0.5, "acc_norm": 1.0, "acc_norm_token": 0.5, "bpb": bpb}, rel=1e-12)
     assert [e["pred_norm"] for e in r.samples] == [2, 0]
+
+
+def test_a_task_of_groups_scores_the_mean_of_its_groups():
+    """MMLU under lighteval's prompts: each subject a task, the score their mean (3 rows of group a, all right,
+    and 1 of group b, wrong: 0.5, not 0.75). Mutation: the mean over rows fails."""
+    right = {"choices_logprob": [-1.0, -2.0], "choices_tokens": [[1], [2]], "choices_chars": [2, 2], "gold": 0}
+    examples = [{**right, "choices_bytes": [2, 2], "group": g} for g in ("a", "a", "a")]
+    examples.append({**right, "gold": 1, "choices_bytes": [2, 4], "group": "b"})
+    r = task_result("t", "s", examples, cut=0, num_fewshot=0)
+    bits = lambda nats, n: nats / 0.6931471805599453 / n  # noqa: E731
+    assert r.scores == pytest.approx({"acc": 0.5, "acc_norm": 0.5, "acc_norm_token": 0.5,
+                                      "bpb": (bits(1.0, 2) + bits(2.0, 4)) / 2}, rel=1e-12)  # fmt: skip
 
 
 def test_fewshot_contexts_are_other_rows_with_their_answers_drawn_by_seed():
@@ -559,6 +618,9 @@ def test_fewshot_contexts_are_other_rows_with_their_answers_drawn_by_seed():
     assert context_of(task, 2, num_fewshot=0, seed=7) == "q2"
     with pytest.raises(ValueError, match="num_fewshot=6 but task 't' has only 5 other rows"):
         context_of(task, 0, num_fewshot=6, seed=7)
+    # lighteval's prepared queries start with a blank line: one blank line between parts, as lighteval joins them
+    task = Task("t", [Row(f"\n\nQ{i}", (" a", " b"), 0) for i in range(3)], "s")
+    assert context_of(task, 0, num_fewshot=2, seed=7) in ("\n\nQ1 a\n\nQ2 a\n\nQ0", "\n\nQ2 a\n\nQ1 a\n\nQ0")
 
 
 def test_a_row_holds_units_as_trees_and_queries_read_the_right_columns():
@@ -584,6 +646,102 @@ def test_units_share_a_context_only_within_the_window():
     ]
     assert [[p for p, _ in u.branches] for u in units_of(ex, 10, window=5, share=True)] == [[10], [11, 12]]
     assert [[p for p, _ in u.branches] for u in units_of(ex, 10, window=8, share=False)] == [[10], [11], [12]]
+
+
+# ------------------------------------------------------------------------------------------------
+# bits per byte and the lettered formulation on the shipped tasks, against plain transformers
+# ------------------------------------------------------------------------------------------------
+SHIPPED_ROWS = 24
+SHIPPED_WINDOW = 64  # the lettered rows (about 50 to 90 tokens) are cut from the left, some
+SHIPPED_TASKS = ["shakespeare-word", "shakespeare-word:mc", "shakespeare-next-line:mc"]
+EDGE_ROWS = [  # a choice fused with the context's last word; a trailing space and letters of 2 bytes
+    {"query": "I saw ge", "choices": ["ntleman", " lady"], "gold": 0},
+    {"query": "Il était une fois un ", "choices": ["café", "thé crème"], "gold": 1},
+]
+
+
+def _shipped_job(root: str, out: str) -> None:
+    """The shipped tasks (two lettered) and the edge rows, scored on one process with the embedded tokenizer."""
+    start_watchdog(WATCHDOG_S)
+    tasks = [*SHIPPED_TASKS, f"{root}/edge.jsonl"]
+    cfg = TaskEvalConfig(tasks=tasks, limit=SHIPPED_ROWS, max_length=SHIPPED_WINDOW, batch_rows=4, log_samples=True)
+    pm = hf3d.parallelize(f"{root}/bpe-llama", hf3d.ParallelConfig())
+    results = Evaluator(pm, load_tasks(cfg), AutoTokenizer.from_pretrained(f"{root}/bpe-llama"), cfg).run(
+        progress=False
+    )
+    report({r.name: (r.scores, r.cut, [s["choices_logprob"] for s in r.samples]) for r in results.tasks}, out)
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, bpe) -> dict:
+    root = tmp_path_factory.mktemp("shipped")
+    make_model_dir(root / "bpe-llama", "llama", vocab_size=len(bpe), max_position_embeddings=128)
+    bpe.save_pretrained(root / "bpe-llama")
+    (root / "edge.jsonl").write_text("".join(json.dumps(r) + "\n" for r in EDGE_ROWS))
+    spawn(_shipped_job, 1, str(root), str(root / "shipped.pt"))
+    return {"root": root, "scores": torch.load(root / "shipped.pt", weights_only=False)[0]}
+
+
+def _plain_rows(name: str, root: Path) -> list[dict]:
+    """A task's rows as the docs define them, built here from the files: `:mc` lists the choices as " A. ..."
+    lines after the right-stripped query and scores the letters."""
+    stem, _, lettered = name.partition(":")
+    path = root / "edge.jsonl" if stem == "edge" else ROOT / "hf3d" / "evaluation" / "tasks" / f"{stem}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()][:SHIPPED_ROWS]
+    if not lettered:
+        return rows
+    letters = "ABCDEFGH"
+    return [
+        {
+            "query": r["query"].rstrip()
+            + "\n"
+            + "".join(f" {letters[i]}. {c.strip()}\n" for i, c in enumerate(r["choices"]))
+            + "Answer:",
+            "choices": [f" {letters[i]}" for i in range(len(r["choices"]))],
+            "gold": r["gold"],
+        }
+        for r in rows
+    ]
+
+
+def _plain_scores(model, tok, rows: list[dict]) -> dict:
+    """lighteval 0.13.0's transformers path by hand: the context's trailing whitespace moved to the choice, the
+    context encoded with special tokens and the choice without, (context + choice)[-window:] read, the choice's
+    log-probabilities summed; bits per byte of the gold choice (its text with the moved whitespace), acc."""
+    logprobs, bpb, hits, cut = [], [], 0, 0
+    for row in rows:
+        context = row["query"].rstrip()
+        sums = []
+        for choice in row["choices"]:
+            text = row["query"][len(context) :] + choice
+            ctx_ids = tok(context)["input_ids"] or [tok.eos_token_id]
+            cont_ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids = (ctx_ids + cont_ids)[-SHIPPED_WINDOW:]
+            cut += len(ctx_ids + cont_ids) > SHIPPED_WINDOW
+            with torch.no_grad():
+                lp = model(torch.tensor([ids[:-1]])).logits[0].log_softmax(-1)
+            sums.append(lp[-len(cont_ids) :].gather(-1, torch.tensor(cont_ids).unsqueeze(-1)).sum().item())
+            if len(sums) - 1 == row["gold"]:
+                bpb.append(-sums[-1] / math.log(2) / len(text.encode("utf-8")))
+        logprobs.append(sums)
+        hits += max(range(len(sums)), key=lambda j: (sums[j], -j)) == row["gold"]
+    return {"logprobs": logprobs, "bpb": sum(bpb) / len(bpb), "acc": hits / len(rows), "cut": cut > 0}
+
+
+@pytest.mark.parametrize("name", [*SHIPPED_TASKS, "edge"])
+def test_bpb_and_the_lettered_formulation_on_shipped_tasks(shipped, bpe, name):
+    """Each choice's log-likelihood, acc and bits per byte (the mean over rows of the gold choice's bits over its
+    UTF-8 bytes) equal plain transformers' on the rows built here from the files, pairwise, lighteval's cut.
+    Mutations: characters for bytes (the edge rows), the old cut (the lettered rows), the lettered
+    choices without their space, nats for bits, each fail."""
+    model = AutoModelForCausalLM.from_pretrained(shipped["root"] / "bpe-llama", dtype=torch.float32).eval()
+    want = _plain_scores(model, bpe, _plain_rows(name, shipped["root"]))
+    scores, cut, logprobs = shipped["scores"][name]
+    for i, (got_row, want_row) in enumerate(zip(logprobs, want["logprobs"], strict=True)):
+        for a, b in zip(got_row, want_row, strict=True):
+            assert abs(a - b) <= SCORE_RTOL * abs(b), f"{name} row {i}: {a!r} vs plain transformers' {b!r}"
+    assert scores["bpb"] == pytest.approx(want["bpb"], rel=1e-6) and scores["acc"] == want["acc"]
+    assert (cut > 0) == want["cut"] == name.endswith(":mc")  # the lettered rows are cut from the left
 
 
 # ------------------------------------------------------------------------------------------------
@@ -640,12 +798,13 @@ HUB_LINES = {
 
 
 @pytest.mark.parametrize("name", sorted(HUB_LINES))
-def test_hub_mappings_write_the_cloze_rows(name):
+def test_hub_mappings_write_the_harness_style_rows(name):
+    """`prompt_style: harness` (SmolLM2's prompts); lighteval's strings are tests/test_eval_prompts.py's."""
     line, want = HUB_LINES[name]
-    assert hub_tasks.HUB_TASKS[name].to_row(line) == want
+    assert hub_tasks.HUB_TASKS[name].mapping("harness", False)(line) == want
 
 
-def test_every_hub_task_has_a_mapping_tested():
+def test_every_hub_task_has_a_harness_style_mapping_tested():
     tested = set(HUB_LINES) | {"arc_challenge"}  # arc_challenge: arc_easy's mapping on another subset
     assert set(hub_tasks.HUB_TASKS) == tested
 
@@ -695,9 +854,10 @@ def test_a_hub_task_names_its_revision_row_count_and_fingerprint(tmp_path, monke
     task = hub_tasks.load_hub_task("hellaswag")
     rows = json.dumps([[r.query, list(r.choices), r.gold] for r in task.rows]).encode()
     assert task.source == (
-        f"Rowan/hellaswag, split validation, revision {commit}, 2 rows, "
+        f"Rowan/hellaswag, split validation, lighteval 0.13.0 cloze prompts (CF), revision {commit}, 2 rows, "
         f"rows sha256 {hashlib.sha256(rows).hexdigest()[:16]}"
     )
+    assert task.rows[0].query.startswith("\n\nBaking cookies:\n")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@ Hub id, at the mesh the launch gives, with no export.
 The tasks are read and checked first (a bad file ends the run before any model work), then the model is built
 at this mesh and, for an hf3d checkpoint, its weights read from the checkpoint; the tokenizer is the model
 folder's (a checkpoint holds the one it was trained with). Rank 0 prints a table and writes
-`DIR/samples_<task>.jsonl` (with --log-samples), then `DIR/results.json`: a folder with a results.json holds
-every file of its run.
+`DIR/samples_<task>.jsonl` (with --log-samples; a lettered task `name:mc` as `samples_name_mc.jsonl`), then
+`DIR/results.json`: a folder with a results.json holds every file of its run.
 """
 
 from __future__ import annotations
@@ -44,11 +44,16 @@ def parallel_config(overrides: list[str]) -> ParallelConfig:
     return build_section(ParallelConfig, values, "parallel")
 
 
+def samples_file(task_name: str) -> str:
+    """The samples file of a task: `samples_<task>.jsonl`, the ":" of a lettered task's name as "_"."""
+    return f"samples_{task_name.replace(':', '_')}.jsonl"
+
+
 def check_output_dir(output_dir: Path, tasks, log_samples: bool) -> None:
     """Before the scoring: the folder may exist (its results are replaced) or be made; each file hf3d writes there
     is a file or nothing yet, never a link (`files.check_output`)."""
     files.check_output(output_dir, "--output-dir", folder=True)
-    names = [RESULTS_FILE] + ([f"samples_{t.name}.jsonl" for t in tasks] if log_samples else [])
+    names = [RESULTS_FILE] + ([samples_file(t.name) for t in tasks] if log_samples else [])
     for name in names:
         files.check_output(output_dir / name, "--output-dir: the file")
 
@@ -98,6 +103,6 @@ def write_results(out: Path, results: EvalResults, cfg: TaskEvalConfig, **run) -
     out.mkdir(parents=True, exist_ok=True)
     for task in results.tasks if cfg.log_samples else ():
         lines = "".join(json.dumps(sample) + "\n" for sample in task.samples)
-        files.write_file(out / f"samples_{task.name}.jsonl", lines, replace=True)
+        files.write_file(out / samples_file(task.name), lines, replace=True)
     record = {**results.to_json(), **run, "config": dataclasses.asdict(cfg)}
     files.write_file(out / RESULTS_FILE, json.dumps(record, indent=1) + "\n", replace=True)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_MAX_LENGTH = 4096  # rows longer than this make dense [S, S] masks of hundreds of MB per row
 TOKENS_PER_FORWARD = 8192
+PROMPT_STYLES = ("lighteval", "harness")
+TOKENIZATIONS = ("pairwise", "joint")
 
 
 @dataclass
@@ -33,6 +35,13 @@ class TaskEvalConfig:
     """Generative tasks ({query, answer} rows, gsm8k): tokens generated per row at most (greedy)."""
     stop: list[str] = field(default_factory=lambda: ["\n\n", "Question:"])
     """Generative tasks: the generation of a row ends at the first of these (and the text is cut there)."""
+    prompt_style: str = "lighteval"
+    """The Hub tasks' prompts: lighteval (lighteval 0.13.0's templates, the rows SmolLM3's evaluation scored) or
+    harness (LM Evaluation Harness-style cloze prompts, as SmolLM2's evaluation wrote them)."""
+    tokenization: str = "pairwise"
+    """How a choice becomes tokens: pairwise (the context and each choice encoded apart, as lighteval 0.13.0's
+    transformers backend does) or joint (context + choice encoded together and split at the context's length,
+    lighteval's pairwise_tokenization=False and its vLLM backend's default)."""
     log_samples: bool = False
     """Also write samples_<task>.jsonl, one line per row: each choice's log-likelihood, tokens and characters,
     the prediction and the gold index."""
@@ -52,5 +61,11 @@ class TaskEvalConfig:
             raise ValueError(f"the evaluation's max_length must be at least 2 tokens, got {self.max_length}")
         if self.max_new_tokens < 1:
             raise ValueError(f"the evaluation's max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for key, value, allowed in (
+            ("prompt_style", self.prompt_style, PROMPT_STYLES),
+            ("tokenization", self.tokenization, TOKENIZATIONS),
+        ):
+            if value not in allowed:
+                raise ValueError(f"the evaluation's {key} must be {' or '.join(allowed)}, got {value!r}")
         if self.batch_rows is not None and self.batch_rows < 1:
             raise ValueError(f"the evaluation's batch_rows must be >= 1, got {self.batch_rows}")

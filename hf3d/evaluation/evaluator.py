@@ -23,9 +23,9 @@ import torch.distributed as dist
 from ..parallel.compile import compiled
 from ..parallel.segments import TREE_ATTENTION
 from .config import DEFAULT_MAX_LENGTH, TOKENS_PER_FORWARD, TaskEvalConfig
-from .metrics import TaskResult, macro_average, task_result
+from .metrics import SCORES, TaskResult, macro_average, task_result
 from .packing import Batch, empty_batch, make_batches
-from .requests import encode_examples, units_of
+from .requests import encode_examples, split_space, units_of
 from .scoring import pair_sums, query_logprobs
 from .tasks import Task, context_of, load_task
 
@@ -60,7 +60,7 @@ class EvalResults:
         return {"results": {r.name: r.to_json() for r in self.tasks}, "average": self.average}
 
     def table(self) -> str:
-        metrics = [k for k in ("acc", "acc_norm", "acc_norm_token", "exact_match") if k in self.average]
+        metrics = [k for k in (*SCORES, "exact_match") if k in self.average]
         cell = lambda scores, k: f"{scores[k]:.4f}" if k in scores else "-"
         rows = [(r.name, f"{r.n}", *(cell(r.scores, k) for k in metrics)) for r in self.tasks]
         rows.append(("average", "", *(cell(self.average, k) for k in metrics)))
@@ -133,7 +133,8 @@ class Evaluator:
         contexts = self._contexts(task)
         where = f"task {task.name!r}"
         choices = [row.choices for row in task.rows]
-        examples = encode_examples(tokenizer, contexts, choices, window=self.row_len, where=where)
+        pairwise = self.cfg.tokenization == "pairwise"
+        examples = encode_examples(tokenizer, contexts, choices, window=self.row_len, where=where, pairwise=pairwise)
         d, dp = self.pmodel.dp_rank, self.pmodel.dp_size
         lo, hi = d * n // dp, (d + 1) * n // dp
         units, pairs = [], 0
@@ -167,6 +168,7 @@ class Evaluator:
             room = sum(b.input_ids.numel() for b in p.batches)
             cut = sum(ex.cut for ex in p.examples)
             shared = "contexts shared by their choices" if self.tree else "each choice a document of its own"
+            shared += f", {self.cfg.tokenization} tokenization"
             lines.append(
                 f"eval task {p.task.name} ({p.task.source}): {len(p.task.rows)} rows, {p.num_pairs} choices on this "
                 f"replica in {tokens:,} tokens ({shared}), {room // self.row_len} rows of {self.row_len} in "
@@ -232,7 +234,10 @@ class Evaluator:
                 "choices_logprob": logprobs[k : k + m],
                 "choices_tokens": ex.continuations,
                 "choices_chars": [len(c) for c in row.choices],
+                "choices_bytes": [len(split_space(p.contexts[i], c)[1].encode()) for c in row.choices],
             }
+            if row.group is not None:
+                sample["group"] = row.group
             examples.append(sample)
             k += m
         assert k == len(logprobs), f"{p.task.name}: {len(logprobs)} scores for {k} choices"
@@ -247,11 +252,14 @@ def load_tasks(cfg: TaskEvalConfig) -> list[Task]:
     """The tasks of `cfg`, each read and checked (before any model work); names must differ."""
     if not cfg.tasks:
         raise ValueError("no evaluation tasks given: name at least one task (a JSONL file or a known task name)")
-    tasks = [load_task(spec, limit=cfg.limit) for spec in cfg.tasks]
+    tasks = [load_task(spec, limit=cfg.limit, prompt_style=cfg.prompt_style) for spec in cfg.tasks]
     names = [t.name for t in tasks]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(f"two tasks are named {twice[0]!r} (a task is named after its file): rename one file")
+        raise ValueError(
+            f"two tasks are named {twice[0]!r} (a task is named after its file, a Hub task by hf3d's name, "
+            "lighteval's names included): name each task once, or rename one file"
+        )
     return tasks
 
 
@@ -259,8 +267,8 @@ def evaluate_tasks(pmodel, tasks, tokenizer=None, **options) -> EvalResults:
     """Score multiple-choice tasks on `pmodel` at its own mesh; collective, the same results on every rank.
 
     tasks: task names or JSONL paths (see TaskEvalConfig.tasks), or a TaskEvalConfig; options: its other
-    fields (limit, num_fewshot, fewshot_seed, max_length, batch_rows, log_samples), and `progress` (a bar on
-    rank 0). tokenizer: default the one of the model's folder."""
+    fields (limit, num_fewshot, fewshot_seed, max_length, batch_rows, prompt_style, tokenization, log_samples),
+    and `progress` (a bar on rank 0). tokenizer: default the one of the model's folder."""
     progress = options.pop("progress", True)
     cfg = tasks if isinstance(tasks, TaskEvalConfig) else TaskEvalConfig(tasks=list(tasks), **options)
     if tokenizer is None:

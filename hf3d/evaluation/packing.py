@@ -74,6 +74,7 @@ class _RowWriter:
         self._write(row, col, unit.context, 0, doc, 0)
         start = col + m
         for k, (pair, cont) in enumerate(unit.branches, start=1):
+            assert cont, f"pair {pair} has no continuation token (requests.encode_examples refuses such a choice)"
             self.queries.append((row, col + m - 1, cont[0], pair))
             self.queries += [(row, start + j - 1, cont[j], pair) for j in range(1, len(cont))]
             self._write(row, start, cont[:-1], m, doc, k)

@@ -11,6 +11,7 @@ class Row:
     query: str
     choices: tuple[str, ...]
     gold: int
+    group: str | None = None  # a task scored as the mean of its groups' scores (MMLU's subjects, as lighteval)
 
 
 @dataclass

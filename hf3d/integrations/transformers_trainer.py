@@ -40,6 +40,7 @@ from transformers.trainer_utils import EvalLoopOutput
 from ..checkpoint.load import load_checkpoint
 from ..checkpoint.marker import is_complete
 from ..checkpoint.save import save_checkpoint
+from ..checkpoint.untrusted import load_small
 from ..evaluation.config import TaskEvalConfig
 from ..evaluation.evaluator import Evaluator, load_tasks
 from ..hf.folders import EXPORT, is_weights_file
@@ -177,7 +178,7 @@ class Trainer(HFTrainer):
     ):
         """eval_tasks: downstream multiple-choice tasks (names or JSONL files, or a TaskEvalConfig with the
         limit, few-shot, ... options) that every `evaluate()` also scores at the model's mesh, reported as
-        `eval_downstream/<task>/<acc|acc_norm|acc_norm_token>` (and `.../average/...`); with them,
+        `eval_downstream/<task>/<acc|acc_norm|acc_norm_token|bpb>` (and `.../average/...`); with them,
         evaluate() needs no eval_dataset."""
         if not isinstance(model, ParallelModel):
             raise TypeError(
@@ -414,7 +415,7 @@ class Trainer(HFTrainer):
         if checkpoint is None:
             return
         load_checkpoint(Path(checkpoint) / CHECKPOINT_SUBDIR, self.model, self.optimizer)
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_NAME, weights_only=True))
+        self.lr_scheduler.load_state_dict(load_small(checkpoint, SCHEDULER_NAME))  # an archive checked first
 
 
 def _saved(obj) -> bytes:

@@ -302,7 +302,7 @@ class PrecisionConfig:
 @dataclass
 class EvalsConfig(TaskEvalConfig):
     """Downstream multiple-choice scores during the run, at the training mesh (hf3d/evaluation): in
-    metrics.jsonl as downstream/<task>/<acc|acc_norm|acc_norm_token> and downstream/average/..., on the log
+    metrics.jsonl as downstream/<task>/<acc|acc_norm|acc_norm_token|bpb> and downstream/average/..., on the log
     line, in the trackers and in the loss curve's lower panel. Rows are data.seq_len tokens, batches a
     training micro-batch's rows (compiled layers see the training shape)."""
 

@@ -107,9 +107,7 @@ def _name_the_package() -> None:
     module) lying there is never imported in place of the real one. Where this process found hf3d itself through
     the launch folder (`python -m hf3d` in a checkout that is not installed), the workers get that folder on
     PYTHONPATH, as this process has it."""
-    import hf3d
-
-    home = os.path.dirname(os.path.dirname(os.path.abspath(hf3d.__file__)))
+    home = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the folder holding hf3d/
     named = sys.path if sys.flags.safe_path else sys.path[1:]  # sys.path[0]: the launch folder, or the script's
     if home not in {os.path.abspath(p) for p in named if p}:
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [home, os.environ.get("PYTHONPATH")]))
