@@ -235,7 +235,8 @@ def _eval_parser(sub) -> None:
         help="comma-separated tasks: JSONL files of {query, choices, gold} rows, or names: shakespeare-next-line, "
         "shakespeare-word (shipped), hellaswag, arc_easy, arc_challenge, piqa, mmlu, commonsense_qa, winogrande, "
         "openbookqa, boolq (Hub datasets; lighteval's names too: hellaswag_cf, arc_cf:easy, ...); TASK:mc scores "
-        "a multiple-choice task in the lettered formulation (' A. ...' lines, the letters scored)",
+        "a multiple-choice task in the lettered formulation (' A. ...' lines, the letters scored); NAME=FILE "
+        "scores a Hub task from a JSONL of its dataset's rows (hf3d fetch-tasks --raw-dir writes one)",
     )
     p.add_argument("--output-dir", required=True, help="folder for results.json (and samples_<task>.jsonl)")
     p.add_argument("--log-samples", action="store_true", help="also write samples_<task>.jsonl, a line per row")
@@ -272,6 +273,26 @@ def _eval_parser(sub) -> None:
     p.set_defaults(func=_eval)
 
 
+def _fetch_tasks(args) -> int:
+    from .evaluation.tasks import fetch_tasks
+
+    for line in fetch_tasks(args.tasks, prompt_style=args.prompt_style, raw_dir=args.raw_dir):
+        print(f"hf3d fetch-tasks: {line}")
+    return 0
+
+
+def _fetch_tasks_parser(sub) -> None:
+    p = sub.add_parser(
+        "fetch-tasks",
+        help="download Hub tasks' datasets into the HF cache ahead of an evaluation (and, with --raw-dir, their rows "
+        "as JSONL files that `--tasks NAME=FILE` scores where the Hub cannot be reached)",
+    )
+    p.add_argument("tasks", help="comma-separated Hub task names: hellaswag, arc_easy, mmlu, ... (TASK:mc too)")
+    p.add_argument("--prompt-style", default="lighteval", help="whose split to fetch: lighteval (default) or harness")
+    p.add_argument("--raw-dir", help="also write each task's dataset rows, as they are, to RAW_DIR/<task>.jsonl")
+    p.set_defaults(func=_fetch_tasks)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `hf3d` command line: every subcommand and option (each with its help text)."""
     parser = argparse.ArgumentParser(prog="hf3d", description="3D-parallel training of stock transformers models")
@@ -286,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_option(p)
     p.set_defaults(func=_train)
     _eval_parser(sub)
+    _fetch_tasks_parser(sub)
     _generate_parser(sub)
     p = sub.add_parser("convert", help="hf3d checkpoint <-> HF directory, on one CPU process (no torchrun)")
     directions = p.add_subparsers(dest="direction", required=True)

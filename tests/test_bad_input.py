@@ -2356,6 +2356,22 @@ CASES: list[Case] = [
         how="main",
     ),
     _c(
+        "eval-raw-rows-not-hub",
+        EVAL,
+        "`--tasks shakespeare-word=FILE` (NAME=FILE names a Hub task's raw rows)",
+        lambda fx: _eval(fx, f"shakespeare-word={fx['a_file']}"),
+        ["NAME=FILE takes a Hub task's name ('shakespeare-word' is not one) and a JSONL file of its dataset's rows"],
+        how="main",
+    ),
+    _c(
+        "eval-fetch-not-hub",
+        EVAL,
+        "`hf3d fetch-tasks shakespeare-word` (a shipped task, nothing to fetch)",
+        lambda fx: ["fetch-tasks", "shakespeare-word"],
+        ["hf3d fetch-tasks: error: fetch-tasks fetches Hub tasks by name (hellaswag, arc_easy,"],
+        how="main",
+    ),
+    _c(
         "eval-unknown-task",
         EVAL,
         "a misspelt task name (`hellaswagg`)",
@@ -2368,7 +2384,11 @@ CASES: list[Case] = [
         EVAL,
         "a Hub task (`hellaswag`) offline, not cached",
         lambda fx: _eval(fx, "hellaswag"),
-        ["task 'hellaswag' reads the Hub dataset Rowan/hellaswag", "could not be loaded", "JSONL file"],
+        [
+            "task 'hellaswag' reads the Hub dataset Rowan/hellaswag, split validation: it is not in the datasets cache "
+            "and the Hub (https://huggingface.co) cannot be reached",
+            "run `hf3d fetch-tasks hellaswag`",
+        ],
         how="main",
     ),
     _c(

@@ -592,3 +592,47 @@ def test_a_hub_task_reads_smollm3s_split_skips_what_lighteval_skips_and_groups_m
     assert {r.group for r in load_task("mmlu", prompt_style="harness").rows} == {None}
     lettered = load_task("mmlu:mc", prompt_style="harness")  # the lettered rows are lighteval's whatever the style
     assert lettered.name == "mmlu:mc" and lettered.rows[0].choices == (" A", " B", " C", " D")
+
+
+def test_a_hub_task_goes_offline_as_a_file_of_its_raw_rows_and_says_at_once_when_the_hub_is_away(monkeypatch, tmp_path):
+    """`hf3d fetch-tasks hellaswag --raw-dir DIR` writes the dataset's rows as they are; `--tasks hellaswag=FILE`
+    maps them by the same prompts to the same rows as the Hub's. Where the Hub cannot be reached, the datasets
+    cache alone is read (offline mode, no retries) and one line says both."""
+    import datasets
+    import huggingface_hub.constants as hub
+
+    from hf3d.evaluation.tasks import fetch_tasks
+
+    offline_at_load = []
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
+
+    def load_dataset(repo, subset=None, split=None):
+        offline_at_load.append(hub.HF_HUB_OFFLINE)
+        if repo != "Rowan/hellaswag":
+            raise ConnectionError(f"Couldn't reach {repo!r} on the Hub (OfflineModeIsEnabled)")
+        return [line for line, _ in HELLASWAG]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(hub_tasks, "_HUB_AWAY", [None])  # the Hub answers
+    (line,) = fetch_tasks("hellaswag", raw_dir=str(tmp_path / "raw"))
+    raw = tmp_path / "raw" / "hellaswag.jsonl"
+    assert line.startswith("hellaswag: Rowan/hellaswag, split validation, revision unknown, ") and str(raw) in line
+    assert [json.loads(x) for x in raw.read_text().splitlines()] == [line for line, _ in HELLASWAG]
+    from_hub, from_file = load_task("hellaswag"), load_task(f"hellaswag={raw}")
+    assert from_file.rows == from_hub.rows and from_file.name == "hellaswag"
+    assert from_file.source.startswith(f"{raw} (raw rows of Rowan/hellaswag, split validation), lighteval 0.13.0")
+    assert load_task(f"hellaswag_cf={raw}").rows == from_hub.rows and offline_at_load == [False, False]
+    with pytest.raises(ValueError, match=r"NAME=FILE takes a Hub task's name \('shakespeare-word' is not one\)"):
+        resolve(f"shakespeare-word={raw}")
+    with pytest.raises(ValueError, match=r"fetch-tasks fetches Hub tasks by name"):
+        fetch_tasks(f"hellaswag={raw}")
+    away = "the Hub (https://huggingface.co) cannot be reached (ConnectError)"
+    monkeypatch.setattr(hub_tasks, "_HUB_AWAY", [away])
+    with pytest.raises(ValueError) as e:
+        load_task("piqa")
+    assert str(e.value) == (
+        f"task 'piqa' reads the Hub dataset ybisk/piqa, split validation: it is not in the datasets cache and {away}; "
+        "run `hf3d fetch-tasks piqa` where the Hub is reachable (into the cache, or --raw-dir DIR for a file to pass "
+        "as NAME=FILE), or pass the task as a JSONL file of {query, choices, gold} rows"
+    )
+    assert offline_at_load[-1] is True and hub.HF_HUB_OFFLINE is False  # the cache alone, then as it was

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..utils import files
+from ..utils.jsonl import json_lines
 from . import prompts
 from .rows import Row, Task, check_answer_row, check_row
 
@@ -222,23 +223,18 @@ LIGHTEVAL_NAMES = {
 """lighteval's names of SmolLM3's tasks (without the suite prefix "custom|"): (hf3d's task, lettered)."""
 
 
-def load_hub_task(name: str, *, style: str = "lighteval", lettered: bool = False) -> Task:
-    """A Hub task's rows in `style` (or lettered), named `name` (`name:mc` when lettered)."""
+def load_hub_task(name: str, *, style: str = "lighteval", lettered: bool = False, raw_rows: str | None = None) -> Task:
+    """A Hub task's rows in `style` (or lettered), named `name` (`name:mc` when lettered): from the Hub dataset, or
+    from `raw_rows`, a JSONL file of that dataset's rows as they are (`hf3d fetch-tasks --raw-dir` writes one)."""
     spec = HUB_TASKS[name]
     split = spec.split_for(style, lettered)
     where = spec.repo + (f" ({spec.subset})" if spec.subset else "") + f", split {split}"
-    try:
-        import datasets
-
-        with _away_from_the_launch_folder():
-            lines = datasets.load_dataset(spec.repo, spec.subset, split=split)
-    except Exception as e:  # offline, not cached, gated, renamed: all end the same way for the user
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
-            f"task {name!r} reads the Hub dataset {where}, which could not be loaded ({first[:200]}): run once "
-            "where the Hub is reachable to cache it, or pass the task as a JSONL file of {query, choices, gold} rows"
-        ) from None
-    revision = _revision(lines)
+    if raw_rows is not None:
+        lines, revision = [value for _, value in json_lines(Path(raw_rows))], "none (a local file)"
+        where = f"{raw_rows} (raw rows of {where})"
+    else:
+        lines = hub_rows(name, spec, split, where)
+        revision = _revision(lines)
     to_row = spec.mapping(style, lettered)
     group = spec.group if style == "lighteval" or lettered else None
     mapped = [as_row(spec, to_row, line, f"{where} row {i}", group) for i, line in enumerate(lines)]
@@ -250,6 +246,79 @@ def load_hub_task(name: str, *, style: str = "lighteval", lettered: bool = False
         f"rows sha256 {digest[:16]}"
     )
     return Task(f"{name}:mc" if lettered else name, rows, source, spec.generative)
+
+
+def hub_rows(name: str, spec: HubTask, split: str, where: str):
+    """The Hub dataset's rows (a `datasets.Dataset`), from the HF cache when the Hub cannot be reached (said at
+    once, not after the retries of every request); one line when they cannot be had."""
+    import datasets
+
+    away = _hub_unreachable()
+    try:
+        with _away_from_the_launch_folder(), _cache_only(away is not None):
+            return datasets.load_dataset(spec.repo, spec.subset, split=split)
+    except Exception as e:  # offline, not cached, gated, renamed: all end the same way for the user
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        why = f"it is not in the datasets cache and {away}" if away else f"it could not be loaded ({first[:200]})"
+        raise ValueError(
+            f"task {name!r} reads the Hub dataset {where}: {why}; run `hf3d fetch-tasks {name}` where the Hub is "
+            "reachable (into the cache, or --raw-dir DIR for a file to pass as NAME=FILE), or pass the task as a "
+            "JSONL file of {query, choices, gold} rows"
+        ) from None
+
+
+_HUB_AWAY: list[str | None] = []  # the answer of `_hub_unreachable`, asked once a process
+
+
+def _hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the Hub cannot be reached, in a few words (HF_HUB_OFFLINE set, no answer within `timeout_s` to one
+    request of its address), or None when it answers; asked once a process."""
+    import huggingface_hub.constants as hub
+
+    if not _HUB_AWAY:
+        if hub.HF_HUB_OFFLINE:
+            _HUB_AWAY.append("HF_HUB_OFFLINE is set")
+        else:
+            from huggingface_hub import get_session
+
+            try:
+                get_session().head(hub.ENDPOINT, timeout=timeout_s)
+                _HUB_AWAY.append(None)
+            except Exception as e:  # no name service, no route, a timeout: the Hub is away
+                _HUB_AWAY.append(f"the Hub ({hub.ENDPOINT}) cannot be reached ({type(e).__name__})")
+    return _HUB_AWAY[0]
+
+
+@contextlib.contextmanager
+def _cache_only(on: bool):
+    """datasets and huggingface_hub in offline mode while on: the cache is read, nothing is requested."""
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    saved = getattr(datasets.config, "HF_HUB_OFFLINE", None), hub.HF_HUB_OFFLINE
+    if on:
+        datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        if on:
+            datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def fetch_hub_task(name: str, *, style: str = "lighteval", lettered: bool = False, raw_dir: Path | None = None) -> str:
+    """Load a Hub task's dataset into the HF cache (`hf3d fetch-tasks`) and, with `raw_dir`, write its rows as they
+    are to `raw_dir/<name>.jsonl`, the file `--tasks NAME=FILE` reads on a machine without the Hub; returns the line
+    that says what was fetched."""
+    spec = HUB_TASKS[name]
+    split = spec.split_for(style, lettered)
+    where = spec.repo + (f" ({spec.subset})" if spec.subset else "") + f", split {split}"
+    rows = hub_rows(name, spec, split, where)
+    said = f"{name}: {where}, revision {_revision(rows)}, {len(rows)} rows in the datasets cache"
+    if raw_dir is not None:
+        out = raw_dir / f"{name}.jsonl"
+        files.write_file(out, "".join(json.dumps(dict(line), default=str) + "\n" for line in rows), replace=True)
+        said += f"; written to {out} (--tasks {name}={out})"
+    return said
 
 
 def _prompts(style: str, lettered: bool, generative: bool) -> str:

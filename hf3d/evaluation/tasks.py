@@ -35,6 +35,8 @@ class Spec:
     kind: str
     target: str
     lettered: bool = False
+    raw_rows: str | None = None
+    """A Hub task's rows from this JSONL file of its dataset's rows (`NAME=FILE`), not from the Hub."""
 
 
 def shipped_tasks() -> dict[str, Path]:
@@ -54,6 +56,8 @@ def resolve(spec: str) -> Spec:
 
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"a task is a JSONL path or a task name, got {spec!r}")
+    if "=" in spec:
+        return _raw_rows_spec(spec)
     if spec in LIGHTEVAL_NAMES:
         return Spec("hub", *LIGHTEVAL_NAMES[spec])
     lettered = spec.endswith(LETTERED) and len(spec) > len(LETTERED)
@@ -79,6 +83,48 @@ def resolve(spec: str) -> Spec:
     )
 
 
+def _raw_rows_spec(spec: str) -> Spec:
+    """`NAME=FILE`: the Hub task NAME (`:mc` and lighteval's names too), its rows read from FILE, a JSONL of its
+    dataset's rows as they are (what `hf3d fetch-tasks --raw-dir` writes), mapped by the same prompts."""
+    name, path = spec.split("=", 1)
+    named = resolve(name)
+    if named.kind != "hub":
+        raise ValueError(
+            f"task {spec!r}: NAME=FILE takes a Hub task's name ({name!r} is not one) and a JSONL file of its "
+            "dataset's rows; a file of {query, choices, gold} rows is given as its path alone"
+        )
+    if not Path(path).is_file():
+        raise ValueError(f"task {spec!r}: the file {path} does not exist: give a JSONL file of the dataset's rows")
+    return replace(named, raw_rows=path)
+
+
+def fetch_tasks(specs: str, *, prompt_style: str = "lighteval", raw_dir: str | None = None) -> list[str]:
+    """`hf3d fetch-tasks`: the Hub tasks of the comma-separated `specs` into the HF datasets cache and, with
+    `raw_dir`, each one's dataset rows as they are into `raw_dir/<name>.jsonl` (`--tasks NAME=FILE` reads it where
+    the Hub is not at hand); a line per task. Everything is checked before the first download."""
+    from ..utils import files
+    from .config import TaskEvalConfig
+    from .hub_tasks import fetch_hub_task
+
+    TaskEvalConfig(prompt_style=prompt_style)  # refused in one line when unknown
+    named = [resolve(s.strip()) for s in specs.split(",") if s.strip()]
+    other = [s.target for s in named if s.kind != "hub" or s.raw_rows is not None]
+    if not named or other:
+        raise ValueError(f"fetch-tasks fetches Hub tasks by name ({', '.join(_hub_names())}), got {specs!r}")
+    out = None
+    if raw_dir is not None:
+        files.check_output(raw_dir, "--raw-dir", folder=True)
+        out = Path(raw_dir)
+        out.mkdir(parents=True, exist_ok=True)
+    return [fetch_hub_task(s.target, style=prompt_style, lettered=s.lettered, raw_dir=out) for s in named]
+
+
+def _hub_names() -> list[str]:
+    from .hub_tasks import HUB_TASKS
+
+    return list(HUB_TASKS)
+
+
 def check_spec(spec: str) -> str:
     """What `spec` names: "file", "shipped" or "hub"; one line when it names nothing (no file is read here)."""
     return resolve(spec).kind
@@ -93,7 +139,7 @@ def load_task(spec: str, *, limit: int | None = None, prompt_style: str = "light
     if s.kind == "hub":
         from .hub_tasks import load_hub_task
 
-        task = load_hub_task(s.target, style=prompt_style, lettered=s.lettered)
+        task = load_hub_task(s.target, style=prompt_style, lettered=s.lettered, raw_rows=s.raw_rows)
     else:
         path = Path(s.target) if s.kind == "file" else shipped_tasks()[s.target]
         rows, generative = read_rows(path)
