@@ -274,8 +274,10 @@ def _eval_parser(sub) -> None:
 
 
 def _fetch_tasks(args) -> int:
+    from .evaluation.config import TaskEvalConfig
     from .evaluation.tasks import fetch_tasks
 
+    TaskEvalConfig(prompt_style=args.prompt_style)  # an unknown style is refused in one line
     for line in fetch_tasks(args.tasks, prompt_style=args.prompt_style, raw_dir=args.raw_dir):
         print(f"hf3d fetch-tasks: {line}")
     return 0

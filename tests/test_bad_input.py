@@ -295,6 +295,8 @@ def make_inputs(tmp: Path) -> dict[str, str]:
     fx["honest"] = str(honest)
     fx["wide_ckpt"] = str(hf_to_checkpoint(fx["llama_wide"], ck / "wide"))  # another model: hidden size 72
     _crafted_reads(fx, tmp, honest)
+    _crafted_sizes(fx, tmp, honest)
+    _crafted_indexes(fx, tmp)
     _model_folders(fx, tmp)
     shutil.copytree(honest, ck / "honest-copy")  # a copy: its owner file names the folder it was made as
     annotated = hf_to_checkpoint(fx["llama"], ck / "annotated")  # hf3d's own, then the user's notes in it
@@ -381,6 +383,71 @@ def _crafted_reads(fx: dict, tmp: Path, honest: Path) -> None:
 
     edit_safetensors_header(header_path, overlap)
     fx["overlapping"] = str(header_path.parent)
+
+
+def _crafted_sizes(fx: dict, tmp: Path, honest: Path) -> None:
+    """Checkpoints whose words would make a reader leave the folder or allocate what the files do not hold: data
+    under a folder that links to another checkpoint (marker listing it or not), a stored box whose data.pkl inflates
+    to 64 MiB, an extra.pt that does, a .metadata declaring a 1.9 GB bytes object, a stored row counted as 4096
+    boxes, a 2^20 x 2^20 weight of which one element is stored."""
+    import crafted
+
+    ck = tmp / "ckpt"
+    other = Path(fx["tmp"]) / "ckpt" / "other-model"
+    for name, listed in (("linked-folder", False), ("linked-folder-listed", True)):
+        crafted.link_data_folder(shutil.copytree(honest, ck / name), other, listed=listed)
+        fx[name.replace("-", "_")] = str(ck / name)
+    crafted.craft_inflating_box(shutil.copytree(honest, ck / "inflating-box"), 64 << 20)
+    extra = shutil.copytree(honest, ck / "inflating-extra")
+    crafted.inflating_archive(extra / "extra.pt", 64 << 20)
+    crafted.reseal(extra)
+    crafted.write_crafted(shutil.copytree(honest, ck / "counted"), ".metadata", crafted.counted_pickle(1_900_000_000))
+    crafted.craft_repeated_box(shutil.copytree(honest, ck / "repeated-box"), "lm_extra.weight", 4096)
+    for name in ("partial-tensor", "partial-tensor-copy"):
+        crafted.craft_partial_tensor(shutil.copytree(honest, ck / name), "lm_extra.weight", 1 << 20)
+    for name in (
+        "inflating-box",
+        "inflating-extra",
+        "counted",
+        "repeated-box",
+        "partial-tensor",
+        "partial-tensor-copy",
+    ):
+        fx[name.replace("-", "_")] = str(ck / name)
+
+
+def _crafted_indexes(fx: dict, tmp: Path) -> None:
+    """HF folders whose index names shards outside the folder or is malformed, whose safetensors header nests JSON
+    too deep or declares more bytes than the file has, or whose weights file links to one outside."""
+    from crafted import nested_json
+
+    models, private = tmp / "models", tmp / "private"
+    private.mkdir()
+    shutil.copy(Path(fx["llama"]) / "model.safetensors", private / "model.safetensors")
+    indexes = {
+        "index-outside": {"weight_map": {"model.norm.weight": "../private/model.safetensors"}},
+        "index-absolute": {"weight_map": {"model.norm.weight": str(private / "model.safetensors")}},
+        "index-no-map": {"metadata": {}},
+        "index-list-map": {"weight_map": ["model.safetensors"]},
+        "index-number": {"weight_map": {"model.norm.weight": 3}},
+        "index-deep": None,
+    }
+    for name, index in indexes.items():
+        folder = shutil.copytree(fx["llama"], models / name)
+        (folder / "model.safetensors").unlink()
+        (folder / "model.safetensors.index.json").write_text(
+            nested_json(100000) if index is None else json.dumps(index)
+        )
+        fx[name.replace("-", "_")] = str(folder)
+    deep = shutil.copytree(fx["llama"], models / "header-deep") / "model.safetensors"
+    header = nested_json(100000).encode()
+    deep.write_bytes(len(header).to_bytes(8, "little") + header)
+    long = shutil.copytree(fx["llama"], models / "header-long") / "model.safetensors"
+    long.write_bytes((1 << 40).to_bytes(8, "little") + long.read_bytes()[8:])
+    linked = shutil.copytree(fx["llama"], models / "linked-weights")
+    (linked / "model.safetensors").unlink()
+    (linked / "model.safetensors").symlink_to(private / "model.safetensors")
+    fx.update(header_deep=str(deep.parent), header_long=str(long.parent), linked_weights=str(linked))
 
 
 def _leftovers(out: str) -> list[str]:
@@ -1379,6 +1446,161 @@ CASES: list[Case] = [
         ["model.safetensors: the bytes of 'model.layers.0.", "overlap those of"],
         how="main",
     ),
+    _c(
+        "cli-convert-linked-folder",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose .metadata names sub/__0_0.distcp, sub a link to another checkpoint",
+        lambda fx: (
+            ["convert", "to-hf", fx["linked_folder"], f"{fx['tmp']}/hf-linked-folder"],
+            f"{fx['tmp']}/hf-linked-folder",
+        ),
+        ["<tmp>/ckpt/linked-folder/sub/__0_0.distcp, a data file its .metadata names", "in a linked folder"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-linked-folder-listed",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose marker lists sub/__0_0.distcp, sub a link to another checkpoint",
+        lambda fx: (
+            ["convert", "to-hf", fx["linked_folder_listed"], f"{fx['tmp']}/hf-linked-listed"],
+            f"{fx['tmp']}/hf-linked-listed",
+        ),
+        ["checkpoint <tmp>/ckpt/linked-folder-listed is damaged: sub/__0_0.distcp is a link", "lies below a link"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-inflating-box",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose stored box holds a data.pkl deflated from 64 MiB of zeros (65 KB)",
+        lambda fx: (
+            ["convert", "to-hf", fx["inflating_box"], f"{fx['tmp']}/hf-inflating"],
+            f"{fx['tmp']}/hf-inflating",
+        ),
+        [
+            "<tmp>/ckpt/inflating-box/__inflating.distcp at byte 0: its record 'archive/data.pkl' is compressed",
+            "refusing to inflate it",
+        ],
+        how="main",
+    ),
+    _c(
+        "cli-convert-inflating-extra",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose extra.pt holds a data.pkl deflated from 64 MiB of zeros",
+        lambda fx: (
+            ["convert", "to-hf", fx["inflating_extra"], f"{fx['tmp']}/hf-inflating-extra"],
+            f"{fx['tmp']}/hf-inflating-extra",
+        ),
+        ["<tmp>/ckpt/inflating-extra/extra.pt: its record 'archive/data.pkl' is compressed"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-counted",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose .metadata declares a bytes object of 1.9 GB in 1,011 bytes",
+        lambda fx: (["convert", "to-hf", fx["counted"], f"{fx['tmp']}/hf-counted"], f"{fx['tmp']}/hf-counted"),
+        ["<tmp>/ckpt/counted/.metadata is not a whole pickle", "expected 1900000000 bytes in a bytes8"],
+        how="main",
+    ),
+    _c(
+        "cli-convert-repeated-box",
+        SET,
+        "`hf3d convert to-hf` of a checkpoint whose .metadata lists one stored row of a 4096 x 4096 weight 4096 times",
+        lambda fx: (["convert", "to-hf", fx["repeated_box"], f"{fx['tmp']}/hf-repeated"], f"{fx['tmp']}/hf-repeated"),
+        ["<tmp>/ckpt/repeated-box/.metadata declares two boxes of 'model/lm_extra.weight' at [0, 0]"],
+        how="main",
+    ),
+    _c(
+        "cli-average-partial-tensor",
+        SET,
+        "`hf3d average` of checkpoints declaring a 2^20 x 2^20 weight of which one element is stored",
+        lambda fx: (
+            ["average", fx["partial_tensor"], fx["partial_tensor_copy"], "--out", f"{fx['tmp']}/avg-x"],
+            f"{fx['tmp']}/avg-x",
+        ),
+        [
+            "<tmp>/ckpt/partial-tensor/.metadata declares 'model/lm_extra.weight' of size [1048576, 1048576]",
+            "stored only in part",
+        ],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-index-outside",
+        SET,
+        "`hf3d convert from-hf` of a folder whose index names '../private/model.safetensors'",
+        lambda fx: (["convert", "from-hf", fx["index_outside"], f"{fx['tmp']}/ck-ix-out"], f"{fx['tmp']}/ck-ix-out"),
+        [
+            "<tmp>/models/index-outside/model.safetensors.index.json names the shard '../private/model.safetensors'",
+            "not a file name inside",
+        ],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-index-absolute",
+        SET,
+        "`hf3d convert from-hf` of a folder whose index names a shard by an absolute path",
+        lambda fx: (["convert", "from-hf", fx["index_absolute"], f"{fx['tmp']}/ck-ix-abs"], f"{fx['tmp']}/ck-ix-abs"),
+        ["index.json names the shard '<tmp>/private/model.safetensors'", "hf3d reads no weights from outside"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-index-no-map",
+        SET,
+        "`hf3d convert from-hf` of a folder whose index has no weight_map",
+        lambda fx: (["convert", "from-hf", fx["index_no_map"], f"{fx['tmp']}/ck-ix-none"], f"{fx['tmp']}/ck-ix-none"),
+        ["<tmp>/models/index-no-map/model.safetensors.index.json has no weight_map"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-index-list-map",
+        SET,
+        "`hf3d convert from-hf` of a folder whose index's weight_map is a list",
+        lambda fx: (["convert", "from-hf", fx["index_list_map"], f"{fx['tmp']}/ck-ix-list"], f"{fx['tmp']}/ck-ix-list"),
+        ["<tmp>/models/index-list-map/model.safetensors.index.json has no weight_map"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-index-number",
+        SET,
+        "`hf3d convert from-hf` of a folder whose index maps a tensor to the number 3",
+        lambda fx: (["convert", "from-hf", fx["index_number"], f"{fx['tmp']}/ck-ix-num"], f"{fx['tmp']}/ck-ix-num"),
+        ["<tmp>/models/index-number/model.safetensors.index.json has no weight_map"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-index-deep",
+        SET,
+        "`hf3d convert from-hf` of a folder whose index is JSON nested 100000 deep",
+        lambda fx: (["convert", "from-hf", fx["index_deep"], f"{fx['tmp']}/ck-ix-deep"], f"{fx['tmp']}/ck-ix-deep"),
+        ["<tmp>/models/index-deep/model.safetensors.index.json nests JSON deeper than hf3d parses"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-header-deep",
+        SET,
+        "`hf3d convert from-hf` of a safetensors whose header is JSON nested 100000 deep",
+        lambda fx: (["convert", "from-hf", fx["header_deep"], f"{fx['tmp']}/ck-hd-deep"], f"{fx['tmp']}/ck-hd-deep"),
+        ["<tmp>/models/header-deep/model.safetensors is not a readable safetensors file", "nests JSON too deep"],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-header-long",
+        SET,
+        "`hf3d convert from-hf` of a safetensors whose header length is 2^40 bytes",
+        lambda fx: (["convert", "from-hf", fx["header_long"], f"{fx['tmp']}/ck-hd-long"], f"{fx['tmp']}/ck-hd-long"),
+        [
+            "<tmp>/models/header-long/model.safetensors is not a readable safetensors file",
+            "header length beyond the end of the file",
+        ],
+        how="main",
+    ),
+    _c(
+        "cli-from-hf-linked-weights",
+        SET,
+        "`hf3d convert from-hf` of a folder whose model.safetensors links to a file outside it",
+        lambda fx: (["convert", "from-hf", fx["linked_weights"], f"{fx['tmp']}/ck-lw"], f"{fx['tmp']}/ck-lw"),
+        ["<tmp>/models/linked-weights/model.safetensors is a link to <tmp>/private/model.safetensors, outside"],
+        how="main",
+    ),
     # --- launch: the world vs the config ---------------------------------------------------------------
     _c(
         "set-python-tag",
@@ -1948,6 +2170,46 @@ CASES: list[Case] = [
         "files)",
         lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["linked_data"], ctx["pm"], ctx["opt"]),
         ["checkpoint <tmp>/ckpt/linked-data is damaged: __0_0.distcp is a link or not a regular file"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-load-linked-folder",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose .metadata names sub/__0_0.distcp, sub a link to another one",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["linked_folder"], ctx["pm"], ctx["opt"]),
+        ["<tmp>/ckpt/linked-folder/sub/__0_0.distcp, a data file its .metadata names", "in a linked folder"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-load-linked-folder-listed",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose marker lists sub/__0_0.distcp, sub a link to another",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["linked_folder_listed"], ctx["pm"], ctx["opt"]),
+        ["checkpoint <tmp>/ckpt/linked-folder-listed is damaged: sub/__0_0.distcp is a link", "lies below a link"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-load-inflating-box",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose stored box holds a data.pkl deflated from 64 MiB of zeros",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["inflating_box"], ctx["pm"], ctx["opt"]),
+        ["could not load the checkpoint <tmp>/ckpt/inflating-box", "its record 'archive/data.pkl' is compressed"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-load-inflating-extra",
+        CKPT,
+        "`hf3d.load_checkpoint(extra={})` of a checkpoint whose extra.pt holds a data.pkl deflated from 64 MiB",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["inflating_extra"], ctx["pm"], ctx["opt"], extra={}),
+        ["<tmp>/ckpt/inflating-extra/extra.pt: its record 'archive/data.pkl' is compressed"],
+        how="dist",
+    ),
+    _c(
+        "ckpt-load-counted",
+        CKPT,
+        "`hf3d.load_checkpoint` of a checkpoint whose .metadata declares a bytes object of 1.9 GB in 1,011 bytes",
+        lambda ctx: __import__("hf3d").load_checkpoint(ctx["fx"]["counted"], ctx["pm"], ctx["opt"]),
+        ["<tmp>/ckpt/counted/.metadata is not a whole pickle", "expected 1900000000 bytes in a bytes8"],
         how="dist",
     ),
     _c(

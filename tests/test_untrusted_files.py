@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # hf3d without an install
 sys.path.insert(0, str(ROOT / "tests"))
 
-from crafted import fake_checkpoint, global_pickle, reseal, write_crafted  # noqa: E402
+from crafted import fake_checkpoint, global_pickle, reseal, torch_archive, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
@@ -991,18 +991,18 @@ def test_a_yaml_tag_that_would_run_code_is_refused_wherever_hf3d_reads_yaml(tmp_
 
 
 def test_every_reader_of_a_small_torch_file_refuses_a_crafted_pickle_and_runs_nothing(tmp_path):
-    """A checkpoint's extra.pt replaced by a pickle that runs `touch` when a plain unpickler reads it (marker
-    resealed, so the file checks pass): load_checkpoint's reader, `hf3d convert to-hf`'s record of the run and a
-    run's starting point (model.path a checkpoint) each refuse it, and nothing runs. Mutations: torch.load
-    with weights_only=False, `import pickle as pk` / `from pickle import loads as _l` at any of the three (the
-    marker, and the audit's pickle.find_class)."""
+    """A checkpoint's extra.pt replaced by a pickle that runs `touch` when a plain unpickler reads it, in a torch.save
+    archive so that hf3d's archive check passes (marker resealed, so the file checks pass): load_checkpoint's
+    reader, `hf3d convert to-hf`'s record of the run and a run's starting point (model.path a checkpoint) each
+    refuse it, and nothing runs. Mutations: torch.load with weights_only=False, `import pickle as pk` / `from
+    pickle import loads as _l` at any of the three (the marker, and the audit's pickle.find_class)."""
     from hf3d.checkpoint import convert, load
     from hf3d.train.finish import starting_point
 
     marker = tmp_path / "ran"
     src = make_model_dir(tmp_path / "m", "llama")
     ckpt = convert.hf_to_checkpoint(src, tmp_path / "ckpt")
-    write_crafted(ckpt, "extra.pt", global_pickle("os", "system", f"touch {marker}"))
+    write_crafted(ckpt, "extra.pt", torch_archive(global_pickle("os", "system", f"touch {marker}")))
     for read in (lambda: load._load(ckpt / "extra.pt"), lambda: convert._training_summary(ckpt),
                  lambda: starting_point(str(ckpt))):  # fmt: skip
         with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):

@@ -1,6 +1,7 @@
 """The CRC-32s the checkpoint marker records, and the disk writes of the files they cover.
 
-- `crc32_file(path)` checksums a whole file over mappings of its pages (no copy into a buffer).
+- `crc32_file(path)` checksums a whole file over mappings of its pages (no copy into a buffer); `crc32_open` the
+  same of a file already open (a checkpoint's, opened by `untrusted.open_in`).
 - `RunningFile` checksums a file while it is being written: the writer hands over each written block
   (`add`); a background thread starts that block's disk write (Linux's sync_file_range, so the fsync at the
   end finds most of the file on disk) and folds it into the CRC-32 from the page cache. `finish()` fsyncs
@@ -61,19 +62,24 @@ def start_writeback(fd: int, start: int, stop: int) -> None:
         _SYNC_FILE_RANGE(fd, start, stop - start, _SYNC_FILE_RANGE_WRITE)
 
 
-def crc32_range(path: Path, start: int, stop: int, crc: int = 0) -> int:
-    """`crc` extended over bytes [start, stop) of the file (never read through a link), read through mappings of
-    at most WINDOW bytes."""
-    with files.open_read(path) as f:
-        pos = start
-        while pos < stop:
-            first = pos - pos % mmap.ALLOCATIONGRANULARITY
-            length = min(stop, first + WINDOW) - first
-            with mmap.mmap(f.fileno(), length, offset=first, access=mmap.ACCESS_READ) as pages:
-                with memoryview(pages) as view:
-                    crc = _crc32_update(view[pos - first :], crc)
-            pos = first + length
+def crc32_open(f, start: int, stop: int, crc: int = 0) -> int:
+    """`crc` extended over bytes [start, stop) of the open file `f`, read through mappings of at most WINDOW bytes."""
+    pos = start
+    while pos < stop:
+        first = pos - pos % mmap.ALLOCATIONGRANULARITY
+        length = min(stop, first + WINDOW) - first
+        with mmap.mmap(f.fileno(), length, offset=first, access=mmap.ACCESS_READ) as pages:
+            with memoryview(pages) as view:
+                crc = _crc32_update(view[pos - first :], crc)
+        pos = first + length
     return crc
+
+
+def crc32_range(path: Path, start: int, stop: int, crc: int = 0) -> int:
+    """`crc` extended over bytes [start, stop) of a file hf3d is writing or just wrote (never read through a link;
+    a checkpoint's files are checked through `untrusted.open_in` and `crc32_open`)."""
+    with files.open_read(path) as f:
+        return crc32_open(f, start, stop, crc)
 
 
 def crc32_file(path: Path) -> int:

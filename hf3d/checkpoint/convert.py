@@ -55,6 +55,7 @@ from ..utils import files
 from . import entries, marker
 from .reader import SafeReader
 from .stored import stored_box
+from .untrusted import load_small, open_in
 from .writer import OneFileWriter, dcp_debug_records_off
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -116,14 +117,9 @@ class _TensorReader:
 
     def __init__(self, root: Path, metadata, keys: dict[str, str], *, buffer: torch.Tensor | None = None):
         self.root, self.metadata, self.keys = root, metadata, keys
+        # every tensor is covered by its boxes, whose bytes are on disk (reader.check_storage): none is larger than
+        # the files hold
         infos = [metadata.state_dict_metadata[k] for k in keys.values()]
-        for name, info in zip(keys, infos):  # covered by its boxes, whose bytes are on disk (reader.check_storage)
-            stored = sum(math.prod(chunk.sizes) for chunk in info.chunks)
-            if stored < math.prod(info.size):  # the ranks write disjoint boxes that cover every element
-                raise ValueError(
-                    f"{root}: {name} is stored only in part ({stored} of {math.prod(info.size)} elements); "
-                    "the checkpoint is incomplete"
-                )
         # zeros: a part no box covers (boxes that overlap) holds nothing of this process's memory; `buffer`: one
         # the caller shares between readers it calls one after the other (hf3d average), large enough
         need = max((_nbytes(i) for i in infos if not _whole(i)), default=0)
@@ -132,7 +128,8 @@ class _TensorReader:
 
     def _box(self, key: str, chunk, dtype: torch.dtype) -> torch.Tensor:
         info = self.metadata.storage_data[MetadataIndex(key, chunk.offsets)]
-        return stored_box(self.root / info.relative_path, info, dtype, tuple(chunk.sizes))
+        with open_in(self.root, info.relative_path) as f:
+            return stored_box(self.root / info.relative_path, info, dtype, tuple(chunk.sizes), f)
 
     def __call__(self, name: str) -> torch.Tensor:
         key = self.keys[name]
@@ -251,8 +248,8 @@ def _training_summary(ckpt: Path) -> dict[str, bytes]:
 
     if not (ckpt / "extra.pt").is_file():
         return {}
-    with files.open_read(ckpt / "extra.pt") as f:
-        summary = torch.load(f, weights_only=True).get("training")
+    extra = load_small(ckpt, "extra.pt")
+    summary = extra.get("training") if isinstance(extra, dict) else None
     return {SUMMARY_FILE: json.dumps(summary, indent=1).encode()} if isinstance(summary, dict) else {}
 
 

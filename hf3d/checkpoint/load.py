@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from pathlib import Path
@@ -15,20 +14,20 @@ from torch.distributed.checkpoint import CheckpointException
 from ..optim import state as optim_state
 from ..parallel.fsdp import local_fragments, reshard_all
 from ..parallel.layout import hf_boxes
-from ..utils import files
+from ..utils.jsonl import json_document
 from .entries import MASTER_KEY, MODEL_PREFIX, SHAPE_FIELDS, Boxes, LoadPlanner, get_entry, optim_key
 from .failures import failure_line
 from .marker import read_marker, refuse_damaged
 from .reader import SafeReader
 from .save import wait_for_checkpoint
+from .untrusted import load_small, open_in
 from .writer import dcp_debug_records_off
 
 
 def _load(path: Path):
     """A small file of the checkpoint (rng_<rank>.pt, extra.pt): tensors and plain values only, never read
-    through a link."""
-    with files.open_read(path) as f:
-        return torch.load(f, weights_only=True)
+    through a link, its archive checked before it is read (`untrusted.load_small`)."""
+    return load_small(path.parent, path.name)
 
 
 def _restore_rng(path: Path, meta: dict, pmodel) -> None:
@@ -60,8 +59,10 @@ def _restore_rng(path: Path, meta: dict, pmodel) -> None:
 
 def check_compatible(path: Path, config) -> None:
     """Refuse a checkpoint of another architecture or shape, naming every mismatch in one line."""
-    with files.open_read(path / "config.json") as f:
-        saved = json.loads(f.read())
+    with open_in(path, "config.json") as f:
+        saved = json_document(path / "config.json", f.read())
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path / 'config.json'} holds no JSON object; it is not a model's config")
     ours = config.to_dict()
     diffs = [
         f"{k}={saved.get(k)!r} (model has {ours.get(k)!r})"

@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from pathlib import Path
 
 import torch.distributed as dist
 
 from ..hf.folders import is_model_file
 from ..utils import files as files_
-from .checksums import crc32_file
+from .checksums import crc32_file, crc32_open
+from .untrusted import open_in, size_of
 
 MARKER = "hf3d_checkpoint.json"
 
@@ -34,9 +34,9 @@ def _listed(folder: Path) -> set[str] | None:
     """The files the marker of a complete checkpoint lists (and the marker), or None (no marker, or one
     written before markers listed files)."""
     try:
-        with files_.open_read(folder / MARKER) as f:
+        with open_in(folder, MARKER) as f:
             listed = json.loads(f.read()).get("files")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return {*listed, MARKER} if isinstance(listed, dict) else None
 
@@ -61,14 +61,14 @@ def read_marker(path: str | os.PathLike) -> dict:
             "not a checkpoint folder)"
         )
     try:
-        with files_.open_read(path / MARKER) as f:
+        with open_in(path, MARKER) as f:
             meta = json.loads(f.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(
-            f"{path / MARKER} is damaged ({type(e).__name__}: {e}); this checkpoint cannot be trusted: resume from "
-            "another one (checkpoint.resume: PATH) or delete this folder"
+            f"{path / MARKER} is damaged ({type(e).__name__}: {' '.join(str(e).split())}); this checkpoint cannot be "
+            "trusted: resume from another one (checkpoint.resume: PATH) or delete this folder"
         ) from None
-    if meta.get("format") != "hf3d" or meta.get("version") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") != "hf3d" or meta.get("version") != FORMAT_VERSION:
         raise ValueError(f"{path / MARKER} is not an hf3d checkpoint of format version {FORMAT_VERSION}")
     return meta
 
@@ -97,21 +97,37 @@ def file_table(folder: Path, skip: set[str] = frozenset(), only: str = "*") -> d
     return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "crc32": crc32_file(p)} for p in files}
 
 
-def _not_a_file(path: Path) -> str | None:
-    """Why `path` is not a regular file of its own (missing, a link, a folder), or None."""
-    if not os.path.lexists(path):
-        return f"{path.name} is missing"
-    if not stat.S_ISREG(os.lstat(path).st_mode):
-        return f"{path.name} is a link or not a regular file (hf3d reads no file of a checkpoint through a link)"
-    return None
+def _size(folder: Path, name: str) -> int | str:
+    """The size of the file `name` of the checkpoint folder `folder`, opened as every reader opens it
+    (`untrusted.open_in`: in the folder, through real folders, not a link); or why it cannot be read."""
+    try:
+        with open_in(folder, name) as f:
+            return size_of(f)
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except (OSError, ValueError):
+        return (
+            f"{name} is a link or not a regular file, or lies below a link or outside the folder (hf3d reads no file "
+            "of a checkpoint through a link)"
+        )
+
+
+def _crc32(folder: Path, name: str) -> int | None:
+    """The CRC-32 of the file `name` of the checkpoint folder `folder` (opened as `_size` opens it), or None."""
+    try:
+        with open_in(folder, name) as f:
+            return crc32_open(f, 0, size_of(f))
+    except (OSError, ValueError):
+        return None
 
 
 def find_damage(path: Path, meta: dict, *, checksums: bool = True, collective: bool = True) -> str | None:
     """What is wrong with the files of the complete checkpoint at `path` (`meta`: its marker), in a few
     words naming the first damaged file; None when every file has the size and CRC-32 its marker records.
-    A file that is a link is damaged. A marker that records no files (written before hf3d recorded them)
-    is verified for what can be: every file of a checkpoint's names in the folder is a regular file, not a
-    link (the `.metadata` is then checked against the files' sizes when it is read: `reader.check_storage`).
+    A file that is a link, or lies in a folder that is one, is damaged. A marker that records no files (written
+    before hf3d recorded them) is verified for what can be: every file of a checkpoint's names in the folder is
+    a regular file, not a link (the `.metadata` is then checked against the files' sizes when it is read:
+    `reader.check_storage`).
 
     Under a process group every rank must call this: each checksums its share of the files and the
     verdicts are gathered, so all ranks return the same answer. Sizes are checked by every rank;
@@ -119,20 +135,19 @@ def find_damage(path: Path, meta: dict, *, checksums: bool = True, collective: b
     alone, whatever process group there is (a conversion in a thread of rank 0 while the ranks train)."""
     files = meta.get("files")
     if not isinstance(files, dict):
-        ours = (p for p in sorted(path.iterdir()) if is_checkpoint_file(p.name))
-        return next(filter(None, (_not_a_file(p) for p in ours)), None)
-    names = sorted(files)
+        ours = (p.name for p in sorted(path.iterdir()) if is_checkpoint_file(p.name))
+        return next((s for s in (_size(path, n) for n in ours) if isinstance(s, str)), None)
+    names, files = sorted(files), {n: r if isinstance(r, dict) else {} for n, r in files.items()}
     for name in names:
-        p = path / name
-        if _not_a_file(p) is not None:
-            return _not_a_file(p)
-        size = os.lstat(p).st_size
+        size = _size(path, name)
+        if isinstance(size, str):
+            return size
         if size != files[name].get("size"):
             return f"{name} has {size} bytes where {files[name].get('size')} were written"
     if not checksums:
         return None
     rank, world = (dist.get_rank(), dist.get_world_size()) if collective and dist.is_initialized() else (0, 1)
-    bad = [n for n in names[rank::world] if crc32_file(path / n) != files[n].get("crc32")]
+    bad = [n for n in names[rank::world] if _crc32(path, n) != files[n].get("crc32")]
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, bad)

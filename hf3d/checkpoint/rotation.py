@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ..utils import files as files_
 from .failures import CheckpointWriteError, failure_line
 from .marker import CHECKPOINT, MARKER, find_damage, is_complete, read_marker, refuse_damaged
+from .untrusted import open_in
 
 # -- a run's checkpoints folder -------------------------------------------------------------------
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -45,12 +46,10 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
 
 def _hf3d_marker(d: Path) -> dict | None:
     """The marker of the folder `d` when it is hf3d's (a regular file, not a link), else None."""
-    marker = d / MARKER
-    if marker.is_symlink() or not marker.is_file():
-        return None
     try:
-        meta = json.loads(marker.read_text())
-    except (OSError, ValueError):
+        with open_in(d, MARKER) as f:  # a regular file of the folder, no link followed
+            meta = json.loads(f.read(1 << 24))
+    except (OSError, ValueError, RecursionError):
         return None
     return meta if isinstance(meta, dict) and meta.get("format") == "hf3d" else None
 

@@ -53,10 +53,8 @@ class WriterProcess:
     on)."""
 
     def __init__(self):
-        import hf3d
-
         ours, theirs = socket.socketpair()
-        package = str(Path(hf3d.__file__).resolve().parent)
+        package = str(Path(__file__).resolve().parents[1])  # the hf3d package this module is part of
         command = [sys.executable, "-I", "-c", _CHILD_MAIN, package, str(theirs.fileno())]
         self.child = subprocess.Popen(command, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()

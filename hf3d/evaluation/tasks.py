@@ -103,10 +103,8 @@ def fetch_tasks(specs: str, *, prompt_style: str = "lighteval", raw_dir: str | N
     `raw_dir`, each one's dataset rows as they are into `raw_dir/<name>.jsonl` (`--tasks NAME=FILE` reads it where
     the Hub is not at hand); a line per task. Everything is checked before the first download."""
     from ..utils import files
-    from .config import TaskEvalConfig
     from .hub_tasks import fetch_hub_task
 
-    TaskEvalConfig(prompt_style=prompt_style)  # refused in one line when unknown
     named = [resolve(s.strip()) for s in specs.split(",") if s.strip()]
     other = [s.target for s in named if s.kind != "hub" or s.raw_rows is not None]
     if not named or other:

@@ -1,5 +1,11 @@
 """Reading HF weights: only this rank's slices of the safetensors files (or of a model in memory), each read into
-its target without a copy of its own."""
+its target without a copy of its own.
+
+An HF folder may come from someone else: the files read are the folder's own (`weights_files`: every shard its
+index names is a plain file name of the folder, and no weights file is a link leaving it, links into the Hub
+cache aside), and a safetensors header's word is checked against the file before anything is read by it
+(`_read_header`: its length and every tensor's byte range inside the file, each shape exactly its range). A
+malformed index or header is refused in one line naming the file."""
 
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .folders import SAFE_INDEX, SAFE_SINGLE
+from ..utils.jsonl import json_document
+from .folders import SAFE_INDEX, SAFE_SINGLE, link_outside
 
 ST_DTYPES = {
     "F64": torch.float64,
@@ -44,21 +51,8 @@ class SafetensorsSource:
 
     def __init__(self, model_dir: Path):
         self.model_dir = model_dir
-        index = model_dir / SAFE_INDEX
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (model_dir / SAFE_SINGLE).is_file():
-            files = [SAFE_SINGLE]
-        else:
-            raise ValueError(
-                f"no {SAFE_SINGLE} or {SAFE_INDEX} in {model_dir}; hf3d reads safetensors checkpoints only "
-                "(re-save the model with save_pretrained(..., safe_serialization=True))"
-            )
         self.entries: dict[str, tuple[Path, int, str, tuple[int, ...]]] = {}  # name -> file, offset, dtype, shape
-        for f in files:
-            fpath = model_dir / f
-            if not fpath.is_file():
-                raise ValueError(f"{fpath} is listed in {SAFE_INDEX} but missing; re-download the checkpoint")
+        for fpath in weights_files(model_dir):
             for name, (offset, dtype, shape) in _read_header(fpath).items():
                 self.entries[name] = (fpath, offset, dtype, shape)
 
@@ -118,6 +112,58 @@ class SafetensorsSource:
                 out[r0 - rows[0] : r1 - rows[0]].copy_(part)
 
 
+def _inside(model_dir: Path, path: Path) -> Path:
+    """`path`, a file of the HF folder `model_dir`, refused in one line when it is a link leaving the folder
+    (links into the Hub cache, as its downloads are, aside)."""
+    target = link_outside(path, model_dir)
+    if target is not None:
+        raise ValueError(
+            f"{path} is a link to {target}, outside {model_dir}; hf3d reads no weights from outside the model folder: "
+            "replace the link by the file"
+        )
+    return path
+
+
+def _shard_names(index: Path) -> list[str]:
+    """The files the index `index` names in its weight_map, each a plain file name of its folder: refused in one
+    line when the index is malformed or names a path ('/', '..', an absolute path)."""
+    with open(_inside(index.parent, index), "rb") as f:
+        data = json_document(index, f.read())
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(
+            f"{index} has no weight_map of tensor names to file names; re-download the model or re-save it with "
+            "save_pretrained"
+        )
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+            raise ValueError(
+                f"{index} names the shard {name!r}, which is not a file name inside its folder (a path, '..' or "
+                "absolute); hf3d reads no weights from outside the model folder (the index may have been crafted)"
+            )
+    return names
+
+
+def weights_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of the HF folder `model_dir`: the shards its index names (`_shard_names`), or its
+    one model.safetensors; each a file of the folder, not a link leaving it (`_inside`)."""
+    index = model_dir / SAFE_INDEX
+    if index.is_file():
+        names = _shard_names(index)
+    elif (model_dir / SAFE_SINGLE).is_file():
+        names = [SAFE_SINGLE]
+    else:
+        raise ValueError(
+            f"no {SAFE_SINGLE} or {SAFE_INDEX} in {model_dir}; hf3d reads safetensors checkpoints only "
+            "(re-save the model with save_pretrained(..., safe_serialization=True))"
+        )
+    for name in names:
+        if not (model_dir / name).is_file():
+            raise ValueError(f"{model_dir / name} is listed in {SAFE_INDEX} but missing; re-download the checkpoint")
+    return [_inside(model_dir, model_dir / name) for name in names]
+
+
 _INTO_BLOCK_BYTES = 4 * 2**20  # read_into's block, when the file's rows cannot go straight into the target
 
 
@@ -164,6 +210,8 @@ def _read_header(fpath: Path) -> dict[str, tuple[int, str, tuple[int, ...]]]:
             header = json.loads(f.read(header_len))
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
+        except RecursionError:
+            raise ValueError(f"{fpath} is not a readable safetensors file (its header nests JSON too deep)") from None
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{fpath} is not a readable safetensors file ({e}); is it truncated?") from None
     header.pop("__metadata__", None)

@@ -37,9 +37,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from .layout import Piece
 
 # HF's weight file names; not *.pt: an hf3d training checkpoint (DCP + rng_<rank>.pt) has a
-# config.json too, and `hf3d train` starts from one by initialising and then loading it
+# config.json too, and `hf3d train` starts from one by initialising and then loading it. An index claims weights:
+# the ones it names are read (hf3d/hf/load.py `weights_files`) or refused, never silently initialised
 WEIGHT_PATTERNS = (
     "*.safetensors",
+    "*.safetensors.index.json",
     "pytorch_model*.bin",
     "tf_model*.h5",
     "flax_model*.msgpack",

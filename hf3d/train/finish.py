@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint.marker import is_complete
+from ..checkpoint.untrusted import load_small
 from ..hf.hub import SUMMARY_FILE
 from ..utils import files
 from .config import TrainConfig
@@ -120,7 +121,7 @@ def starting_point(model_path: str) -> tuple[str | None, str | None]:
     if (path / SUMMARY_FILE).is_file():
         recorded = json.loads((path / SUMMARY_FILE).read_text())
     elif (path / "extra.pt").is_file():
-        recorded = torch.load(path / "extra.pt", weights_only=True).get("training") or {}
+        recorded = load_small(path, "extra.pt").get("training") or {}
     base = recorded.get("base_model")
     if base is None and (path / "config.json").is_file():
         name = json.loads((path / "config.json").read_text()).get("_name_or_path")

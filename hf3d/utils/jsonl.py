@@ -4,7 +4,8 @@ line naming the file and the line.
 A line is read at most MAX_LINE_BYTES at a time: a longer one is refused before it is held whole, so one huge line
 costs no more memory than the limit (tokenising text costs about 165 times its size, so the limit also bounds
 what a row can make the tokenizer hold). Bytes that are not UTF-8 and JSON nested deeper than Python parses are
-refused with the line's number."""
+refused with the line's number. `json_document` reads a whole JSON file by the same rule (a checkpoint's config, an
+HF folder's index): any failure is one line naming the file."""
 
 from __future__ import annotations
 
@@ -43,3 +44,18 @@ def json_lines(path: Path, *, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[
                 raise ValueError(f"{path} line {number} is not valid JSON: {e.msg}") from None
             except RecursionError:
                 raise ValueError(f"{path} line {number} nests JSON deeper than hf3d parses: flatten the row") from None
+
+
+def json_document(path: str | Path, data: bytes | str) -> object:
+    """The JSON value of the whole file `path` (`data`: its bytes): malformed JSON, bytes that are not UTF-8 and
+    JSON nested deeper than Python parses are refused in one line naming the file."""
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at {e.start})") from None
+    except RecursionError:
+        raise ValueError(
+            f"{path} nests JSON deeper than hf3d parses; it is not a file hf3d or transformers wrote"
+        ) from None
