@@ -409,7 +409,10 @@ def test_a_checkpoint_that_cannot_be_written_is_refused_on_every_rank(tmp_path):
     res = torch.load(tmp_path / "res.pt")
     ckpts = tmp_path / "checkpoints"
     for rank in (0, 1):
-        assert res[rank]["unwritable"].startswith(f"could not write the checkpoint {tmp_path / 'a-file' / 'step_1'}")
+        assert res[rank]["unwritable"] == (  # refused before anything is written, on every rank
+            f"{tmp_path / 'a-file' / 'step_1'} lies under {tmp_path / 'a-file'}, which is a file: choose another "
+            "output path"
+        )
         for full in (0, 1):
             msg = res[rank][f"full-{full}"]
             assert msg.startswith(f"could not write the checkpoint {ckpts / 'step_2'}") and "\n" not in msg
@@ -603,5 +606,7 @@ def test_save_pretrained_failing_on_rank0_raises_on_every_rank(tmp_path, mid_str
         assert res["msg"] is not None, rank
         assert res["seconds"] < 30, res  # the collective timeout is 10 minutes
         assert not res["final"], rank
-    assert ("File too large" if mid_stream else "Not a directory") in results[0]["msg"]
+    assert ("File too large" if mid_stream else "blocked, which is a file: choose another output path") in results[0][
+        "msg"
+    ]
     assert results[1]["msg"].startswith("ValueError: rank 0 could not write the HF directory")
