@@ -137,6 +137,44 @@ def test_a_run_without_fp8_prints_nothing_of_torchao():
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-2000:]
 
 
+def test_the_tokenizers_hf3d_loads_say_nothing_of_a_text_longer_than_the_model(tmp_path, caplog):
+    """transformers warns once a tokenizer that a text is longer than model_max_length ("... will result in indexing
+    errors"): under hf3d's commands the line comes after hf3d's own refusal, or is wrong (a document is cut into
+    windows). Every tokenizer hf3d's commands load comes from utils.tokens.load_tokenizer, which has it said already;
+    only the export's sample loads one as stock does."""
+    import logging
+    import re
+    import shutil
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    from hf3d.utils.tokens import load_tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(ROOT / "examples" / "models" / "tiny-smollm", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 8}))
+    text = "ROMEO: " + "but soft, what light through yonder window breaks " * 4
+    said = {}
+    transformers_logging.enable_propagation()  # its records reach caplog (they go to its own handler otherwise)
+    try:
+        for name, load in (("stock", AutoTokenizer.from_pretrained), ("hf3d", load_tokenizer)):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="transformers"):
+                assert len(load(str(folder))(text)["input_ids"]) > 8
+            said[name] = [r.getMessage()[:40] for r in caplog.records if "Token indices sequence" in r.getMessage()]
+    finally:
+        transformers_logging.disable_propagation()
+    assert said == {"stock": ["Token indices sequence length is longer "], "hf3d": []}
+    loads = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "hf3d").rglob("*.py")
+        if re.search(r"AutoTokenizer\.from_pretrained\(", path.read_text())
+    }
+    assert loads == {"hf3d/utils/tokens.py", "hf3d/train/finish.py"}, loads
+
+
 def test_a_hub_model_on_the_wrong_world_size_is_refused_before_any_hub_lookup(tmp_path):
     """The long-context recipe names a Hub model and 8 processes: on 1 process the world size is refused at once,
     offline, before transformers looks the model up (it would retry the Hub first)."""

@@ -69,7 +69,7 @@ def run_eval(
     state=None,
 ) -> EvalResults:
     """What `hf3d eval` does; collective over the launched processes. Returns the results (every rank)."""
-    from transformers import AutoTokenizer
+    from ..utils.tokens import load_tokenizer
 
     out = Path(output_dir)
     tasks = load_tasks(cfg)  # every file read and checked before the model is built
@@ -78,7 +78,7 @@ def run_eval(
     pmodel = load_model(model, pcfg, dtype=dtype, attn_implementation=attn_implementation)
     if state is not None:
         state.locate(pmodel.mesh)
-    tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or model)
+    tokenizer = load_tokenizer(pmodel.tokenizer_dir or model)
     evaluator = Evaluator(pmodel, tasks, tokenizer, cfg)
     if dist.get_rank() == 0:
         for line in evaluator.summary():

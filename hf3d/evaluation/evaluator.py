@@ -274,7 +274,7 @@ def evaluate_tasks(pmodel, tasks, tokenizer=None, **options) -> EvalResults:
     if tokenizer is None:
         if pmodel.tokenizer_dir is None:
             raise ValueError("the model came without a folder to read a tokenizer from: pass tokenizer=")
-        from transformers import AutoTokenizer
+        from ..utils.tokens import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir)
+        tokenizer = load_tokenizer(pmodel.tokenizer_dir)
     return Evaluator(pmodel, load_tasks(cfg), tokenizer, cfg).run(progress=progress)

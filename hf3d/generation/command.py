@@ -109,9 +109,8 @@ def _refuse_long_prompts(prompts: list[str], tokenizer, window: int | None) -> N
 def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new_tokens: int, output, dtype, attn,
                  stop_strings=None, state=None) -> list[dict]:  # fmt: skip
     """What `hf3d generate` does; collective over the launched processes. Returns every prompt's record."""
-    from transformers import AutoTokenizer
-
     from ..model_source import check_model, load_model
+    from ..utils.tokens import load_tokenizer
 
     check_model(model)
     if output is not None:  # before the model loads: a path that cannot be written fails now, not at the end
@@ -119,7 +118,7 @@ def run_generate(model: str, prompts: list[str], *, pcfg, options: dict, max_new
     pmodel = load_model(model, pcfg, dtype=dtype, attn_implementation=attn)
     if state is not None:
         state.locate(pmodel.mesh)
-    tok = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or model)
+    tok = load_tokenizer(pmodel.tokenizer_dir or model)
     records = generate_texts(
         pmodel, tok, prompts, max_new_tokens=max_new_tokens, stop_strings=stop_strings or None, **options
     )

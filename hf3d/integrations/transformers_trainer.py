@@ -331,11 +331,11 @@ class Trainer(HFTrainer):
         if self._evaluator is None:  # tokenised and packed once, at the first evaluation
             tokenizer = self.processing_class
             if tokenizer is None:
-                from transformers import AutoTokenizer
+                from ..utils.tokens import load_tokenizer
 
                 if self.model.tokenizer_dir is None:
                     raise ValueError("eval_tasks needs a tokenizer: pass processing_class=tokenizer to hf3d.Trainer")
-                tokenizer = AutoTokenizer.from_pretrained(self.model.tokenizer_dir)
+                tokenizer = load_tokenizer(self.model.tokenizer_dir)
             self._evaluator = Evaluator(self.model, self._tasks, tokenizer, self.eval_tasks)
         return self._evaluator.run(progress=False).metrics(prefix=f"{prefix}_downstream")
 

@@ -165,9 +165,9 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
     tasks = load_tasks(cfg.evals) if cfg.evals.active(cfg.run.steps) else []  # a bad file: before the model
     pmodel = _load_model(cfg.model, cfg.parallel, cfg.data.document_masking, cfg.moe, cfg.precision)
     state.locate(pmodel.mesh)
-    from transformers import AutoTokenizer
+    from ..utils.tokens import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(pmodel.tokenizer_dir or cfg.model.path)
+    tokenizer = load_tokenizer(pmodel.tokenizer_dir or cfg.model.path)
     pipe = DataPipeline(
         cfg.data,
         tokenizer,

@@ -10,6 +10,21 @@ text are those of the whole text."""
 from __future__ import annotations
 
 MARGIN_CHARS = 1024
+_LENGTH_WARNING = "sequence-length-is-longer-than-the-specified-maximum"  # transformers: said once a tokenizer
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of `path` (AutoTokenizer), as hf3d's commands read text with it: without transformers' warning
+    that a text is longer than the model's maximum length ("... will result in indexing errors"), which hf3d's own
+    checks make wrong or late (training documents are cut into windows, an evaluation context is cut to its window,
+    a prompt over the model's positions is refused in hf3d's one line)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):  # the warning is given once a tokenizer: given already
+        warned[_LENGTH_WARNING] = True
+    return tokenizer
 
 
 def token_span(tokenizer) -> int:
