@@ -17,8 +17,9 @@ window, and the position of each other view is kept in the checkpoint for a stag
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,21 @@ def _window(s: SourceConfig, opened: tuple, seq_len: int, where: str) -> TokenSo
     return src
 
 
+@contextlib.contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """datasets' progress bars (loading, tokenising) on, or off for the block; their setting is restored."""
+    import datasets
+
+    if shown or datasets.are_progress_bars_disabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()
+
+
 class DataPipeline(HeldOutRows):
     """Global batches for training and evaluation; see the module docstring for the order."""
 
@@ -67,6 +83,7 @@ class DataPipeline(HeldOutRows):
         total_steps: int,
         local_main: bool = True,
         barrier: Callable[[], None] | None = None,
+        show_progress: bool = True,
     ):
         if global_batch < 1 or global_batch % dp_size:
             raise ValueError(f"the global batch ({global_batch}) must be a positive multiple of dp={dp_size}")
@@ -97,7 +114,8 @@ class DataPipeline(HeldOutRows):
             if "eval" in specs:
                 raise ValueError("a training source may not be named 'eval' (the name of data.eval's source)")
             specs["eval"] = eval_spec
-        tokens = self._open(specs, tokenizer, local_main, barrier)
+        with _progress_bars(show_progress):  # a node's main process tokenises; a job shows the bars once
+            tokens = self._open(specs, tokenizer, local_main, barrier)
         self._build_views(tokens)
         self.eval_source = None
         if eval_spec is not None:

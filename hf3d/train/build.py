@@ -24,6 +24,7 @@ from ..parallel.mesh import device_type, on_rank0
 from ..parallel.rng import seed_streams
 from ..utils import files
 from ..utils.faults import RunState, store_barrier
+from .agreement import check_config, check_data
 from .checks import check_launch, check_run
 from .config import DTYPES, ModelConfig, TrainConfig
 from .lr_schedules import base_lr, build_lr_scheduler
@@ -156,6 +157,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
         torch.use_deterministic_algorithms(True)
     init_distributed(cfg.run.collective_timeout_s)
+    check_config(cfg)  # every node runs this config and these versions, or no rank goes on
     if not Path(cfg.model.path).exists():  # a Hub id: the checks that need no model config come before its lookup
         check_launch(cfg, world_size=dist.get_world_size())
     base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
@@ -177,7 +179,9 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
         total_steps=cfg.run.steps,
         local_main=int(os.environ.get("LOCAL_RANK", "0")) == 0,
         barrier=lambda: store_barrier("data"),
+        show_progress=dist.get_rank() == 0,  # every node's main tokenises; the job shows the bars once
     )
+    check_data(pipe, tokenizer)  # and reads the same tokens
     o = cfg.optim
     opt = build_optimizer(
         pmodel,
