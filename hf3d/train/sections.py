@@ -106,6 +106,15 @@ class RunConfig:
     collective_timeout_s: float = 600.0
     """How long a rank waits in a collective for a peer before failing (a hung or dead peer). Under nccl
     it is also how long a rank whose peer died can wait before NCCL's watchdog ends it (SIGABRT)."""
+    hang_timeout: float | str = "auto"
+    """Seconds with no step finished on any rank before the run counts as hung: each rank says where it is, one line
+    names the ranks that did not get as far as the others (coordinates, step, phase, the function they are in) and
+    where the others wait, and every rank ends with exit code 4, which torchrun --max-restarts restarts from the last
+    checkpoint (hf3d/train/watchdog.py). Not counted: the run's first step and each data stage's first (compile,
+    warm-up), and any time a rank spends in evaluation, downstream evals, samples or a checkpoint save (its peers
+    wait for it); the end of the run (export, pushes) is not watched. auto: 20x the longest step so far, at least
+    120 s, at most 0.8x run.collective_timeout_s; a number: seconds, below run.collective_timeout_s (which would end
+    the run first, exit code 3); 0: off."""
     on_nonfinite: str = "skip"
     """A step whose loss or gradient norm is inf/NaN: skip (no update, counted as skipped_steps in
     metrics.jsonl) or stop (at once, naming the step and the first parameter with a non-finite gradient)."""
@@ -129,6 +138,13 @@ class RunConfig:
             raise ValueError("run.max_consecutive_skips must be >= 1 and run.spike_factor >= 0 (0: off)")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"run.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.hang_timeout != "auto" and not (
+            type(self.hang_timeout) in (float, int) and 0 <= self.hang_timeout < self.collective_timeout_s
+        ):
+            raise ValueError(
+                f"run.hang_timeout must be auto, 0 (off) or a number of seconds below run.collective_timeout_s "
+                f"({self.collective_timeout_s:g}), got {self.hang_timeout!r}"
+            )
 
 
 @dataclass

@@ -20,6 +20,7 @@ from .metrics import (
     peak_memory_bytes,
 )
 from .metrics import throughput as throughput_metrics
+from .watchdog import FORWARD, OPTIMIZER, Watchdog
 
 
 def evaluate(pmodel, pipe) -> dict[str, float]:
@@ -75,10 +76,10 @@ def samples(run: Run, step: int) -> list[dict]:
     return [{"step": step, **r} for r in records]
 
 
-def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal) -> tuple[dict, int]:
+def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal, watch: Watchdog) -> tuple[dict, int]:
     """One optimizer step: batch, forward + backward, update, lr; returns its metrics record and the
     stop signal the ranks agreed on (0: none). One host sync: the loss, the z-loss, the stop flag and
-    the out-of-vocabulary flag are read with the grad norm inside opt.step()."""
+    the out-of-vocabulary flag are read with the grad norm inside opt.step(). `watch` is told its phases."""
     from tqdm.auto import tqdm
 
     cfg, pmodel, opt, pipe = run.cfg, run.pmodel, run.opt, run.pipe
@@ -86,14 +87,17 @@ def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal) -> tuple
     run.flops_per_token = flops_per_token(pmodel.config, pipe.seq_len(step), run.mlp_costs)
     lr = base_lr(opt)
     t0 = time.perf_counter()
+    watch.begin(step + 1)
     batch = pipe.next_batch(step)
     data_s = time.perf_counter() - t0
+    watch.enter(FORWARD)
     loss = pmodel.train_step(
         batch["input_ids"],
         shift_labels=batch["shift_labels"],
         position_ids=batch["position_ids"],
         z_loss=cfg.optim.z_loss,
     )
+    watch.enter(OPTIMIZER)
     riders = {"loss": loss, "stop": stop.agree()}
     if cfg.optim.z_loss:
         riders["z_loss"] = pmodel.last_z_loss
@@ -137,6 +141,7 @@ def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal) -> tuple
         record.update({k: v for k, v in values.items() if k.startswith("moe/load_imbalance")})
     if len(pipe.stage_starts) > 1:
         record["stage"] = pipe.stage_index(step)
+    watch.finished()
     return record, int(values["stop"])
 
 
@@ -211,17 +216,20 @@ class StepHealth:
         return warning
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+
+
 class StopSignal:
-    """SIGTERM and SIGINT (preemption, Ctrl-C, torchrun forwarding either) end the run cleanly: the
-    handler only records the signal; in each step, after the backward, the ranks agree (one max
-    all-reduce, so a signal that reached one rank stops all; its result is read in the step's one host
-    sync), then save a checkpoint of that step and exit with 128 + the signal number (143 for SIGTERM,
-    130 for SIGINT). A signal that comes later in a step stops the next one. `checkpoint.resume: auto`
-    then continues exactly."""
+    """SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 (preemption as SLURM sends it, Ctrl-C, a launcher forwarding any
+    of them) end the run cleanly: the handler only records the signal; in each step, after the backward, the
+    ranks agree (one max all-reduce, so a signal that reached one rank stops all; its result is read in the
+    step's one host sync), then save a checkpoint of that step and exit with 128 + the signal number (143 for
+    SIGTERM, 130 for SIGINT, 138 for SIGUSR1, 140 for SIGUSR2). A signal that comes later in a step stops the
+    next one. `checkpoint.resume: auto` then continues exactly."""
 
     def __init__(self, device: torch.device):
         self.device, self.received = device, 0
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._record)
 
     def _record(self, signum, frame) -> None:

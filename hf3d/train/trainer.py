@@ -36,6 +36,7 @@ from .step import (
     one_step,
     samples,
 )
+from .watchdog import Watchdog
 
 __all__ = ["TrainConfig", "train"]
 
@@ -62,24 +63,31 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         run.pusher = CheckpointPusher(cfg.checkpoint.push_to_hub, run.out, drop=cfg.checkpoint.drop_pending_pushes)
     elif run.rank0:  # what an earlier run left waiting for a push is kept all the same
         run.hub_pins = pending_checkpoints(run.out, drop=cfg.checkpoint.drop_pending_pushes, say=tqdm.write)
+    watch = Watchdog.for_run(run, state).start()  # run.hang_timeout
     for step in range(run.start, r.steps):
         state.step = step + 1
         try:
-            record, signum = one_step(run, step, health, stop)
+            record, signum = one_step(run, step, health, stop, watch)
             if step == run.start and run.resume_from is not None:  # the loss curve marks where a run resumed
                 record["resumed_from"] = str(run.resume_from)
             if step == run.start and cfg.checkpoint.async_ and cfg.checkpoint.every:
-                prepare_async_save(run.pmodel, run.opt)  # the optimizer's state exists: stage buffers now
+                with watch.long("checkpoint save"):
+                    prepare_async_save(run.pmodel, run.opt)  # the optimizer's state exists: stage buffers now
             if eval_batches and ((step + 1) % run.pipe.eval_every == 0 or step + 1 == r.steps):
-                record.update(evaluate(run.pmodel, run.pipe))
+                with watch.long("evaluation"):
+                    record.update(evaluate(run.pmodel, run.pipe))
             if run.evaluator is not None and downstream_due(cfg.evals, step + 1, r.steps):
-                record.update(downstream(run, step + 1))
+                with watch.long("downstream evaluation"):
+                    record.update(downstream(run, step + 1))
             if run.pusher is not None:  # what the background pushes did since the last record
                 record.update(run.pusher.take_news())
             metrics.write(record)  # before the checkpoint: a kill after its publication loses no step's record
-            _record_samples(run, step, record, texts)  # so are the step's samples and the trackers' log
-            _checkpoint_and_stop(run, step, record, health, signum, bar)
+            with watch.long("samples"):
+                _record_samples(run, step, record, texts)  # so are the step's samples and the trackers' log
+            with watch.long("checkpoint save"):
+                _checkpoint_and_stop(run, step, record, health, signum, bar)
         except Exception as e:
+            watch.stop()
             _let_the_write_finish(run, e)
             raise
         if step == run.start:  # optimizer state exists from the first step on
@@ -88,6 +96,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
         bar.update(1)
         if run.rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record or DOWNSTREAM in record):
             tqdm.write(log_line(record, r.steps))
+    watch.stop()  # the end of the run (export, pushes) is not watched
     bar.close()
     for tracker in run.acc.trackers:  # not acc.end_training(): it would also end torch.distributed
         tracker.finish()

@@ -21,6 +21,7 @@ error that stopped the run is printed once, with the rank's mesh coordinates and
 
 Exit codes of `hf3d train`: 0 done; 1 this rank raised (a configuration or input error, or a bug);
 2 bad command line; 3 a collective failed (a peer died, or the collective timed out);
+4 the run hung: no rank finished a step in run.hang_timeout seconds (hf3d/train/watchdog.py);
 128 + N stopped by signal N after checkpointing (130 SIGINT, 143 SIGTERM).
 """
 
@@ -43,6 +44,7 @@ from . import files
 
 EXIT_ERROR = 1
 EXIT_COMMUNICATION = 3
+EXIT_HANG = 4
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 # errors a user can cause: one line, no traceback
