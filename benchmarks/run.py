@@ -205,6 +205,15 @@ def _sharding(d: dict) -> str:
     )
 
 
+def _restart(d: dict) -> str:
+    return (
+        f"{len(d['kills'])} kills of a worker (dp=2, a checkpoint every {d['args']['every']} steps): "
+        f"{d['latency_s']:.1f} s from the kill to the next finished step (median), {d['steps_lost']:g} steps lost "
+        f"(the steps since the newest checkpoint); start-up {d['startup_s']:.1f} s, steady step "
+        f"{d['steady_step_s']:.3f} s"
+    )
+
+
 @dataclass
 class Benchmark:
     name: str  # its results file: results/<name>.json
@@ -244,6 +253,8 @@ BENCHMARKS = [
               "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
     Benchmark("sharding", "bench_sharding.py", [], "sharded gradients and weights: what a rank holds at ZeRO-1/2/3 "
               "(dp=4) and the step time (dp=2), CPU", "5", _sharding),
+    Benchmark("restart", "bench_restart.py", [], "a worker SIGKILLed under `--max-restarts` (tiny run, dp=2, CPU): "
+              "time from the kill to the next finished step, steps lost", "2", _restart),
     Benchmark("mup", "bench_mup.py", [], "spectral µP against standard parametrization: coordinate check and lr "
               "transfer (tiny Llama, CPU)", "41", _mup),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",

@@ -17,20 +17,47 @@ def _is_main_rank() -> bool:
 
 
 def _launch_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    g = p.add_argument_group(
+        "launching (torchrun's flags and meaning; under torchrun or accelerate launch leave them out)"
+    )
+    g.add_argument(
         "--nproc-per-node",
         type=int,
         metavar="N",
-        help="start N worker processes on this machine (as torchrun --standalone does) and end cleanly: Ctrl-C "
-        "leaves the workers' last line on screen and exits 130; a failure is one line. Under torchrun leave it out",
+        help="start N worker processes on this machine (as torchrun does) and end cleanly: Ctrl-C leaves the "
+        "workers' last line on screen and exits 130; a failure is one line",
+    )
+    g.add_argument("--nnodes", metavar="N|MIN:MAX", help="machines in the job (MIN:MAX: elastic; default 1)")
+    g.add_argument("--node-rank", type=int, metavar="R", help="this machine's rank (the static backend's)")
+    g.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the nodes meet: a machine that outlives the job")
+    g.add_argument("--rdzv-id", metavar="ID", help="the job's id, the same on every node")
+    g.add_argument("--rdzv-backend", metavar="c10d|etcd-v2|static", help="the rendezvous (default c10d)")
+    g.add_argument("--rdzv-conf", metavar="KEY=VALUE,...", help="the rendezvous' options, e.g. last_call_timeout=5")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="K",
+        help="restart the workers up to K times after a failure (they resume from the newest checkpoint)",
     )
 
 
-def _launch(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
-    """`--nproc-per-node N`: check what can be checked here (one line, no worker started), then run the command
-    on N workers (utils.launch)."""
+def _launch_options(args):
+    """The launch flags given on the command line (LaunchOptions), or None when there are none."""
+    from .utils.launch import LaunchOptions
+
+    given = {
+        flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"), None) for flag in LaunchOptions.FLAGS
+    }
+    given = {k: v for k, v in given.items() if v is not None}
+    return LaunchOptions(**given) if given else None
+
+
+def _launch(parser: argparse.ArgumentParser, args, options, argv: list[str]) -> int:
+    """The launch flags: check what can be checked here (one line, no worker started), then run the command on
+    this node's workers (utils.launch)."""
     from .utils.launch import launch, worker_argv
 
+    options.config()  # the flags themselves first
     if args.func is _train:
         from .train.config import TrainConfig
 
@@ -44,9 +71,10 @@ def _launch(parser: argparse.ArgumentParser, args, argv: list[str]) -> int:
             read_prompts(args.prompt, args.prompts)
         check_model(args.model, scratch=args.func is _eval)
     workers = worker_argv(argv)
-    if parser.parse_args(workers).nproc_per_node is not None:  # an abbreviation argparse accepted
-        raise ValueError("spell --nproc-per-node N in full (the workers' command line leaves it out)")
-    return launch(f"hf3d {args.command}", args.nproc_per_node, workers)
+    if _launch_options(parser.parse_args(workers)) is not None:  # an abbreviation argparse accepted
+        raise ValueError("spell the launch flags in full (--nproc-per-node N, ...): the workers' command line "
+                         "leaves them out")  # fmt: skip
+    return launch(f"hf3d {args.command}", options, workers)
 
 
 def _collective(command: str, body, *, steps: bool) -> int:
@@ -301,8 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "train",
-        help="train from a YAML config; on several processes of this machine with --nproc-per-node N, on several "
-        "machines under torchrun (or accelerate launch)",
+        help="train from a YAML config; on several processes with --nproc-per-node N, on several machines with "
+        "--nnodes (or under torchrun, accelerate launch)",
     )
     p.add_argument("config", nargs="?", help="YAML config (default: the embedded tiny SmolLM run)")
     p.add_argument("--set", nargs="*", action="extend", metavar="SECTION.KEY=VALUE", help=SET_HELP)
@@ -350,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "nproc_per_node", None) is not None:
-            return _launch(parser, args, argv)
+        options = _launch_options(args)
+        if options is not None:
+            return _launch(parser, args, options, argv)
         code = args.func(args)
     except (ValueError, FileNotFoundError) as e:
         if _is_main_rank():

@@ -557,6 +557,24 @@ def _source_line(fx, path: str) -> str:
     return _pipe(fx, path=path).summary()[0]
 
 
+def _nodes_disagree(fx) -> None:
+    """Two ranks as two nodes (hosts h0, h1), node 1 started with another `--set run.steps`."""
+    from hf3d.train.agreement import check_config
+
+    rank = _rank()
+    cfg = _set(*ONE_PROCESS, *(["run.steps=5"] if rank == 1 else []))
+    check_config(cfg, node=rank, host=f"h{rank}")
+
+
+def _nodes_read_other_data(fx) -> None:
+    """Two ranks as two nodes, each with its own good.jsonl: node 1's holds one document more."""
+    from hf3d.train.agreement import check_data
+
+    rank = _rank()
+    path = fx["good"] if rank == 0 else _jsonl(Path(fx["tmp"]) / "node1" / "good.jsonl", _texts(31, seed=0))
+    check_data(_pipe(fx, path=path), _tokenizer(), node=rank, host=f"h{rank}")
+
+
 def _skipped(fx, key: str, count: int) -> str:
     line = _source_line(fx, fx[key])
     assert f"({count} empty or missing skipped)" in line, line
@@ -822,6 +840,11 @@ def _hub_pending_not_hf3ds(fx):
     out.mkdir(exist_ok=True)
     (out / "hub_pending.json").write_text('{"steps": [1, 2]}')
     return pending_checkpoints(out, drop=False, say=print)
+
+
+def _launch_flags(fx, flags: str) -> list[str]:
+    """`hf3d train FLAGS --set run.output_dir=...` (an output folder the refusal must leave unmade)."""
+    return ["train", *flags.split(), "--set", f"run.output_dir={fx['tmp']}/launch-flags"]
 
 
 def _c(id, category, bad, trigger, words, **kw) -> Case:
@@ -1091,6 +1114,20 @@ CASES: list[Case] = [
         "`run.on_nonfinite: ignore`",
         lambda fx: _set("run.on_nonfinite=ignore"),
         ["run.on_nonfinite must be skip or stop, got 'ignore'"],
+    ),
+    _c(
+        "config-hang-timeout",
+        CFG,
+        "`run.hang_timeout: -1`",
+        lambda fx: _set("run.hang_timeout=-1"),
+        ["run.hang_timeout must be auto, 0 (off) or a number of seconds below run.collective_timeout_s", "got -1.0"],
+    ),
+    _c(
+        "config-hang-timeout-word",
+        CFG,
+        "`run.hang_timeout: soon`",
+        lambda fx: _set("run.hang_timeout=soon"),
+        ["run.hang_timeout must be auto, 0 (off) or a number of seconds", "(600)", "got 'soon'"],
     ),
     _c(
         "config-source-weight",
@@ -1830,8 +1867,92 @@ CASES: list[Case] = [
         LAUNCH,
         "`hf3d train --nproc 2` (the launch option abbreviated)",
         lambda fx: ["train", "--nproc", "2", "--set", f"run.output_dir={fx['tmp']}/nproc-short"],
-        ["spell --nproc-per-node N in full"],
+        ["spell the launch flags in full (--nproc-per-node N, ...)"],
         how="main",
+    ),
+    _c(
+        "launch-nnodes-word",
+        LAUNCH,
+        "`hf3d train --nnodes two`",
+        lambda fx: ["train", "--nnodes", "two", "--set", f"run.output_dir={fx['tmp']}/nnodes-word"],
+        ["hf3d train: error: --nnodes takes N or MIN:MAX (whole numbers), got 'two'"],
+        how="main",
+    ),
+    _c(
+        "launch-nnodes-reversed",
+        LAUNCH,
+        "`hf3d train --nnodes 4:2` (MIN above MAX)",
+        lambda fx: ["train", "--nnodes", "4:2", "--set", f"run.output_dir={fx['tmp']}/nnodes-reversed"],
+        ["hf3d train: error: --nnodes 4:2: need 1 <= MIN <= MAX"],
+        how="main",
+    ),
+    _c(
+        "launch-nodes-no-endpoint",
+        LAUNCH,
+        "`hf3d train --nnodes 2` without `--rdzv-endpoint`",
+        lambda fx: ["train", "--nnodes", "2", "--set", f"run.output_dir={fx['tmp']}/no-endpoint"],
+        ["--nnodes 2 needs --rdzv-endpoint HOST:PORT, the same on every node", "a machine that stays up"],
+        how="main",
+    ),
+    _c(
+        "launch-node-rank-outside",
+        LAUNCH,
+        "`hf3d train --nnodes 2 --node-rank 2`",
+        lambda fx: [
+            "train",
+            *"--nnodes 2 --node-rank 2 --rdzv-endpoint h:29500 --set".split(),
+            f"run.output_dir={fx['tmp']}/r",
+        ],
+        ["--node-rank 2 is not a node of --nnodes 2 (0 to 1)"],
+        how="main",
+    ),
+    _c(
+        "launch-rdzv-backend",
+        LAUNCH,
+        "`hf3d train --rdzv-backend etcd` (not a backend hf3d launches with)",
+        lambda fx: [
+            "train",
+            *"--nnodes 2 --rdzv-backend etcd --rdzv-endpoint h:2379 --set".split(),
+            f"run.output_dir={fx['tmp']}/b",
+        ],
+        ["--rdzv-backend must be one of c10d, etcd-v2, static, got 'etcd'"],
+        how="main",
+    ),
+    _c(
+        "launch-rdzv-conf",
+        LAUNCH,
+        "`hf3d train --rdzv-conf last_call_timeout` (no value)",
+        lambda fx: [
+            "train",
+            *"--nnodes 1:2 --rdzv-endpoint h:1 --rdzv-conf last_call_timeout --set".split(),
+            f"run.output_dir={fx['tmp']}/c",
+        ],
+        ["--rdzv-conf takes KEY=VALUE,KEY=VALUE; 'last_call_timeout' is not KEY=VALUE"],
+        how="main",
+    ),
+    _c(
+        "launch-max-restarts",
+        LAUNCH,
+        "`hf3d train --nproc-per-node 2 --max-restarts -1`",
+        lambda fx: _launch_flags(fx, "--nproc-per-node 2 --max-restarts -1"),
+        ["hf3d train: error: --max-restarts must be 0 or more, got -1"],
+        how="main",
+    ),
+    _c(
+        "launch-nodes-config",
+        LAUNCH,
+        "one node of a job started with another `--set` value (2 ranks as 2 nodes)",
+        lambda ctx: _nodes_disagree(ctx["fx"]),
+        ["node 1 (host h1, rank 1) runs another config than node 0", "run.steps is 5 there, 4 on node 0", "--set"],
+        how="dist2",
+    ),
+    _c(
+        "launch-nodes-data",
+        LAUNCH,
+        "one node of a job whose copy of the data file holds one document more (2 ranks as 2 nodes)",
+        lambda ctx: _nodes_read_other_data(ctx["fx"]),
+        ["node 1 (host h1, rank 1) reads other data than node 0", "source 'good' num_tokens is", "same data files"],
+        how="dist2",
     ),
     # --- data files ------------------------------------------------------------------------------------
     _c(

@@ -65,6 +65,9 @@ def test_worker_argv_leaves_out_the_launch_option():
     argv = ["train", "--nproc-per-node", "2", "c.yaml", "--set", "a=1"]
     assert worker_argv(argv) == ["train", "c.yaml", "--set", "a=1"]
     assert worker_argv(["generate", "m", "--nproc-per-node=4", "--prompt", "x"]) == ["generate", "m", "--prompt", "x"]
+    several = ["train", "c.yaml", "--nnodes", "1:2", "--node-rank=1", "--rdzv-endpoint", "h:29500", "--rdzv-id", "j"]
+    several += ["--rdzv-backend=c10d", "--rdzv-conf", "last_call_timeout=5", "--max-restarts", "3", "--set", "a=1"]
+    assert worker_argv(several) == ["train", "c.yaml", "--set", "a=1"]
 
 
 def test_ctrl_c_ends_on_the_resume_line_with_130(tmp_path):
@@ -169,3 +172,17 @@ def test_ctrl_c_outside_training_is_one_line_and_130(capsys):
         "hf3d train: stopped by SIGINT before the first step (nothing saved); exit code 130",
         "hf3d generate: stopped by SIGINT; exit code 130",
     ]
+
+
+def test_the_launch_flags_reach_the_agent_with_torchruns_meaning():
+    from hf3d.utils.launch import LaunchOptions
+
+    alone = LaunchOptions(nproc_per_node=2).config()
+    assert (alone.min_nodes, alone.max_nodes, alone.rdzv_endpoint, alone.max_restarts) == (1, 1, "localhost:0", 0)
+    assert "SIGUSR1" in alone.signals_to_handle.split(",") and "SIGTERM" in alone.signals_to_handle.split(",")
+    job = LaunchOptions(nnodes="1:4", rdzv_endpoint="head:29500", rdzv_conf="last_call_timeout=5", max_restarts=3)
+    c = job.config()
+    assert (c.min_nodes, c.max_nodes, c.rdzv_backend, c.rdzv_endpoint, c.run_id) == (1, 4, "c10d", "head:29500", "hf3d")
+    assert c.rdzv_configs["last_call_timeout"] == "5" and c.max_restarts == 3
+    static = LaunchOptions(nnodes="2", node_rank=1, rdzv_endpoint="head:29500", rdzv_backend="static").config()
+    assert static.rdzv_configs["rank"] == 1 and static.rdzv_backend == "static"
