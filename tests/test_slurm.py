@@ -136,6 +136,15 @@ def baseline(tmp_path_factory) -> list[float]:
     return [r["loss"] for r in _records(out)]
 
 
+def _alive(p: psutil.Process) -> bool:
+    """Still running: an ended process whose parent (the launcher, gone too) was never reaped stays a zombie where
+    the machine's first process does not reap orphans (a container), and psutil counts zombies as running."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def test_usr1_to_the_batch_shell_requeues_two_nodes_and_the_requeued_job_finishes_the_run(tmp_path, baseline):
     out, logs = tmp_path / "run", [tmp_path / "first.log", tmp_path / "requeued.log"]
     hosts = ["127.0.0.1", "127.0.0.2"]  # two names of this machine: the first is the rendezvous host
@@ -152,7 +161,7 @@ def test_usr1_to_the_batch_shell_requeues_two_nodes_and_the_requeued_job_finishe
         _kill(job)
         raise
     code = _end(job, logs[0])
-    assert not [p for p in launchers if p.is_running()]  # the script waited for its step to end
+    assert not [p for p in launchers if _alive(p)]  # the script waited for its step to end
     assert code == 138, logs[0].read_text()[-3000:]
     assert _requeues(tmp_path) == ["4242 0"]
     stopped = _assert_stopped_with_a_checkpoint(out, logs[0], "SIGUSR1", ranks=2)
@@ -186,7 +195,7 @@ def test_sigterm_to_every_process_at_the_time_limit_saves_once_and_requeues_one_
         _kill(job)
         raise
     code = _end(job, log)
-    assert not [p for p in every if p.is_running()]  # the script waited for its step to end
+    assert not [p for p in every if _alive(p)]  # the script waited for its step to end
     assert code == 143, log.read_text()[-3000:]
     assert _requeues(tmp_path) == ["4343 0"]
     stopped = _assert_stopped_with_a_checkpoint(out, log, "SIGTERM", ranks=2)
