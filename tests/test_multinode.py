@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
 TINY = ["parallel.tp=1", "run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=1", "evals.tasks=[]"]
 TINY += ["samples.prompts=[]", "run.sample_prompt=null", "run.save_final=false", "run.log_every=1"]
-# dp=2 and dp=1 sum the same rows in another order: 1.3e-7 relative measured on these runs
-RTOL = 2e-6
+# dp=2 and dp=1 sum the same rows in another order: 1.3e-7 relative measured on these runs; the bound
+RTOL = 1e-6
 
 
 def _free_port() -> int:
