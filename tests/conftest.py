@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the test helpers (dist, models, reference)
 
 import audit  # noqa: E402
+import runs  # noqa: E402
 from models import make_model_dir  # noqa: E402
 
 FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")
@@ -24,6 +25,12 @@ def family_dirs(tmp_path_factory) -> dict[str, Path]:
     """{family: HF directory} for the five tiny families of tests/models.py (seed 0)."""
     root = tmp_path_factory.mktemp("families")
     return {f: make_model_dir(root / f, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_losses(tmp_path_factory) -> list[float]:
+    """The tiny run's losses on one process (tests/runs.py): what two nodes, a restart or a preemption must give."""
+    return runs.one_process_losses(tmp_path_factory.mktemp("tiny-one-process"))
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -21,17 +20,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an install
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # audit, beside this module
 import audit  # noqa: E402
+from runs import free_port as _free_port  # noqa: E402
 
 from hf3d.utils import compat  # noqa: E402
 
 V_SCHEDULES = ("zbv", "dualpipev")
 NEEDS_2_13 = pytest.mark.skipif(compat.BEFORE_2_13, reason="hf3d refuses the V schedules before torch 2.13")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 START_METHOD = "forkserver"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from runs import free_port
 from transformers import AutoTokenizer
 
 from hf3d.data import DataConfig, DataPipeline
@@ -180,16 +180,10 @@ def test_data_fingerprints_pass_copies_and_refuse_other_files(tmp_path):
 # --- one real launch ------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_agents_with_another_set_value_stop_before_any_step(tmp_path):
     """Node 1 trains 4 steps, node 0 three: both agents end non-zero at the config check, one line for the job.
     The c10d rendezvous numbers the agents of one host by their process ids: the one started first is node 0."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     t0 = time.perf_counter()
     agents = []
     for node, extra in ((0, []), (1, ["run.steps=4"])):

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
+from runs import metrics_records as _records  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "configs" / "smollm3-long-context.yaml"
 TINY_EXAMPLE = ROOT / "examples" / "configs" / "smollm3-long-context-tiny.yaml"
@@ -153,10 +154,6 @@ def test_the_tiny_variant_is_the_recipe_at_1_1024_of_its_rows():
         TINY["steps"],
         TINY["rows"],
     )
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_the_long_context_example_ships_the_smollm3_recipe(tmp_path):

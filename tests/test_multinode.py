@@ -7,35 +7,25 @@ global batch and the data order are the run's, whatever the size: dp=2 and dp=1 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
-import pytest
+from asserts import assert_close
+from runs import CONFIG, ROOT, STEPS, TINY, free_port
+from runs import metrics_records as _records
 
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 12
-TINY = ["parallel.tp=1", "run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=1", "evals.tasks=[]"]
-TINY += ["samples.prompts=[]", "run.sample_prompt=null", "run.save_final=false", "run.log_every=1"]
 # dp=2 and dp=1 sum the same rows in another order: 1.3e-7 relative measured on these runs; the issue's bound
 RTOL = 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _train(out: Path, *flags: str, steps: int = STEPS, extra: tuple = ()) -> list[str]:
-    config = str(ROOT / "examples" / "configs" / "tiny-smollm.yaml")
-    cmd = [sys.executable, "-m", "hf3d", "train", config, "--set", *TINY, f"run.steps={steps}"]
+def _train(out: Path, *flags: str, steps: int | None = None, extra: tuple = ()) -> list[str]:
+    """The tiny run's command line (tests/runs.py), with other run.steps when given (no comparison then)."""
+    cmd = [sys.executable, "-m", "hf3d", "train", CONFIG, "--set", *TINY, *([f"run.steps={steps}"] if steps else [])]
     return [*cmd, f"run.output_dir={out}", *extra, *flags]
 
 
@@ -51,11 +41,6 @@ def _node(port: int, nnodes: str, rank: int, conf: str, *more: str) -> tuple[str
     return (*flags, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", conf, *more)
 
 
-def _records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-
-
 def _wait(until, what: str, procs: list[subprocess.Popen], timeout: float = 240) -> None:
     end = time.time() + timeout
     while time.time() < end:
@@ -67,31 +52,21 @@ def _wait(until, what: str, procs: list[subprocess.Popen], timeout: float = 240)
     raise AssertionError(f"{what}: not seen (exit codes {[p.poll() for p in procs]})")
 
 
-def _assert_same_run(out: Path, baseline: list[float], steps: int = STEPS) -> list[dict]:
+def _assert_same_run(out: Path, baseline: list[float]) -> list[dict]:
     records = _records(out)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step once, in order
-    losses = [r["loss"] for r in records]
-    assert losses == pytest.approx(baseline[:steps], rel=RTOL)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # every step once, in order
+    assert_close([r["loss"] for r in records], baseline, rtol=RTOL, what="losses")
     return records
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[float]:
-    """The run on one process, never interrupted: its steps' losses."""
-    out = tmp_path_factory.mktemp("baseline")
-    proc = subprocess.run(_train(out, extra=("checkpoint.every=0",)), cwd=ROOT, capture_output=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [r["loss"] for r in _records(out)]
-
-
-def test_two_nodes_give_the_losses_of_one_and_say_each_thing_once(tmp_path, baseline):
-    out, port = tmp_path / "run", _free_port()
+def test_two_nodes_give_the_losses_of_one_and_say_each_thing_once(tmp_path, tiny_losses):
+    out, port = tmp_path / "run", free_port()
     logs = [tmp_path / f"node{r}.log" for r in (0, 1)]
     fresh = [("checkpoint.every=0", f"data.cache_dir={tmp_path}/cache{r}") for r in (0, 1)]  # each node tokenises
     nodes = [_start(_train(out, *_node(port, "2", r, ""), extra=fresh[r]), logs[r]) for r in (0, 1)]
     for node in nodes:
         assert node.wait(timeout=300) == 0, [log.read_text()[-3000:] for log in logs]
-    _assert_same_run(out, baseline)
+    _assert_same_run(out, tiny_losses)
     screen = logs[0].read_text() + logs[1].read_text()
     for once in ("hf3d: resolved config", "hf3d: mesh pp=1 dp=2 cp=1 tp=1 on 2 processes", "hf3d: loss curve"):
         assert screen.count(once) == 1, once
@@ -100,12 +75,12 @@ def test_two_nodes_give_the_losses_of_one_and_say_each_thing_once(tmp_path, base
     assert "Traceback" not in screen
 
 
-def test_a_node_lost_then_back_ends_with_every_step_once_and_the_same_losses(tmp_path, baseline):
+def test_a_node_lost_then_back_ends_with_every_step_once_and_the_same_losses(tmp_path, tiny_losses):
     """--nnodes 1:2 --max-restarts 3, a checkpoint every step. Node 1 is killed (SIGKILL to its agent) after step
     3: node 0's worker fails, its agent restarts it alone (dp=1) from the newest checkpoint; once it has trained at
     dp=1 (held there, SIGSTOP, while node 1 starts again), node 0's agent sees node 1 waiting, its worker saves the
     step it is in and ends, and the two go on at dp=2 to the end."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     more = ("--max-restarts", "3")
     cmd = [
         _train(out, *_node(port, "1:2", r, "last_call_timeout=5", *more), extra=("checkpoint.every=1",)) for r in (0, 1)
@@ -124,7 +99,7 @@ def test_a_node_lost_then_back_ends_with_every_step_once_and_the_same_losses(tmp
     worker.resume()  # its agent's SIGTERM is waiting for it: it saves the step it is in and ends
     assert first.wait(timeout=300) == 0, logs[0].read_text()[-3000:]
     assert again.wait(timeout=300) == 0, logs[2].read_text()[-3000:]
-    records = _assert_same_run(out, baseline)
+    records = _assert_same_run(out, tiny_losses)
     resumed = [r["step"] for r in records if "resumed_from" in r]
     assert len(resumed) == 2, resumed  # after the loss and after the return
     screen = logs[0].read_text()
@@ -134,7 +109,7 @@ def test_a_node_lost_then_back_ends_with_every_step_once_and_the_same_losses(tmp
     assert "Traceback" not in screen + logs[2].read_text()
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_it_had_not_been(tmp_path, baseline):
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_it_had_not_been(tmp_path, tiny_losses):
     """One node, 2 workers (dp=2), --max-restarts 1, a checkpoint every 2 steps: rank 1 SIGKILLed after step 3
     (as the OOM killer does); the agent restarts both, they resume from step 2 and finish."""
     out = tmp_path / "run"
@@ -146,7 +121,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_it_had_not_been(tmp
     victim = next(w for w in workers if w.environ().get("RANK") == "1")
     victim.kill()
     assert node.wait(timeout=300) == 0, log.read_text()[-3000:]
-    records = _assert_same_run(out, baseline)
+    records = _assert_same_run(out, tiny_losses)
     assert [r["step"] for r in records if "resumed_from" in r] == [3]
     assert "hf3d train: a worker failed: restarting the workers (restart 1 of 1)" in log.read_text()
 
@@ -154,7 +129,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_it_had_not_been(tmp
 def test_the_store_host_lost_is_one_line(tmp_path):
     """Node 0 hosts the c10d store; killed, node 1 cannot meet again: one line says where the store should
     live, exit 3, no traceback."""
-    out, port = tmp_path / "run", _free_port()
+    out, port = tmp_path / "run", free_port()
     more = ("--max-restarts", "1")
     cmd = [
         _train(out, *_node(port, "1:2", r, "last_call_timeout=5", *more), steps=1000, extra=("checkpoint.every=0",))

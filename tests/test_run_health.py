@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+
+from runs import metrics_records as _records  # noqa: E402
 
 from hf3d.train.config import RunConfig  # noqa: E402
 from hf3d.train.step import StepHealth  # noqa: E402
@@ -40,10 +41,6 @@ def _train(out: Path, *settings: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", TEARDOWN_PROBE, "train", "examples/configs/tiny-smollm.yaml", "--set", *ONE_PROCESS]
     cmd += [*settings, f"run.output_dir={out}"]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_diverging_run_skips_counts_and_stops_after_k_in_a_row(tmp_path):

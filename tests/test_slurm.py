@@ -14,39 +14,22 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
-import pytest
+from asserts import assert_close
+from runs import CONFIG, ROOT, STEPS, TINY, free_port
+from runs import metrics_records as _records
 
-ROOT = Path(__file__).resolve().parents[1]
 STANDIN = ROOT / "tests" / "slurm_standin"
 SCRIPTS = ROOT / "examples" / "slurm"
-CONFIG = "examples/configs/tiny-smollm.yaml"  # the scripts run from the checkout's root, as sbatch is told to
-STEPS = 10  # every run here: the lr schedule depends on it
-TINY = ["parallel.tp=1", "run.global_batch=4", "data.seq_len=32", "optim.warmup_steps=1", "evals.tasks=[]"]
-TINY += ["samples.prompts=[]", "run.sample_prompt=null", "run.save_final=false", "run.log_every=1"]
-TINY += [f"run.steps={STEPS}"]
 # dp=2 and dp=1 sum the same rows in another order: 6.9e-8 relative measured on these runs (1.5e-7 over 16 steps)
 RTOL = 1e-6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _records(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
 def _job_env(tmp: Path, job_id: int, hosts: list[str], *, gpus: int, restart: int = 0) -> dict:
@@ -126,16 +109,6 @@ def _assert_stopped_with_a_checkpoint(out: Path, log: Path, signame: str, ranks:
     return last
 
 
-@pytest.fixture(scope="module")
-def baseline(tmp_path_factory) -> list[float]:
-    """The run on one process, never interrupted: its steps' losses."""
-    out = tmp_path_factory.mktemp("baseline")
-    cmd = [sys.executable, "-m", "hf3d", "train", CONFIG, "--set", *TINY, f"run.output_dir={out}"]
-    proc = subprocess.run([*cmd, "checkpoint.every=0"], cwd=ROOT, capture_output=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [r["loss"] for r in _records(out)]
-
-
 def _alive(p: psutil.Process) -> bool:
     """Still running: an ended process whose parent (the launcher, gone too) was never reaped stays a zombie where
     the machine's first process does not reap orphans (a container), and psutil counts zombies as running."""
@@ -145,11 +118,11 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
-def test_usr1_to_the_batch_shell_requeues_two_nodes_and_the_requeued_job_finishes_the_run(tmp_path, baseline):
+def test_usr1_to_the_batch_shell_requeues_two_nodes_and_the_requeued_job_finishes_the_run(tmp_path, tiny_losses):
     out, logs = tmp_path / "run", [tmp_path / "first.log", tmp_path / "requeued.log"]
     hosts = ["127.0.0.1", "127.0.0.2"]  # two names of this machine: the first is the rendezvous host
     env = _job_env(tmp_path, 4242, hosts, gpus=1)
-    env["RDZV_PORT"] = str(_free_port())
+    env["RDZV_PORT"] = str(free_port())
     job = _submit("train-multinode.sbatch", env, out, logs[0], "checkpoint.every=2")
     try:
         _wait_for_steps(out, 2, job, logs[0])
@@ -175,7 +148,7 @@ def test_usr1_to_the_batch_shell_requeues_two_nodes_and_the_requeued_job_finishe
     records = _records(out)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # every step once
     assert [r["step"] for r in records if "resumed_from" in r] == [stopped + 1]
-    assert [r["loss"] for r in records] == pytest.approx(baseline, rel=RTOL)
+    assert_close([r["loss"] for r in records], tiny_losses, rtol=RTOL, what="losses")
     assert "Traceback" not in logs[1].read_text()
 
 

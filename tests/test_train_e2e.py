@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from asserts import assert_close  # noqa: E402
+from runs import metrics_records as _records  # noqa: E402
 
 CONFIG = "examples/configs/tiny-smollm.yaml"
 STEPS = 12
@@ -47,10 +48,6 @@ def _train(launcher: list[str], out: Path, *extra: str) -> subprocess.CompletedP
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
-
-
-def _records(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
