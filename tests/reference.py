@@ -43,15 +43,16 @@ def accumulated_steps(model, opt, data, chunks: int) -> tuple[list[float], list[
     return losses, norms
 
 
-def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None):
+def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None, optimizer=None):
     """Losses, grad norms and final state dict of the stock model trained on `data`.
 
-    param_groups(model) -> AdamW parameter groups (default: every parameter, weight decay WD).
+    param_groups(model) -> AdamW parameter groups (default: every parameter, weight decay WD); optimizer(model) ->
+    another optimizer (StockMuon).
     position_ids: the same for every batch (packed documents: stock builds the document mask from
     them when no cache is made, hence use_cache=False)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
     groups = param_groups(model) if param_groups else model.parameters()
-    opt = torch.optim.AdamW(groups, lr=LR, weight_decay=WD, betas=BETAS)
+    opt = optimizer(model) if optimizer else torch.optim.AdamW(groups, lr=LR, weight_decay=WD, betas=BETAS)
     losses, norms = [], []
     for ids, labels in data:
         extra = {} if position_ids is None else dict(position_ids=position_ids, use_cache=False)
@@ -64,7 +65,7 @@ def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, positi
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def moe_reference_run(model_dir, data, forwards: int):
+def moe_reference_run(model_dir, data, forwards: int, optimizer=None):
     """`reference_run` for a MoE model under hf3d's contract: each step backpropagates the cross-entropy's
     global token mean plus router_aux_loss_coef times the mean, over `forwards` contiguous chunks of the rows
     (dp ranks x micro-batches), of stock's load-balancing loss on each chunk. Returns (cross-entropy per
@@ -73,7 +74,7 @@ def moe_reference_run(model_dir, data, forwards: int):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = model.config
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
+    opt = optimizer(model) if optimizer else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
     losses, auxes, norms = [], [], []
     for ids, labels in data:
         targets = labels[:, 1:]
@@ -143,3 +144,82 @@ def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwarg
     opt = hf3d.build_optimizer(pmodel, optimizer, **kw)
     losses, norms = train_on(pmodel, opt, data, rows)
     return losses, [n.item() for n in norms], opt
+
+
+# -- Muon: torch.optim.Muon on the hidden matrices, torch.optim.AdamW on the rest ------------------------------
+def stock_matrices(model) -> list[tuple[str, torch.nn.Parameter, object]]:
+    """(saved name, stock parameter, index) of every 2-D matrix of the decoder layers that is neither a router nor
+    a gate of one output: the hidden matrices, in the names stock saves (each expert's gate, up and down apart)."""
+    inter = getattr(model.config, "moe_intermediate_size", None)
+    out = []
+    for k, p in model.named_parameters():
+        if not k.startswith("model.layers.") or k.endswith((".mlp.gate.weight", "shared_expert_gate.weight")):
+            continue
+        if k.endswith(".experts.gate_up_proj"):
+            base = k[: -len("gate_up_proj")]
+            for e in range(p.shape[0]):
+                out += [(f"{base}{e}.gate_proj.weight", p, (e, slice(0, inter)))]
+                out += [(f"{base}{e}.up_proj.weight", p, (e, slice(inter, None)))]
+        elif k.endswith(".experts.down_proj"):
+            out += [(f"{k[: -len('down_proj')]}{e}.down_proj.weight", p, (e,)) for e in range(p.shape[0])]
+        elif p.dim() == 2:
+            out.append((k, p, (slice(None),)))
+    return out
+
+
+class StockMuon:
+    """The oracle's optimizer for Muon: each hidden matrix (stock_matrices) is a leaf of its own that
+    torch.optim.Muon steps (its values and gradient copied in and back), everything else torch.optim.AdamW."""
+
+    def __init__(self, model, muon_kwargs: dict, adamw_kwargs: dict, lr_scale=None):
+        """lr_scale(name, param) -> a factor on AdamW's lr for that parameter (µP's), or None."""
+        self.items = stock_matrices(model)
+        self.leaves = [p.detach()[i].clone().requires_grad_() for _, p, i in self.items]
+        covered = {id(p) for _, p, _ in self.items}
+        rest = [(n, p) for n, p in model.named_parameters() if id(p) not in covered]
+        scale = lr_scale or (lambda _n, _p: 1.0)
+        groups = [dict(params=[p], lr=adamw_kwargs["lr"] * scale(n, p)) for n, p in rest]
+        self.model = model
+        self.muon = torch.optim.Muon(self.leaves, **muon_kwargs)
+        self.adamw = torch.optim.AdamW(groups, **adamw_kwargs)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for (_, p, i), leaf in zip(self.items, self.leaves):
+            leaf.grad = p.grad[i].clone()
+        self.muon.step()
+        for (_, p, i), leaf in zip(self.items, self.leaves):
+            p[i] = leaf
+        self.adamw.step()
+
+    def zero_grad(self) -> None:
+        self.muon.zero_grad()
+        self.model.zero_grad()
+
+
+def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton-Schulz iteration (torch/optim/_muon.py) in fp32 instead of bf16: patched in on both
+    sides, it leaves the float noise of the gradients' reduction order at fp32 size, where bf16 would round it up."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if grad.size(0) > grad.size(1) else x
+
+
+class fp32_newton_schulz:
+    """Run torch.optim.Muon's Newton-Schulz in fp32 inside the block (`newton_schulz_fp32`)."""
+
+    def __enter__(self):
+        import torch.optim._muon as muon
+
+        self.original, muon._zeropower_via_newtonschulz = muon._zeropower_via_newtonschulz, newton_schulz_fp32
+
+    def __exit__(self, *exc):
+        import torch.optim._muon as muon
+
+        muon._zeropower_via_newtonschulz = self.original

@@ -46,6 +46,8 @@ def state_boxes(opt, keys, *, create: bool, master: bool = True, owned_only: boo
     `owned_only` skips replicas another tp rank owns and `my_shard` keeps only the range this rank writes
     (`opt.written_range`: under ZeRO-0 every rank holds every element, under HSDP every replica its shard):
     what one rank writes to a checkpoint."""
+    whole_keys = getattr(opt, "whole_keys", ())  # Muon's: state of whole matrices (hf3d/optim/muon.py)
+    fragment_keys = [k for k in keys if k not in whole_keys]
     for p, m, ga, gz in opt._masters:
         start = opt._flat_range[id(p)][0]
         a, z = ga, gz
@@ -54,15 +56,18 @@ def state_boxes(opt, keys, *, create: bool, master: bool = True, owned_only: boo
             a, z = max(ga, lo), min(gz, hi)
             if a >= z:
                 continue
-        st = opt.optimizer.state[m] if create and keys else opt.optimizer.state.get(m, {})
+        st = opt.optimizer.state[m] if create and fragment_keys else opt.optimizer.state.get(m, {})
         sources = {MASTER_KEY: m} if master else {}
-        for k in keys:
+        for k in fragment_keys:
             if create and k not in st:
                 st[k] = torch.zeros_like(m)
             sources[k] = st[k]
         for key, flat in sources.items():
             for name, off, size, view in hf_boxes(p, flat, ga - start, a - start, z - start, owned_only=owned_only):
                 yield key, name, off, size, view
+    if whole_keys:
+        mine = [k for k in keys if k in whole_keys]
+        yield from opt.whole_boxes(mine, create=create, master=master, my_shard=my_shard)
 
 
 def step_tensor(step: int, group: dict, master: torch.Tensor) -> torch.Tensor:
@@ -82,6 +87,12 @@ def restore_steps(opt, step: int) -> None:
 def check_group_scales(opt, saved: list[dict]) -> None:
     """The groups' µP lr scales must be the ones saved: the state of another parametrization (or base width)
     would restore each group's lr onto parameters of other rules."""
+    kinds = [_kind(g) for g in opt.optimizer.param_groups], [_kind(g) for g in saved]
+    if saved and kinds[0] != kinds[1]:
+        raise ValueError(
+            f"the optimizer state was saved by {_optimizers(kinds[1])}, this run uses {_optimizers(kinds[0])}: resume "
+            "with the optimizer it was trained with, or load the weights without the optimizer state"
+        )
     mine = [g.get("lr_scale") for g in opt.optimizer.param_groups]
     theirs = [g.get("lr_scale") for g in saved]
     if saved and mine != theirs:
@@ -99,6 +110,15 @@ def restore_group_settings(opt, saved: list[dict]) -> None:
         group.update(
             {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in settings.items() if k in group}
         )
+
+
+def _kind(group: dict) -> str:
+    """Muon's groups (hf3d/optim/muon.py) carry its Newton-Schulz settings; every other group is an element-wise one."""
+    return "Muon" if "ns_steps" in group else "element-wise"
+
+
+def _optimizers(kinds: list[str]) -> str:
+    return "Muon with AdamW" if "Muon" in kinds else "an element-wise optimizer (AdamW, ...)"
 
 
 def _scales(scales: list) -> str:

@@ -33,7 +33,7 @@ __all__ = ["BucketedOptimizer", "ParallelOptimizer", "build_optimizer", "no_deca
 ZERO_BUBBLE_SCHEDULES = ("zbv", "dualpipev")  # weight grads written outside AccumulateGrad
 # torch optimizers whose update of an element depends on the whole tensor (factored moments,
 # closures): they cannot run on the flat fp32 fragments that ZeRO and tensor parallelism produce
-WHOLE_TENSOR_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam", "Muon")
+WHOLE_TENSOR_OPTIMIZERS = ("Adafactor", "LBFGS", "SparseAdam")
 
 
 def reduction_groups(pmodel, params: list[nn.Parameter]) -> list[tuple[dist.ProcessGroup, list[nn.Parameter], object]]:
@@ -94,8 +94,13 @@ class BucketedOptimizer(ParallelOptimizer):
         self._wrap(pmodel, optimizer_cls, optimizer_kwargs, grouped, with_no_decay=with_no_decay)
 
     def _build_buffers(self, pmodel, params: list[nn.Parameter], bucket_size: int) -> list[GradBuffer]:
-        """One GradBuffer per reduction group, buckets in backward order (last layers first); tied
-        embeddings held on two pipeline ranks in deferred buckets of their own."""
+        return self._buffers_for(pmodel, params, bucket_size, self.zero_stage)
+
+    def _buffers_for(
+        self, pmodel, params: list[nn.Parameter], bucket_size: int, zero_stage: int, base: int = 0
+    ) -> list[GradBuffer]:
+        """One GradBuffer per reduction group, buckets in backward order (last layers first), from flat offset
+        `base` on; tied embeddings held on two pipeline ranks in deferred buckets of their own."""
         tied_group = tied_embedding_group(pmodel)
 
         def tied(p) -> bool:
@@ -104,14 +109,14 @@ class BucketedOptimizer(ParallelOptimizer):
             )
             return getattr(p, "hf3d_tied_copy", False) or is_source
 
-        buffers, base = [], 0
+        buffers = []
         for group, members, replicas in reduction_groups(pmodel, params):
             buf = GradBuffer(
                 [p for p in reversed(members) if not tied(p)],
                 group,
                 base=base,
                 bucket_size=bucket_size,
-                zero_stage=self.zero_stage,
+                zero_stage=zero_stage,
                 collective=self.dp_collective,
                 deferred=[p for p in members if tied(p)],
                 tp_group=pmodel.mesh.get_group("tp"),
@@ -280,6 +285,19 @@ def build_optimizer(
     zero_stage = _check_zero_stage(pmodel, zero_stage)
     if not isinstance(bucket_size, int) or bucket_size <= 0:
         raise ValueError(f"bucket_size must be a positive number of elements, got {bucket_size!r}")
+    if issubclass(optimizer_cls, torch.optim.Muon):
+        from .muon import build_muon
+
+        return build_muon(
+            pmodel,
+            zero_stage=zero_stage,
+            optimizer_kwargs=optimizer_kwargs,
+            max_grad_norm=max_grad_norm,
+            bucket_size=bucket_size,
+            overlap_grad_reduce=overlap_grad_reduce,
+            dp_collective=_dp_collective(dp_collective, zero_stage),
+            exclude_from_weight_decay=exclude_from_weight_decay,
+        )
     fusable = "fused" in inspect.signature(optimizer_cls.__init__).parameters and pmodel.device.type in ("cpu", "cuda")
     if fusable and not {"fused", "foreach"} & optimizer_kwargs.keys():
         optimizer_kwargs["fused"] = True
@@ -293,13 +311,6 @@ def build_optimizer(
             exclude_from_weight_decay=exclude_from_weight_decay,
             optimizer_kwargs=optimizer_kwargs,
         )
-    if dp_collective == "auto":
-        gloo = dist.get_backend() == "gloo"
-        dp_collective = ("all_reduce" if zero_stage == 2 else "all_to_all") if gloo else "reduce_scatter"
-    if dp_collective not in ("reduce_scatter", "all_reduce", "all_to_all"):
-        raise ValueError(
-            f"dp_collective must be 'reduce_scatter', 'all_reduce', 'all_to_all' or 'auto', got {dp_collective!r}"
-        )
     return BucketedOptimizer(
         pmodel,
         optimizer_cls,
@@ -307,10 +318,21 @@ def build_optimizer(
         max_grad_norm=max_grad_norm,
         bucket_size=bucket_size,
         overlap_grad_reduce=overlap_grad_reduce,
-        dp_collective=dp_collective,
+        dp_collective=_dp_collective(dp_collective, zero_stage),
         exclude_from_weight_decay=exclude_from_weight_decay,
         optimizer_kwargs=optimizer_kwargs,
     )
+
+
+def _dp_collective(dp_collective: str, zero_stage: int) -> str:
+    if dp_collective == "auto":
+        gloo = dist.get_backend() == "gloo"
+        dp_collective = ("all_reduce" if zero_stage == 2 else "all_to_all") if gloo else "reduce_scatter"
+    if dp_collective not in ("reduce_scatter", "all_reduce", "all_to_all"):
+        raise ValueError(
+            f"dp_collective must be 'reduce_scatter', 'all_reduce', 'all_to_all' or 'auto', got {dp_collective!r}"
+        )
+    return dp_collective
 
 
 def _check_zero_stage(pmodel, zero_stage) -> int:
