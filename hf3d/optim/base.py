@@ -165,13 +165,15 @@ class ParallelOptimizer(torch.optim.Optimizer):
         """Collective: the parameters whose reduced gradient of this step holds an inf or NaN, on any
         rank, in model order (runtime names: fused projections are qkv_proj / gate_up_proj). Call it
         after a skipped step, before zero_grad, to say where a non-finite gradient came from."""
-        local = {
-            self.names[id(p)] for (p, _, _, _), g in zip(self._masters, self._grads) if not torch.isfinite(g).all()
-        }
+        local = {self.names[id(p)] for p, g in self._stepped_grads() if not torch.isfinite(g).all()}
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, sorted(local))
         bad = set().union(*everyone)
         return [name for name in self.names.values() if name in bad]
+
+    def _stepped_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(param, reduced gradient) of everything this rank steps."""
+        return [(p, g) for (p, _, _, _), g in zip(self._masters, self._grads)]
 
     # -- state dict: HF names and global offsets, independent of the mesh (hf3d/optim/state.py) -----
     def written_range(self, param: nn.Parameter) -> tuple[int, int]:

@@ -247,7 +247,9 @@ class MuonOptimizer(BucketedOptimizer):
         rule = self._no_decay
         if rule is True:
             rule = None  # the Trainer's rule leaves no hidden matrix undecayed
-        whole = [(n, w) for mg in self.matrices for n, w in mg.whole.items()]
+        # a matrix is named as the fragments are (the runtime name of the parameter holding it: qkv_proj, ...)
+        held = {pc.hf_name: p for mg in self.matrices for p, pc in mg.pieces}
+        whole = [(self.names[id(held[n])], w) for mg in self.matrices for n, w in mg.whole.items()]
         par = self.pmodel.parametrization
         groups = []
         for no_decay in (False, True) if rule else (False,):
@@ -258,6 +260,9 @@ class MuonOptimizer(BucketedOptimizer):
                 group["lr_scale"] = muon_lr_scale(par.multiplier, self._muon_kwargs.get("adjust_lr_fn"))
             groups.append(group)
         return groups
+
+    def _stepped_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return super()._stepped_grads() + [(p, p.main_grad) for p in self.matrix_params]
 
     # -- after the step, and the state -----------------------------------------------------------
     def _write_back(self) -> None:
