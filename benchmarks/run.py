@@ -214,6 +214,30 @@ def _restart(d: dict) -> str:
     )
 
 
+def _muon(d: dict) -> str:
+    c, b = d["cost"], d["best"]
+
+    def mib(mesh: str, side: str, *keys: str) -> float:  # the larger rank's
+        return max(sum(m[k] for k in keys) for m in c[mesh][side]["memory"]) / 2**20
+
+    def lrs(side: str) -> str:
+        return ", ".join(f"{r['lr']:g}" for r in d["grid"][side])
+
+    parts = [
+        f"{mesh}: opt.step() Muon / AdamW {c[mesh]['muon_over_adamw']:.2f}x; collectives in it "
+        f"{max(c[mesh]['muon']['step_bytes']) / 2**20:.1f} / {max(c[mesh]['adamw']['step_bytes']) / 2**20:.1f} MiB; "
+        f"optimizer state + masters {mib(mesh, 'muon', 'optimizer_state', 'master_weights'):.0f} / "
+        f"{mib(mesh, 'adamw', 'optimizer_state', 'master_weights'):.0f} MiB"
+        for mesh in ("tp2", "dp2")
+    ]
+    return (
+        f"{c['params'] / 1e6:.1f}M params, fp32 states (bf16 / 8-bit: not built yet), per rank: {'; '.join(parts)}. "
+        f"The default run's held-out loss at step {b['muon']['eval_step']}: Muon {b['muon']['eval_loss']:.3f} (muon "
+        f"lr {b['muon']['lr']:g}, of {lrs('muon')}), AdamW {b['adamw']['eval_loss']:.3f} (lr {b['adamw']['lr']:g}, "
+        f"of {lrs('adamw')}): Muon − AdamW {d['muon_best_minus_adamw_best']:+.3f}"
+    )
+
+
 @dataclass
 class Benchmark:
     name: str  # its results file: results/<name>.json
@@ -257,6 +281,9 @@ BENCHMARKS = [
               "time from the kill to the next finished step, steps lost", "2", _restart),
     Benchmark("mup", "bench_mup.py", [], "spectral µP against standard parametrization: coordinate check and lr "
               "transfer (tiny Llama, CPU)", "41", _mup),
+    Benchmark("muon", "bench_muon.py", [], "the Muon hybrid (`torch.optim.Muon` on the hidden matrices, AdamW on "
+              "the rest) / AdamW: the step's cost at tp2 and dp2 (CPU), the default run's held-out loss over an lr "
+              "grid", "10", _muon),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
               "9 (GPU)", _gpu, gpu=True),
 ]  # fmt: skip

@@ -708,6 +708,12 @@ def _rewind(fx):
     return _refuse_replacing_later_saves(run)
 
 
+def _check_optimizer(*overrides: str):
+    from hf3d.train.build import check_optimizer
+
+    return check_optimizer(_set("parallel.tp=1", *overrides), world_size=1)
+
+
 def _ckpt(fx) -> str:
     return str(Path(fx["run"]) / "checkpoints" / "step_2")
 
@@ -776,6 +782,30 @@ def _load_other_shape(ctx):
     import hf3d
 
     return hf3d.load_checkpoint(ctx["wide_ckpt"], ctx["pm"], ctx["opt"])
+
+
+def _muon(ctx, pm=None, **kw):
+    """build_optimizer(pm, torch.optim.Muon, lr=0.02, **kw) on the context's model unless another is given: every
+    case refuses it before the optimizer touches the model."""
+    import hf3d
+
+    return hf3d.build_optimizer(ctx["pm"] if pm is None else pm, torch.optim.Muon, lr=0.02, **kw)
+
+
+def _muon_hsdp(ctx):
+    import hf3d
+
+    return _muon(ctx, hf3d.parallelize(ctx["fx"]["llama"], hf3d.ParallelConfig(zero_stage=1, dp_shard=1)))
+
+
+def _load_muon_into_adamw(ctx):
+    """A checkpoint saved by Muon (with AdamW) loaded into the context's AdamW optimizer."""
+    import hf3d
+
+    pm = hf3d.parallelize(ctx["fx"]["llama"], hf3d.ParallelConfig())
+    ckpt = Path(ctx["fx"]["tmp"]) / "ckpt" / "muon" / "step_1"
+    hf3d.save_checkpoint(ckpt, pm, _muon(ctx, pm), step=1)
+    return hf3d.load_checkpoint(ckpt, ctx["pm"], ctx["opt"])
 
 
 def _dist_world(fx: dict, out: str) -> None:
@@ -1100,6 +1130,34 @@ CASES: list[Case] = [
         "`parallel.mup_output_multiplier` under standard parametrization",
         lambda fx: _set("parallel.mup_output_multiplier=4"),
         ["parallel.mup_output_multiplier=4.0 is set but parallel.parametrization is 'standard'"],
+    ),
+    _c(
+        "config-optim-name-muon",
+        CFG,
+        "`optim.name: lion` (hf3d train builds adamw or muon)",
+        lambda fx: _set("optim.name=lion"),
+        ["optim.name must be adamw or muon, got 'lion'"],
+    ),
+    _c(
+        "config-muon-with-adamw",
+        CFG,
+        "`optim.muon:` settings while `optim.name` is adamw (the default)",
+        lambda fx: _set("optim.muon.lr=0.01"),
+        ["optim.muon is set but optim.name is adamw", "set optim.name: muon, or remove optim.muon"],
+    ),
+    _c(
+        "config-state-precision-muon",
+        CFG,
+        "`optim.state_precision: 8bit` with `optim.name: muon`",
+        lambda fx: _set("optim.name=muon", "optim.state_precision=8bit"),
+        ["optim.state_precision must be fp32, bf16 or 8bit", "with optim.name: muon; use bf16"],
+    ),
+    _c(
+        "config-muon-unknown-key",
+        CFG,
+        "`optim.muon.betas` (an AdamW setting, which optim.betas holds)",
+        lambda fx: _set("optim.name=muon", "optim.muon.betas=[0.9,0.95]"),
+        ["unknown key 'betas' in optim.muon", "known keys: lr, momentum"],
     ),
     _c(
         "config-checkpoint-every",
@@ -1661,6 +1719,13 @@ CASES: list[Case] = [
         "`parallel.tp: 3` for a model of 6 query and 2 KV heads, on 1 process",
         lambda fx: _check_run("parallel.tp=3", world_size=1),
         ["parallel.tp=3 does not fit this llama model: 6 query heads, 2 KV heads", "Valid tp values: 1, 2"],
+    ),
+    _c(
+        "launch-muon-zero2",
+        LAUNCH,
+        "`optim.name: muon` with `parallel.zero_stage: 2`",
+        lambda fx: _check_optimizer("optim.name=muon", "parallel.zero_stage=2"),
+        ["optim.name: muon runs at parallel.zero_stage 0 or 1", "got parallel.zero_stage=2", "parallel.zero_stage: 1"],
     ),
     _c(
         "launch-ep-experts",
@@ -2232,6 +2297,14 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "ckpt-load-muon-into-adamw",
+        CKPT,
+        "`hf3d.load_checkpoint` of a Muon run's checkpoint with an AdamW optimizer (a resume with `optim.name: adamw`)",
+        _load_muon_into_adamw,
+        ["the optimizer state was saved by Muon with AdamW", "this run uses an element-wise optimizer"],
+        how="dist",
+    ),
+    _c(
         "ckpt-load-incomplete",
         CKPT,
         "`hf3d.load_checkpoint` of an interrupted save",
@@ -2527,6 +2600,63 @@ CASES: list[Case] = [
         "`build_optimizer(pmodel, 'adamw')`",
         lambda ctx: __import__("hf3d").build_optimizer(ctx["pm"], "adamw", lr=1e-3),
         ["optimizer_cls must be a torch.optim.Optimizer subclass, got 'adamw'"],
+        how="dist",
+    ),
+    _c(
+        "api-muon-zero2",
+        API,
+        "`build_optimizer(pmodel, torch.optim.Muon, zero_stage=2)`",
+        lambda ctx: _muon(ctx, zero_stage=2),
+        ["Muon runs at zero_stage 0 or 1 without dp_shard (got zero_stage=2)", "use zero_stage 0 or 1"],
+        how="dist",
+    ),
+    _c(
+        "api-muon-hsdp",
+        API,
+        "`build_optimizer(pmodel, torch.optim.Muon)` on a model built with `ParallelConfig(dp_shard=1)` (HSDP) on 2 "
+        "processes",
+        _muon_hsdp,
+        ["Muon runs at zero_stage 0 or 1 without dp_shard", "dp_shard=1", "HSDP"],
+        how="dist2",
+    ),
+    _c(
+        "api-muon-params-norm",
+        API,
+        "`build_optimizer(pmodel, torch.optim.Muon, muon_params=['*norm*'])`: norm weights (1-D)",
+        lambda ctx: _muon(ctx, muon_params=["*norm*"]),
+        ["muon_params picks model.layers.0.input_layernorm.weight of shape [48]", "2-D matrices only", "AdamW"],
+        how="dist",
+    ),
+    _c(
+        "api-muon-adamw-key",
+        API,
+        "`build_optimizer(pmodel, torch.optim.Muon, adamw={'beta': ...})`",
+        lambda ctx: _muon(ctx, adamw={"beta": (0.9, 0.95)}),
+        ["adamw= has keys AdamW does not take: ['beta']", "betas"],
+        how="dist",
+    ),
+    _c(
+        "api-muon-kwarg",
+        API,
+        "`build_optimizer(pmodel, torch.optim.Muon, betas=...)`: an AdamW setting given to Muon",
+        lambda ctx: _muon(ctx, betas=(0.9, 0.95)),
+        ["torch.optim.Muon does not take betas", "adamw={...}"],
+        how="dist",
+    ),
+    _c(
+        "api-muon-8bit-states",
+        API,
+        "`build_optimizer(pmodel, torch.optim.Muon, state_precision='8bit')`: 8-bit states are torchao's AdamW's",
+        lambda ctx: _muon(ctx, state_precision="8bit"),
+        ["state_precision='8bit' is torchao's AdamW8bit", "Muon has no 8-bit state", "use 'bf16'"],
+        how="dist",
+    ),
+    _c(
+        "api-state-precision",
+        API,
+        "`build_optimizer(pmodel, torch.optim.AdamW, state_precision='fp16')`",
+        lambda ctx: __import__("hf3d").build_optimizer(ctx["pm"], torch.optim.AdamW, state_precision="fp16"),
+        ["state_precision must be one of fp32, bf16, 8bit", "'fp16'"],
         how="dist",
     ),
     _c(

@@ -123,6 +123,10 @@ def load_checkpoint(path: str | os.PathLike, pmodel, opt=None, *, extra: dict | 
                         f"could not load the checkpoint {path} ({failure_line(e)}): use another checkpoint (an older "
                         "step_<N>)"
                     ) from None
+    if opt is not None:
+        optim_state.settle(opt)  # lower-precision states from their fp32 entries
+        if hasattr(opt, "after_load"):
+            opt.after_load()  # Muon's whole masters from the parameters
     reshard_all(pmodel)  # ZeRO-3: no group stays gathered with the weights from before the load
     if training:
         optim_state.restore_group_settings(opt, meta["optim"]["param_groups"])

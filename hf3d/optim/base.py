@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.layout import get_pieces
+from . import precision
 from . import state as optim_state
 
 
@@ -34,6 +35,7 @@ class ParallelOptimizer(torch.optim.Optimizer):
     (ZeRO-3)."""
 
     zero_stage: int
+    state_precision: str = "fp32"  # of the per-element state: "fp32", "bf16" or "8bit" (hf3d/optim/precision.py)
 
     def _wrap(self, pmodel, optimizer_cls, optimizer_kwargs: dict, grouped: list, *, with_no_decay: bool) -> None:
         """Build the wrapped optimizer over the masters `grouped` [(master, lr scale, no decay)], and the state
@@ -144,7 +146,10 @@ class ParallelOptimizer(torch.optim.Optimizer):
             master.grad = grad
         wait(self._being_read)  # an asynchronous checkpoint's write or copy (its failure is the save's)
         self._being_read.clear()
-        self.optimizer.step()
+        if self.state_precision == "bf16" and not getattr(self.optimizer, "owns_state_precision", False):
+            precision.step_with_bf16_state(self.optimizer)
+        else:
+            self.optimizer.step()
         self._write_back()
         self._step_started = False
         return norm
@@ -208,12 +213,8 @@ class ParallelOptimizer(torch.optim.Optimizer):
         self._write_back()
 
     def _state_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for s in self.optimizer.state.values()
-            for t in s.values()
-            if torch.is_tensor(t) and t.dim() > 0
-        )
+        states = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
+        return sum(map(precision.nbytes, states))
 
     @property
     def step_was_skipped(self) -> bool:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.layout import get_pieces
+from . import precision
 from . import state as optim_state
 from .zero import BucketedOptimizer, reduction_groups
 
@@ -69,7 +70,10 @@ def muon_names(pmodel, patterns: list[str] | None) -> set[str]:
                 "norms, biases and other vectors to AdamW (narrow the patterns)"
             )
     if not picked:
-        raise ValueError(f"muon_params {patterns} match no parameter of the model: use HF names such as '*.q_proj.*'")
+        raise ValueError(
+            f"muon_params {patterns} match no parameter of the model: use HF names such as 'model.layers.*.mlp.*' or "
+            "'model.layers.*.self_attn.*'"
+        )
     return picked
 
 
@@ -89,8 +93,8 @@ class MatrixGroup:
     `pieces`: (param, piece) of every Muon piece this rank holds, in a fixed order; `whole[name]`: the fp32 master of
     each matrix this index steps (on each of its tp ranks)."""
 
-    def __init__(self, params, group, tp_group, shapes: dict, *, shard: bool, aliased: bool):
-        self.group, self.tp_group, self.shapes, self.aliased = group, tp_group, shapes, aliased
+    def __init__(self, params, group, tp_group, shapes: dict, *, shard: bool):
+        self.group, self.tp_group, self.shapes = group, tp_group, shapes
         self.size = dist.get_world_size(group) if shard else 1
         self.index = dist.get_rank(group) if shard else 0
         self.pieces = [(p, pc) for p in params for pc in get_pieces(p)]
@@ -106,6 +110,8 @@ class MatrixGroup:
             dist.all_gather_object(self.tp_pieces, own, group=tp_group)
         device = params[0].device
         self.whole = {n: torch.zeros(shapes[n], dtype=torch.float32, device=device) for n in self.mine}
+        for w in self.whole.values():  # no autograd reaches them; a bf16 gradient keeps Muon's momentum in bf16
+            w.grad_dtype = None
         self.gather(values=True, grads=False)
 
     @torch.no_grad()
@@ -186,11 +192,19 @@ class Hybrid(torch.optim.Optimizer):
         muon.state = self.state
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
 
+    state_precision, owns_state_precision = "fp32", True
+
     @torch.no_grad()
     def step(self, closure=None):
-        self.adamw.step()
+        if self.state_precision == "bf16":
+            precision.step_with_bf16_state(self.adamw)
+        else:
+            self.adamw.step()
         for mg in self.matrices:
-            mg.gather(values=mg.aliased, grads=True)
+            mg.gather(values=False, grads=True)
+            if self.state_precision == "bf16":  # Muon keeps its momentum in the gradient's dtype
+                for w in mg.whole.values():
+                    w.grad = w.grad.bfloat16()
         self.muon.step()
         for mg in self.matrices:
             mg.free_grads()
@@ -235,7 +249,7 @@ class MuonOptimizer(BucketedOptimizer):
         pmodel = self.pmodel
         tp_group = pmodel.mesh.get_group("tp") if pmodel.pcfg.tp > 1 else None
         self.matrices = [
-            MatrixGroup(members, group, tp_group, pmodel.hf_shapes, shard=self.zero_stage >= 1, aliased=self._aliased)
+            MatrixGroup(members, group, tp_group, pmodel.hf_shapes, shard=self.zero_stage >= 1)
             for group, members, _ in reduction_groups(pmodel, self.matrix_params)
             if members
         ]
@@ -270,6 +284,13 @@ class MuonOptimizer(BucketedOptimizer):
         for mg in self.matrices:
             mg.scatter()
 
+    def after_load(self) -> None:
+        """After a checkpoint load: with fp32 parameters the checkpoint holds no masters (the parameters are theirs),
+        so the whole masters are gathered again from the parameters it wrote."""
+        if self._aliased:
+            for mg in self.matrices:
+                mg.gather(values=True, grads=False)
+
     def whole_boxes(self, keys: list[str], *, create: bool, master: bool, my_shard: bool):
         """(key, hf_name, offsets, sizes, view) of the whole matrices this rank steps: one tp rank writes them."""
         if my_shard and self.pmodel.pcfg.tp > 1 and dist.get_rank(self.pmodel.mesh.get_group("tp")) != 0:
@@ -279,10 +300,8 @@ class MuonOptimizer(BucketedOptimizer):
                 st = self.optimizer.state[w] if create and keys else self.optimizer.state.get(w, {})
                 sources = {optim_state.MASTER_KEY: w} if master else {}
                 for k in keys:
-                    if create and k not in st:
-                        st[k] = torch.zeros_like(w)
-                    if k in st:
-                        sources[k] = st[k]
+                    if create or k in st:
+                        sources[k] = optim_state.state_source(self, st, k, w, create=create)
                 for key, t in sources.items():
                     yield key, name, [0] * t.dim(), list(t.shape), t
 
@@ -310,6 +329,15 @@ def build_muon(pmodel, *, zero_stage: int, optimizer_kwargs: dict, **bucketed) -
     unknown = sorted(set(adamw) - set(ADAMW_KEYS))
     if unknown:
         raise ValueError(f"adamw= has keys AdamW does not take: {unknown}; use {', '.join(ADAMW_KEYS[:4])}")
+    takes = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+    strange = sorted(set(kwargs) - set(takes))
+    if strange:
+        raise ValueError(
+            f"torch.optim.Muon does not take {', '.join(strange)} (it takes {', '.join(takes)}); AdamW's settings for "
+            "the other parameters go in adamw={...}"
+        )
+    if not 1 <= kwargs.get("ns_steps", 5) < 100:
+        raise ValueError(f"ns_steps must be from 1 to 99 (torch's Newton-Schulz bound), got {kwargs['ns_steps']!r}")
     try:
         torch.optim.Muon([torch.zeros(2, 2, requires_grad=True)], **kwargs)
     except (TypeError, ValueError) as e:
@@ -318,7 +346,7 @@ def build_muon(pmodel, *, zero_stage: int, optimizer_kwargs: dict, **bucketed) -
         raise ValueError(
             f"Muon runs at zero_stage 0 or 1 without dp_shard (got zero_stage={zero_stage}"
             + (f", dp_shard={pmodel.pcfg.dp_shard}" if pmodel.pcfg.shard_size < pmodel.pcfg.dp else "")
-            + "): it steps whole matrices, which ZeRO-2/3 and HSDP cut; use zero_stage 1"
+            + "): it steps whole matrices, which ZeRO-2/3 and HSDP cut; use zero_stage 0 or 1 and leave dp_shard unset"
         )
     for key in ("lr", "weight_decay"):
         if key in kwargs:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.layout import hf_boxes
+from . import precision
 
 MASTER_KEY = "master"
 
@@ -37,7 +38,10 @@ def num_steps(opt) -> int:
 
 def group_settings(opt) -> list[dict]:
     """Each parameter group's hyperparameters (lr, betas, weight_decay, ...), without its tensors."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+    return [
+        {k: v.item() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}  # torchao: lr a tensor
+        for g in opt.optimizer.param_groups
+    ]
 
 
 def state_boxes(opt, keys, *, create: bool, master: bool = True, owned_only: bool = False, my_shard: bool = False):
@@ -46,6 +50,8 @@ def state_boxes(opt, keys, *, create: bool, master: bool = True, owned_only: boo
     `owned_only` skips replicas another tp rank owns and `my_shard` keeps only the range this rank writes
     (`opt.written_range`: under ZeRO-0 every rank holds every element, under HSDP every replica its shard):
     what one rank writes to a checkpoint."""
+    if create:
+        opt._unsettled = []
     whole_keys = getattr(opt, "whole_keys", ())  # Muon's: state of whole matrices (hf3d/optim/muon.py)
     fragment_keys = [k for k in keys if k not in whole_keys]
     for p, m, ga, gz in opt._masters:
@@ -59,15 +65,36 @@ def state_boxes(opt, keys, *, create: bool, master: bool = True, owned_only: boo
         st = opt.optimizer.state[m] if create and fragment_keys else opt.optimizer.state.get(m, {})
         sources = {MASTER_KEY: m} if master else {}
         for k in fragment_keys:
-            if create and k not in st:
-                st[k] = torch.zeros_like(m)
-            sources[k] = st[k]
+            sources[k] = state_source(opt, st, k, m, create=create)
         for key, flat in sources.items():
             for name, off, size, view in hf_boxes(p, flat, ga - start, a - start, z - start, owned_only=owned_only):
                 yield key, name, off, size, view
     if whole_keys:
         mine = [k for k in keys if k in whole_keys]
         yield from opt.whole_boxes(mine, create=create, master=master, my_shard=my_shard)
+
+
+def state_source(opt, st: dict, key: str, master: torch.Tensor, *, create: bool) -> torch.Tensor:
+    """The fp32 tensor a checkpoint or state dict reads `st[key]` from, or a load writes it into: the state itself,
+    or for a lower-precision state (hf3d/optim/precision.py) an fp32 copy that `settle` writes back after a load.
+    `create` first makes the zero state the optimizer would keep."""
+    if create and key not in st:
+        st[key] = precision.new_state(opt.optimizer, master, key, opt.state_precision)
+    t = st[key]
+    if precision.is_plain_fp32(t):
+        return t
+    copy = precision.readable(t)
+    if create:
+        opt._unsettled.append((st, key, copy))
+    return copy
+
+
+@torch.no_grad()
+def settle(opt) -> None:
+    """After a load: the fp32 copies of lower-precision states into the states (rounded, or quantised)."""
+    for st, key, copy in getattr(opt, "_unsettled", []):
+        st[key].copy_(copy)
+    opt._unsettled = []
 
 
 def step_tensor(step: int, group: dict, master: torch.Tensor) -> torch.Tensor:
@@ -87,11 +114,12 @@ def restore_steps(opt, step: int) -> None:
 def check_group_scales(opt, saved: list[dict]) -> None:
     """The groups' µP lr scales must be the ones saved: the state of another parametrization (or base width)
     would restore each group's lr onto parameters of other rules."""
-    kinds = [_kind(g) for g in opt.optimizer.param_groups], [_kind(g) for g in saved]
+    kinds = sorted({_kind(g) for g in opt.optimizer.param_groups}), sorted({_kind(g) for g in saved})
     if saved and kinds[0] != kinds[1]:
         raise ValueError(
             f"the optimizer state was saved by {_optimizers(kinds[1])}, this run uses {_optimizers(kinds[0])}: resume "
-            "with the optimizer it was trained with, or load the weights without the optimizer state"
+            "with the optimizer it was trained with, or load the weights only (hf3d train: checkpoint.load_optimizer: "
+            "false; Python: load_checkpoint(path, pmodel))"
         )
     mine = [g.get("lr_scale") for g in opt.optimizer.param_groups]
     theirs = [g.get("lr_scale") for g in saved]
@@ -107,9 +135,13 @@ def restore_group_settings(opt, saved: list[dict]) -> None:
     """Saved hyperparameters into the groups, by key (tuples stay tuples: betas read back from JSON)."""
     check_group_scales(opt, saved)
     for group, settings in zip(opt.optimizer.param_groups, saved):
-        group.update(
-            {k: type(group[k])(v) if isinstance(group[k], tuple) else v for k, v in settings.items() if k in group}
-        )
+        for k, v in settings.items():
+            if k not in group:
+                continue
+            if torch.is_tensor(group[k]):  # torchao's optimizers keep lr as a tensor and refuse a float there
+                group[k].fill_(v)
+            else:
+                group[k] = type(group[k])(v) if isinstance(group[k], tuple) else v
 
 
 def _kind(group: dict) -> str:
@@ -155,6 +187,7 @@ def load_state_dict(opt, sd: dict) -> None:
             covered += dst.numel()
         if covered < view.numel():
             raise ValueError(f"optimizer state has no {key!r} for part of {name!r} at offsets {off}")
+    settle(opt)
     if keys:  # no state saved: the optimizer starts fresh
         restore_steps(opt, sd["step"])
     restore_group_settings(opt, sd.get("param_groups", []))

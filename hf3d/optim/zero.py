@@ -25,6 +25,7 @@ from torch import nn
 from ..parallel.expert import is_expert
 from ..parallel.layout import get_pieces
 from ..parallel.mesh import expert_data_parallel_group, replicate_group, shard_group
+from . import precision
 from .base import ParallelOptimizer, merge_ranges, no_decay_names, owned_runs, tied_embedding_group
 from .grad_buffer import Bucket, GradBuffer
 
@@ -250,6 +251,7 @@ def build_optimizer(
     overlap_grad_reduce: bool = True,
     dp_collective: str = "auto",
     exclude_from_weight_decay: bool | Callable[[str, torch.Tensor], bool] = False,
+    state_precision: str = "fp32",
     **optimizer_kwargs,
 ) -> ParallelOptimizer:
     """Wrap a torch optimizer class for a ParallelModel.
@@ -268,14 +270,48 @@ def build_optimizer(
     exclude_from_weight_decay: False decays every parameter (torch.optim.AdamW over model.parameters());
     True leaves biases and norm weights undecayed and decays the rest, embeddings included (the
     transformers Trainer's rule, see `no_decay_names`); or a rule `(runtime_name, param) -> bool`
-    picking the parameters without decay (hf3d.Trainer passes the Trainer's own). Other keyword
-    arguments go to optimizer_cls. Classes with a fused kernel
+    picking the parameters without decay (hf3d.Trainer passes the Trainer's own). state_precision: the
+    per-element state's "fp32" (torch's), "bf16" (moments kept in bf16, stepped in fp32) or "8bit" (torchao's
+    AdamW8bit / Adam8bit in place of AdamW / Adam); the fp32 master weights stay (hf3d/optim/precision.py).
+    Other keyword arguments go to optimizer_cls. Classes with a fused kernel
     (AdamW, Adam, SGD, Adagrad) get `fused=True` unless `fused` or `foreach` is given: one kernel over
     this rank's flat fp32 fragments (AdamW over 8.4M elements on one CPU thread: 5.4 ms, torch's
     default per-tensor loop 18.7 ms).
     """
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+    precision.check(state_precision, optimizer_cls, muon=issubclass(optimizer_cls, torch.optim.Muon))
+    if state_precision == "8bit":
+        optimizer_cls = precision.eight_bit_class(optimizer_cls)
+    opt = _build(
+        pmodel,
+        optimizer_cls,
+        zero_stage=zero_stage,
+        max_grad_norm=max_grad_norm,
+        bucket_size=bucket_size,
+        overlap_grad_reduce=overlap_grad_reduce,
+        dp_collective=dp_collective,
+        exclude_from_weight_decay=exclude_from_weight_decay,
+        optimizer_kwargs=optimizer_kwargs,
+    )
+    opt.state_precision = state_precision
+    if getattr(opt.optimizer, "owns_state_precision", False):  # the Muon hybrid steps each part at it
+        opt.optimizer.state_precision = state_precision
+    return opt
+
+
+def _build(
+    pmodel,
+    optimizer_cls,
+    *,
+    zero_stage,
+    max_grad_norm,
+    bucket_size,
+    overlap_grad_reduce,
+    dp_collective,
+    exclude_from_weight_decay,
+    optimizer_kwargs: dict,
+) -> ParallelOptimizer:
     if optimizer_cls.__module__.startswith("torch.optim") and optimizer_cls.__name__ in WHOLE_TENSOR_OPTIMIZERS:
         raise ValueError(
             f"{optimizer_cls.__name__} updates each parameter as a whole tensor, but hf3d steps flat fp32 "

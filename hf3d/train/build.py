@@ -150,7 +150,6 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
 
     from ..data import DataPipeline
     from ..integrations.accelerate import prepare
-    from ..optim.zero import build_optimizer
     from ..parallel.mesh import init_distributed
 
     if cfg.run.deterministic:
@@ -162,6 +161,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
         check_launch(cfg, world_size=dist.get_world_size())
     base_config = _model_config(cfg.model)  # before any RoPE override: each stage's settings apply to it
     derived = check_run(cfg, world_size=dist.get_world_size(), model_config=base_config)
+    check_optimizer(cfg, world_size=dist.get_world_size())
     # "auto" becomes what runs (the resolved config records it; the derived values say why)
     cfg.parallel.compile, _ = resolve_compile(cfg.parallel.compile, device_type(), base_config)
     tasks = load_tasks(cfg.evals) if cfg.evals.active(cfg.run.steps) else []  # a bad file: before the model
@@ -182,18 +182,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
         show_progress=dist.get_rank() == 0,  # every node's main tokenises; the job shows the bars once
     )
     check_data(pipe, tokenizer)  # and reads the same tokens
-    o = cfg.optim
-    opt = build_optimizer(
-        pmodel,
-        torch.optim.AdamW,
-        lr=o.lr,
-        betas=o.betas,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        max_grad_norm=o.max_grad_norm or None,
-        bucket_size=o.bucket_size,
-        exclude_from_weight_decay=o.no_decay_rule(),
-    )
+    opt = _build_optimizer(pmodel, cfg.optim, derived)
     pmodel.deferred_checks = True  # a bad id is read in opt.step()'s one host sync (hf3d/model.py)
     out = Path(cfg.run.output_dir)
     trackers, missing = available_trackers(cfg.run.report_to)
@@ -230,7 +219,7 @@ def resume_run(run: Run) -> None:
         if c.load_data_position and "data" in run.saved:
             run.pipe.load_state_dict(run.saved["data"])
     for group in opt.param_groups:  # the schedule's peak lr (times µP's scale), whatever the checkpoint held
-        group["lr"] = o.lr * group.get("lr_scale", 1.0)
+        group["lr"] = peak_lr(o, group) * group.get("lr_scale", 1.0)
         group.pop("initial_lr", None)
     _refuse_replacing_later_saves(run)
     if run.start > r.steps:
@@ -238,10 +227,79 @@ def resume_run(run: Run) -> None:
             f"the run resumed from {run.resume_from} is already at step {run.start}, past run.steps={r.steps}: raise "
             "run.steps to train further, or set checkpoint.resume: none to start over"
         )
-    run.sched = build_lr_scheduler(opt, o, max(1, r.steps - offset))  # a complete run (start == steps) trains nothing
+    run.sched = _lr_scheduler(opt, o, max(1, r.steps - offset))  # a complete run (start == steps) trains nothing
     if run.resume_from is not None and c.load_scheduler and "scheduler" in run.saved:
         run.sched.load_state_dict(run.saved["scheduler"])
         run.schedule_change = _schedule_change(run)
+
+
+def check_optimizer(cfg: TrainConfig, *, world_size: int) -> None:
+    """optim.name: muon against the mesh, before the model loads: Muon steps whole matrices, which ZeRO-2/3 and HSDP
+    cut (hf3d/optim/muon.py)."""
+    o, p = cfg.optim, cfg.parallel
+    if o.name != "muon":
+        return
+    dp = p.dp or world_size // (p.tp * p.pp * p.cp)
+    hsdp = p.dp_shard is not None and p.dp_shard != dp
+    if p.zero_stage >= 2 or hsdp:
+        got = f"parallel.zero_stage={p.zero_stage}" + (f", parallel.dp_shard={p.dp_shard}" if hsdp else "")
+        raise ValueError(
+            f"optim.name: muon runs at parallel.zero_stage 0 or 1 without parallel.dp_shard (got {got}): Muon steps "
+            "whole matrices, which ZeRO-2/3 and HSDP cut; set parallel.zero_stage: 1 and leave dp_shard unset, or "
+            "use optim.name: adamw"
+        )
+
+
+def _build_optimizer(pmodel, o, derived: list[str]):
+    """hf3d.build_optimizer as the optim section says: AdamW, or Muon on the hidden matrices with AdamW (optim.lr,
+    betas, eps, weight_decay) on the rest; a line for the derived values names the split."""
+    from ..optim.zero import build_optimizer
+
+    common = dict(
+        max_grad_norm=o.max_grad_norm or None,
+        bucket_size=o.bucket_size,
+        exclude_from_weight_decay=o.no_decay_rule(),
+        state_precision=o.state_precision,
+    )
+    adamw = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "adamw":
+        return build_optimizer(pmodel, torch.optim.AdamW, **adamw, **common)
+    from ..optim.muon import muon_names
+
+    m = o.muon
+    try:
+        opt = build_optimizer(
+            pmodel,
+            torch.optim.Muon,
+            lr=m.lr,
+            momentum=m.momentum,
+            nesterov=m.nesterov,
+            ns_steps=m.ns_steps,
+            adjust_lr_fn=m.adjust_lr_fn,
+            weight_decay=m.weight_decay,
+            adamw=adamw,
+            muon_params=m.params,
+            **common,
+        )
+    except ValueError as e:  # build_optimizer's keyword, as the YAML names it
+        raise ValueError(str(e).replace("muon_params", "optim.muon.params")) from None
+    n = len(muon_names(pmodel, m.params))
+    derived.append(
+        f"optimizer: Muon (lr {m.lr:g}) on {n} matrices ({'optim.muon.params' if m.params else 'the hidden ones'}), "
+        f"AdamW (optim.lr {o.lr:g}) on the other parameters; the schedule scales both lrs alike"
+    )
+    return opt
+
+
+def peak_lr(o, group: dict) -> float:
+    """The schedule's peak lr of an optimizer param group before µP's scale: optim.muon.lr for Muon's groups (they
+    carry its Newton-Schulz settings), optim.lr for the others."""
+    return o.muon.lr if o.name == "muon" and "ns_steps" in group else o.lr
+
+
+def _lr_scheduler(opt, o, total_steps: int):
+    """build_lr_scheduler's schedule as a factor on each group's own peak lr (Muon's groups peak at optim.muon.lr)."""
+    return build_lr_scheduler(opt, o, total_steps, peak_of=lambda group: peak_lr(o, group))
 
 
 def _mup_lines(run: Run) -> list[str]:
@@ -252,10 +310,12 @@ def _mup_lines(run: Run) -> list[str]:
         return []
     width = run.pmodel.config.hidden_size
     scales = sorted({float(g.get("lr_scale", 1.0)) for g in run.opt.param_groups})
+    o = run.cfg.optim
+    lrs = f"optim.lr {o.lr:g} is" if o.name == "adamw" else f"optim.lr {o.lr:g} and optim.muon.lr {o.muon.lr:g} are"
     return [
         f"spectral µP: hidden_size {width} over mup_base_width {p.mup_base_width} ({width / p.mup_base_width:g}x); "
         f"lr scales {', '.join(f'{x:g}' for x in scales)} across {len(run.opt.param_groups)} parameter groups "
-        f"(optim.lr {run.cfg.optim.lr:g} is the proxy's); output multiplier {p.mup_output_multiplier:g}"
+        f"({lrs} the proxy's); output multiplier {p.mup_output_multiplier:g}"
     ]
 
 

@@ -209,21 +209,24 @@ def base_lr(optimizer: torch.optim.Optimizer) -> float:
     return float(group["lr"]) / group.get("lr_scale", 1.0)
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int) -> LRScheduler:
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total_steps: int, peak_of=None
+) -> LRScheduler:
     """The schedule for `optimizer` (a torch optimizer or hf3d's ParallelOptimizer) over `total_steps`.
 
-    Call `scheduler.step()` after every `optimizer.step()`. Every param group's lr must be cfg.lr times
-    its µP `lr_scale` (build the optimizer with lr=cfg.lr); min_lr is reached as the same fraction of each
-    group's lr.
+    Call `scheduler.step()` after every `optimizer.step()`. Every param group's lr must be its peak lr times
+    its µP `lr_scale`: cfg.lr (build the optimizer with lr=cfg.lr), or `peak_of(group)` where groups peak
+    apart (Muon's and AdamW's); min_lr is reached as the same fraction of each group's lr.
     """
     from transformers import get_scheduler
 
     warmup, start, end = _window(cfg, total_steps)
     for i, group in enumerate(optimizer.param_groups):
         group_lr = group.get("initial_lr", group["lr"]) / group.get("lr_scale", 1.0)
-        if not math.isclose(float(group_lr), cfg.lr, rel_tol=1e-9):
+        peak = cfg.lr if peak_of is None else peak_of(group)
+        if not math.isclose(float(group_lr), peak, rel_tol=1e-9):
             raise ValueError(
-                f"optimizer param group {i} has lr {float(group_lr):g} but the schedule's peak lr is {cfg.lr:g}: "
+                f"optimizer param group {i} has lr {float(group_lr):g} but the schedule's peak lr is {peak:g}: "
                 "build the optimizer with lr=optim.lr"
             )
     # transformers' curve, computed on a stand-in optimizer so that the real one is set only once, below

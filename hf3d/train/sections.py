@@ -47,10 +47,67 @@ class ModelConfig:
         return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
 
 
+OPTIMIZERS = ("adamw", "muon")
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+@dataclass
+class MuonConfig:
+    """`optim.muon` (with `optim.name: muon`): torch.optim.Muon's settings for the hidden matrices; AdamW keeps
+    optim.lr, betas, eps and weight_decay for the rest (hf3d/optim/muon.py, docs/muon.md)."""
+
+    lr: float = 0.02
+    """Muon's peak learning rate; the lr schedule scales it by the same factor as optim.lr (so it ends at
+    lr · optim.min_lr / optim.lr)."""
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    """Newton-Schulz iterations per step (torch takes 1 to 99)."""
+    adjust_lr_fn: str | None = None
+    """null (torch's "original": lr · sqrt(max(1, fan_out / fan_in))) or "match_rms_adamw" (lr · 0.2 ·
+    sqrt(max(fan_out, fan_in)), Moonlight's: an update of AdamW's size, to run at AdamW's lr and weight decay)."""
+    weight_decay: float | None = None
+    """Decoupled weight decay of the Muon matrices; null: optim.weight_decay (the resolved config shows it)."""
+    params: list[str] | None = None
+    """null: the hidden matrices (fan-in and fan-out both grow with width: attention and MLP projections, each
+    expert's own); or fnmatch patterns of HF parameter names (q_proj, k_proj, v_proj, gate_proj and up_proj
+    apart), each picking 2-D tensors only, e.g. ["model.layers.*.mlp.*"]."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lr, bool) or not self.lr > 0:
+            raise ValueError(f"optim.muon.lr must be a number > 0, got {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"optim.muon.momentum must be in [0, 1), got {self.momentum!r}")
+        if not 1 <= self.ns_steps < 100:
+            raise ValueError(f"optim.muon.ns_steps must be 1 to 99 Newton-Schulz iterations, got {self.ns_steps!r}")
+        if self.adjust_lr_fn not in (None, *ADJUST_LR_FNS):
+            raise ValueError(
+                f"optim.muon.adjust_lr_fn must be null or original (torch's default) or match_rms_adamw, got "
+                f"{self.adjust_lr_fn!r}"
+            )
+        if self.weight_decay is not None and self.weight_decay < 0:
+            raise ValueError(
+                f"optim.muon.weight_decay must be >= 0 (null: optim.weight_decay), got {self.weight_decay}"
+            )
+        if self.params is not None and (not self.params or not all(isinstance(x, str) and x for x in self.params)):
+            raise ValueError(
+                "optim.muon.params must be null (the hidden matrices) or a non-empty list of HF name patterns, e.g. "
+                f"['model.layers.*.mlp.*'], got {self.params!r}"
+            )
+
+
 @dataclass
 class OptimConfig(ScheduleConfig):
-    """AdamW (fp32 state, ZeRO-1 sharded over dp) and its learning-rate schedule."""
+    """The optimizer (AdamW, or Muon with AdamW; fp32 state, ZeRO-1 sharded over dp) and its learning-rate
+    schedule. lr, betas, eps and weight_decay are AdamW's, also under name: muon (for the parameters Muon does not
+    step)."""
 
+    name: str = "adamw"
+    """adamw, or muon: torch.optim.Muon on the hidden matrices (settings in optim.muon), AdamW on the embeddings,
+    head, norms, biases and routers (docs/muon.md). Muon needs parallel.zero_stage 0 or 1 and no parallel.dp_shard."""
+    muon: MuonConfig | None = None
+    """Muon's settings (lr, momentum, nesterov, ns_steps, adjust_lr_fn, weight_decay, params): see MuonConfig;
+    only with name: muon, which fills in the defaults when it is left out."""
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -67,12 +124,34 @@ class OptimConfig(ScheduleConfig):
     z_loss: float = 0.0
     """Coefficient of the z-loss (PaLM): z · mean log²(sum of exp of the logits); 0 turns it off. The
     logged loss stays the cross-entropy."""
+    state_precision: str = "fp32"
+    """The optimizer state between steps: fp32; bf16 (AdamW's moments and Muon's momentum in bf16, stepped in
+    fp32: half the bytes); 8bit (torchao's AdamW8bit, with optim.name: adamw). The fp32 master weights stay."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.state_precision not in ("fp32", "bf16", "8bit") or (
+            self.state_precision == "8bit" and self.name == "muon"
+        ):
+            raise ValueError(
+                f"optim.state_precision must be fp32, bf16 or 8bit (8bit with optim.name: adamw only: torchao's "
+                f"AdamW8bit), got {self.state_precision!r}"
+                + (" with optim.name: muon; use bf16" if self.state_precision == "8bit" else "")
+            )
         self.betas = tuple(self.betas)
         if self.z_loss < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ValueError("optim.z_loss, optim.weight_decay and optim.max_grad_norm must be >= 0")
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"optim.name must be {' or '.join(OPTIMIZERS)}, got {self.name!r}")
+        if self.name == "adamw" and self.muon is not None:
+            raise ValueError(
+                "optim.muon is set but optim.name is adamw: set optim.name: muon, or remove optim.muon (or set it to "
+                "null)"
+            )
+        if self.name == "muon":
+            self.muon = self.muon or MuonConfig()
+            if self.muon.weight_decay is None:  # the resolved config records what runs
+                self.muon.weight_decay = self.weight_decay
 
     def no_decay_rule(self):
         """What build_optimizer takes for exclude_from_weight_decay."""
