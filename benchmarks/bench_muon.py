@@ -15,8 +15,13 @@ Benefit: the default run (`examples/configs/tiny-smollm.yaml` through `hf3d trai
 samples and checkpoints off, which leaves the losses bit-identical) with AdamW at optim.lr 1.5e-3, 3e-3, 6e-3 (min_lr
 lr/10, as the config's 3e-3 → 3e-4) and Muon at optim.muon.lr 0.01, 0.02, 0.04 (AdamW's part at the config's lr): the
 held-out loss (the last eval_loss in metrics.jsonl) at the same final step, each optimizer's best lr beside the other's.
+µP with Muon, on bench_mup.py's tiny Llama (spectral µP, one thread per run, two runs at a time): its coordinate check
+(widths 64-1024, base 64, 5 steps at Muon lr 1e-2, AdamW's part at 3e-3), the per-layer activation and update RMS
+spread across widths; and a proxy pair (base 128, widths 128 and 512, output multiplier 4, 300 steps of 8 x 32
+tokens, seed 0) with AdamW at lr 1.5e-3, 3e-3, 6e-3 and Muon at 0.01, 0.02, 0.04: each one's best lr and held-out loss
+per width.
 
-    python benchmarks/bench_muon.py [--quick]    # ~10 min on 2 cores
+    python benchmarks/bench_muon.py [--quick]    # ~17 min on 2 cores
 """
 
 from __future__ import annotations
@@ -146,6 +151,104 @@ def train(side: str, lr: float, quick: bool) -> dict:
             "last_loss": records[-1]["loss"], "wall_s": wall, "settings": settings[1:]}  # fmt: skip
 
 
+# -- µP with Muon: the coordinate check and a proxy pair (bench_mup.py's tiny Llama, data and pool) -----------------
+MUP = dict(coord=dict(widths=[64, 128, 256, 512, 1024], base=64, steps=5, lr=1e-2, batch=8, seq=64),
+           pair=dict(widths=[128, 512], base=128, steps=300, batch=8, seq=32, alpha=4.0,
+                     lrs={"adamw": (1.5e-3, 3e-3, 6e-3), "muon": (0.01, 0.02, 0.04)}))  # fmt: skip
+MUP_QUICK = dict(coord=dict(widths=[32, 64], base=32, steps=2, lr=1e-2, batch=2, seq=16),
+                 pair=dict(widths=[32, 64], base=32, steps=4, batch=2, seq=16, alpha=4.0,
+                           lrs={"adamw": (3e-3,), "muon": (0.02,)}))  # fmt: skip
+
+
+def mup_build(root, width: int, base: int, side: str, lr: float, clip, alpha: float = 1.0):
+    """bench_mup's model at `width` under spectral µP (base width `base`), with AdamW at `lr`, or Muon at `lr` and
+    AdamW's part at bench_mup's proxy best (3e-3)."""
+    import bench_mup as M
+    import torch
+
+    import hf3d
+
+    pcfg = hf3d.ParallelConfig(parametrization="spectral_mup", mup_base_width=base, mup_output_multiplier=alpha)
+    pm = hf3d.parallelize(M.model_dir(root, width), pcfg, seed=0)
+    kw = dict(lr=lr, betas=M.BETAS, weight_decay=0.0)
+    if side == "muon":
+        kw = dict(lr=lr, weight_decay=0.0, adamw=dict(kw, lr=3e-3))
+    return pm, hf3d.build_optimizer(pm, getattr(torch.optim, CLASSES[side]), max_grad_norm=clip, **kw)
+
+
+def mup_coord_run(task: tuple) -> tuple:
+    """bench_mup's coordinate check of one width, with Muon (constant lr, no clipping)."""
+    import bench_mup as M
+
+    width, c = task
+    train, held = M.token_rows(c["seq"])
+    probe = held[: c["batch"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        pm, opt = mup_build(Path(tmp), width, c["base"], "muon", c["lr"], None)
+        start = M.outputs(pm, probe)
+        rec = {k: {"activation": [M.rms(v)], "update": [0.0]} for k, v in start.items()}
+        for step in range(c["steps"]):
+            rows = train[step * c["batch"] : (step + 1) * c["batch"]]
+            pm.train_step(rows, rows)
+            opt.step()
+            opt.zero_grad()
+            for k, v in M.outputs(pm, probe).items():
+                rec[k]["activation"].append(M.rms(v))
+                rec[k]["update"].append(M.rms(v - start[k]))
+    return width, rec
+
+
+def mup_pair_run(task: tuple) -> tuple:
+    """One (optimizer, width, lr) of the proxy pair: bench_mup's sweep run (warm-up, cosine, clip 1.0); its loss."""
+    import math
+
+    import bench_mup as M
+    import torch
+
+    side, width, lr, p = task
+    train, held = M.token_rows(p["seq"], 0)
+    warmup = max(1, p["steps"] // 10)
+
+    def factor(step: int) -> float:
+        t = (step - warmup) / max(1, p["steps"] - warmup)
+        return (step + 1) / warmup if step < warmup else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pm, opt = mup_build(Path(tmp), width, p["base"], side, lr, 1.0, p["alpha"])
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        for step in range(p["steps"]):
+            rows = train[(step * p["batch"]) % len(train) :][: p["batch"]]
+            pm.train_step(rows, rows)
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        total, n = pm.eval_loss(held, labels=held)
+    loss = float(total / n)
+    return side, width, lr, loss if math.isfinite(loss) else None
+
+
+def mup_parts(m: dict) -> dict:
+    import bench_mup as M
+
+    coord = {
+        "muon": {str(w): rec for w, rec in M.in_pool(mup_coord_run, [(w, m["coord"]) for w in m["coord"]["widths"]])}
+    }
+    p = m["pair"]
+    tasks = [(side, w, lr, p) for w in reversed(p["widths"]) for side, lrs in p["lrs"].items() for lr in lrs]
+    pair: dict = {}
+    for side, w, lr, loss in M.in_pool(mup_pair_run, tasks):
+        pair.setdefault(side, {}).setdefault(str(w), {})[repr(lr)] = loss
+    spread = M.spread(coord, "muon", "activation") | {
+        f"{k} update": v for k, v in M.spread(coord, "muon", "update").items()
+    }
+    return dict(
+        coord=coord,
+        spread=spread,
+        pair=pair,
+        best={s: {w: M.best(c) for w, c in by_w.items()} for s, by_w in pair.items()},
+    )
+
+
 def _mib(xs: list) -> str:
     return " / ".join(f"{C.mib(x):.2f}" for x in xs)
 
@@ -168,6 +271,7 @@ def main() -> None:
     d["grid"] = {s: [train(s, lr, args.quick) for lr in lrs] for s, lrs in grid.items()}
     d["best"] = {s: min(runs, key=lambda r: r["eval_loss"]) for s, runs in d["grid"].items()}
     d["muon_best_minus_adamw_best"] = d["best"]["muon"]["eval_loss"] - d["best"]["adamw"]["eval_loss"]
+    d["mup"] = mup_parts(MUP_QUICK if args.quick else MUP)
 
     c = d["cost"]
     body = f"Model: {d['model']} ({c['params'] / 1e6:.1f}M params, fp32), 2 processes. Muon steps "
@@ -193,6 +297,16 @@ def main() -> None:
     body += C.md_table(["optimizer", "lr", "held-out loss", "last training loss", "wall s"],
                        [[s, f"{r['lr']:g}", r["eval_loss"], r["last_loss"], r["wall_s"]]
                         for s, runs in d["grid"].items() for r in runs])  # fmt: skip
+    mp, pair = d["mup"], (MUP_QUICK if args.quick else MUP)["pair"]
+    worst = max(mp["spread"].values())
+    body += "\n\n## µP with Muon (`bench_mup.py`'s tiny Llama, spectral µP, one process each)\n\n"
+    body += f"Coordinate check, widths {', '.join(mp['coord']['muon'])}: the per-layer activation and update RMS "
+    body += f"spread {worst:.2f}x across widths at the last step ({C.verdict(worst, 2.0)} µP's ≤ 2x).\n\n"
+    body += f"Proxy pair (base width {pair['base']}, output multiplier {pair['alpha']:g}, {pair['steps']} steps, "
+    body += "seed 0): each optimizer's best lr at each width and its held-out loss\n\n"
+    body += C.md_table(["optimizer", *(f"width {w}: best lr, loss" for w in pair["widths"])],
+                       [[s, *(f"{b[str(w)][0]:g}, {b[str(w)][1]:.4f}" for w in pair["widths"])]
+                        for s, b in mp["best"].items()])  # fmt: skip
     print(C.write_results("muon", "Muon hybrid against AdamW: step cost and the default run's loss, CPU", body, d,
                           quick=args.quick))  # fmt: skip
     print(body)

@@ -230,11 +230,23 @@ def _muon(d: dict) -> str:
         f"{mib(mesh, 'adamw', 'optimizer_state', 'master_weights'):.0f} MiB"
         for mesh in ("tp2", "dp2")
     ]
+    sides = [k for k, v in c["tp2"].items() if isinstance(v, dict)]  # adamw, muon, and each at lower precision
+    key = "optimizer_state"
+    states = "; ".join(
+        f"{mesh} optimizer state {' / '.join(f'{mib(mesh, s, key):.0f}' for s in sides)} MiB" for mesh in ("tp2", "dp2")
+    )
+    m, pair = d["mup"], d["mup"]["best"]
+    widths = sorted(pair["adamw"], key=int)
+    mup = "; ".join(
+        f"{s} " + ", ".join(f"{w}: lr {pair[s][w][0]:g}, loss {pair[s][w][1]:.3f}" for w in widths) for s in pair
+    )
     return (
-        f"{c['params'] / 1e6:.1f}M params, fp32 states (bf16 / 8-bit: not built yet), per rank: {'; '.join(parts)}. "
+        f"{c['params'] / 1e6:.1f}M params, per rank: {'; '.join(parts)}; {states} ({', '.join(sides)}). "
         f"The default run's held-out loss at step {b['muon']['eval_step']}: Muon {b['muon']['eval_loss']:.3f} (muon "
         f"lr {b['muon']['lr']:g}, of {lrs('muon')}), AdamW {b['adamw']['eval_loss']:.3f} (lr {b['adamw']['lr']:g}, "
-        f"of {lrs('adamw')}): Muon − AdamW {d['muon_best_minus_adamw_best']:+.3f}"
+        f"of {lrs('adamw')}): Muon − AdamW {d['muon_best_minus_adamw_best']:+.3f}. µP with Muon: coordinate check "
+        f"spread {max(m['spread'].values()):.2f}x (target ≤ 2x: {'met' if max(m['spread'].values()) <= 2 else 'missed'}"
+        f"); proxy pair, best lr and held-out loss per width: {mup}"
     )
 
 
@@ -282,8 +294,8 @@ BENCHMARKS = [
     Benchmark("mup", "bench_mup.py", [], "spectral µP against standard parametrization: coordinate check and lr "
               "transfer (tiny Llama, CPU)", "41", _mup),
     Benchmark("muon", "bench_muon.py", [], "the Muon hybrid (`torch.optim.Muon` on the hidden matrices, AdamW on "
-              "the rest) / AdamW: the step's cost at tp2 and dp2 (CPU), the default run's held-out loss over an lr "
-              "grid", "10", _muon),
+              "the rest) / AdamW: the step's cost and state memory at tp2 and dp2 (CPU), the default run's held-out "
+              "loss over an lr grid, µP with Muon", "17", _muon),
     Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
               "9 (GPU)", _gpu, gpu=True),
 ]  # fmt: skip

@@ -24,7 +24,7 @@ _SOURCES = {
     "ParallelOptimizer": ".optim.zero",
     "TaskEvalConfig": ".evaluation.config",
     "Trainer": ".integrations.transformers_trainer",
-    "build_optimizer": ".optim.zero",
+    "build_optimizer": ".optim.build",
     "evaluate_tasks": ".evaluation.evaluator",
     "finish": ".utils.faults",
     "load_checkpoint": ".checkpoint.load",
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
     from .integrations.accelerate import prepare
     from .integrations.transformers_trainer import Trainer
     from .model import ParallelModel
-    from .optim.zero import ParallelOptimizer, build_optimizer
+    from .optim.build import build_optimizer
+    from .optim.zero import ParallelOptimizer
     from .parallel.config import ParallelConfig
     from .parallel.fp8 import FP8Config
     from .parallelize import parallelize

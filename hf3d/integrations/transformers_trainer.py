@@ -45,7 +45,8 @@ from ..evaluation.config import TaskEvalConfig
 from ..evaluation.evaluator import Evaluator, load_tasks
 from ..hf.folders import EXPORT, is_weights_file
 from ..model import IGNORE_INDEX, ParallelModel
-from ..optim.zero import ParallelOptimizer, build_optimizer
+from ..optim.build import build_optimizer
+from ..optim.zero import ParallelOptimizer
 from ..parallel.sharding import training_args_settings
 from ..utils import files
 from .accelerate import CHECKPOINT_SUBDIR, check_accelerator, check_request

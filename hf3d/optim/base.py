@@ -31,8 +31,8 @@ from . import state as optim_state
 class ParallelOptimizer(torch.optim.Optimizer):
     """A torch.optim.Optimizer whose `param_groups` and `state` are the wrapped optimizer's own (over this
     rank's fp32 master fragments), so LR schedulers and accelerate drive the real step. What `build_optimizer`
-    returns: hf3d/optim/zero.py's BucketedOptimizer (ZeRO-0/1/2) or hf3d/optim/sharded.py's ShardedOptimizer
-    (ZeRO-3)."""
+    returns: hf3d/optim/zero.py's BucketedOptimizer (ZeRO-0/1/2), its Muon hybrid (hf3d/optim/muon.py) or
+    hf3d/optim/sharded.py's ShardedOptimizer (ZeRO-3)."""
 
     zero_stage: int
     state_precision: str = "fp32"  # of the per-element state: "fp32", "bf16" or "8bit" (hf3d/optim/precision.py)

@@ -253,7 +253,7 @@ def check_optimizer(cfg: TrainConfig, *, world_size: int) -> None:
 def _build_optimizer(pmodel, o, derived: list[str]):
     """hf3d.build_optimizer as the optim section says: AdamW, or Muon on the hidden matrices with AdamW (optim.lr,
     betas, eps, weight_decay) on the rest; a line for the derived values names the split."""
-    from ..optim.zero import build_optimizer
+    from ..optim.build import build_optimizer
 
     common = dict(
         max_grad_norm=o.max_grad_norm or None,
