@@ -1984,6 +1984,18 @@ CASES: list[Case] = [
         how="main",
     ),
     _c(
+        "launch-etcd-missing",
+        LAUNCH,
+        "`hf3d train --rdzv-backend etcd-v2` where python-etcd is not installed",
+        lambda fx: [
+            "train",
+            *"--nnodes 2 --rdzv-backend etcd-v2 --rdzv-endpoint h:2379 --set".split(),
+            f"run.output_dir={fx['tmp']}/e",
+        ],
+        ["--rdzv-backend etcd-v2 needs the python-etcd package on every node", "or use --rdzv-backend c10d"],
+        how="main",
+    ),
+    _c(
         "launch-rdzv-conf",
         LAUNCH,
         "`hf3d train --rdzv-conf last_call_timeout` (no value)",

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from ..utils.faults import _REPORTED_KEY, EXIT_HANG, RunState, _exit_now, _tell_the_launcher
+from ..utils.faults import EXIT_HANG, REPORTED_KEY, RunState, exit_now, tell_the_launcher
 
 BATCH, FORWARD, OPTIMIZER, AFTER = "loading the batch", "forward and backward", "optimizer step", "after the step"
 AUTO_FLOOR_S = 120.0  # auto never waits less: a slow filesystem or a host hiccup is not a hang
@@ -170,7 +170,7 @@ class Watchdog:
         warmups: frozenset[int] = frozenset(),
         coords_of: Callable[[int], dict | None] = lambda rank: None,
         command: str = "hf3d train",
-        leave: Callable[[int], None] = _exit_now,
+        leave: Callable[[int], None] = exit_now,
     ):
         self.timeout, self.collective_timeout_s = timeout, collective_timeout_s
         self.state, self.world_size, self.store = state, world_size, store
@@ -345,12 +345,12 @@ class Watchdog:
         store, rank = self.store, self.state.rank
         store.set(self._key(f"report/{rank}"), json.dumps(self._report()))
         store.add(self._key("reported"), 1)
-        if store.add(_REPORTED_KEY, 1) == 1:
+        if store.add(REPORTED_KEY, 1) == 1:
             self._tell(self._collect())
         verdict = self._wait_for("verdict", self._window_s() + LEAVE_WAIT_S)
         if verdict is not None:
             self.line = json.loads(verdict)["line"]
-            _tell_the_launcher(self.line)
+            tell_the_launcher(self.line)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         ready = store.add(self._key("ready"), 1)

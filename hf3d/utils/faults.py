@@ -59,7 +59,7 @@ _COMMUNICATION_SIGNS = (
     "gloo/transport",
     "nccl",
 )
-_REPORTED_KEY = "hf3d/failure_reported"
+REPORTED_KEY = "hf3d/failure_reported"
 
 
 def started_by_launcher() -> bool:
@@ -129,7 +129,7 @@ def _first_to_report() -> bool:
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(datetime.timedelta(seconds=5))
-        return store.add(_REPORTED_KEY, 1) == 1
+        return store.add(REPORTED_KEY, 1) == 1
     except Exception:
         return False
 
@@ -166,14 +166,14 @@ def fail(e: BaseException, state: RunState, command: str) -> int:
         line = f"{command}: error: {' '.join(str(e).split())}"
     else:
         line = f"{command}: {state.where()}: {one_line(e)}"
-    _tell_the_launcher(line)
+    tell_the_launcher(line)
     if first:
         if not isinstance(e, USER_ERRORS) and not communication:
             traceback.print_exception(e, file=sys.stderr)
         print(line, file=sys.stderr)
     if not group:
         return code
-    _exit_now(code)
+    exit_now(code)
 
 
 def interrupted(command: str, state: RunState) -> int:
@@ -185,10 +185,10 @@ def interrupted(command: str, state: RunState) -> int:
         print(f"{command}: stopped by SIGINT{before}; exit code {EXIT_INTERRUPTED}", file=sys.stderr)
     if not (dist.is_available() and dist.is_initialized()):
         return EXIT_INTERRUPTED
-    _exit_now(EXIT_INTERRUPTED)
+    exit_now(EXIT_INTERRUPTED)
 
 
-def _tell_the_launcher(line: str) -> None:
+def tell_the_launcher(line: str) -> None:
     """torchrun's summary of a failed job names each worker's error file as its root cause: this rank's line
     goes there (TORCHELASTIC_ERROR_FILE, one per worker, as torch's own @record writes it), so the summary that
     ends the screen carries hf3d's message instead of a pointer to torch's docs. The first rank to fail writes
@@ -203,7 +203,7 @@ def _tell_the_launcher(line: str) -> None:
         pass
 
 
-def _exit_now(code: int) -> NoReturn:
+def exit_now(code: int) -> NoReturn:
     """os._exit with `code`, stdout and stderr flushed first."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
@@ -237,7 +237,7 @@ def leave(code: int) -> NoReturn:
         if dist.get_rank() == 0:
             while store.add("hf3d/left", 0) < dist.get_world_size():
                 time.sleep(0.05)
-    _exit_now(code)
+    exit_now(code)
 
 
 def finish(code: int = 0) -> NoReturn:
@@ -249,6 +249,6 @@ def finish(code: int = 0) -> NoReturn:
     then no barrier is left to wait in, and the process still leaves without the teardown."""
     if not (dist.is_available() and dist.is_initialized()):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            _exit_now(code)
+            exit_now(code)
         raise SystemExit(code)
     leave(code)

@@ -27,6 +27,7 @@ working as before for every torchrun option.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -105,6 +106,11 @@ class LaunchOptions:
             )
         if self.rdzv_backend == "static" and low != high:
             raise ValueError("--rdzv-backend static takes a fixed --nnodes N; MIN:MAX needs c10d or etcd-v2")
+        if self.rdzv_backend == "etcd-v2" and not alone and importlib.util.find_spec("etcd") is None:
+            raise ValueError(
+                "--rdzv-backend etcd-v2 needs the python-etcd package on every node (pip install python-etcd), "
+                "or use --rdzv-backend c10d"
+            )
         return LaunchConfig(
             min_nodes=low,
             max_nodes=high,
