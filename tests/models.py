@@ -100,6 +100,17 @@ def tiny_config(family: str, **overrides):
     return cls(**{**common, **family_kw, **overrides})
 
 
+def exported(path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder's safetensors files (one or several shards), by name."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    assert out, f"no safetensors in {path}"
+    return out
+
+
 def make_model_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), dtype=torch.float32)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world  # noqa: E402
-from models import VOCAB, make_model_dir  # noqa: E402
+from models import VOCAB, exported, make_model_dir  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, dp_rows, hf3d_run, reference_run  # noqa: E402
 
 import hf3d  # noqa: E402
@@ -391,18 +391,12 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-def _exported(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "model.safetensors"))
-
-
 def _check_weights(
     path: Path, ref_sd: dict, source: str, *, tied: bool, atol: float = WEIGHT_ATOL, update_rtol: float = UPDATE_RTOL
 ) -> None:
     """Exported weights against the oracle's, element-wise and as the relative error of the update
     ||w - w_ref|| / ||w_ref - w_0|| over every tensor (w_0: the weights in `source`)."""
-    sd, init = _exported(path), _exported(Path(source))
+    sd, init = exported(path), exported(Path(source))
     expected = set(ref_sd) - ({"lm_head.weight"} if tied else set())
     assert set(sd) == expected
     assert_close({k: v.float() for k, v in sd.items()}, {k: ref_sd[k] for k in sd}, atol=atol, what="exported")
@@ -455,7 +449,7 @@ def test_overlap_grad_reduce_gives_the_same_numbers(request, with_overlap, witho
     for r in range(2):
         assert res[r][with_overlap]["losses"] == res[r][without]["losses"]
         assert res[r][with_overlap]["norms"] == res[r][without]["norms"]
-    a, b = _exported(res["out"] / with_overlap), _exported(res["out"] / without)
+    a, b = exported(res["out"] / with_overlap), exported(res["out"] / without)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -509,7 +503,7 @@ def test_bf16_follows_fp32_reference(request, env):
         assert len(losses) == BF16_STEPS
         assert_close(losses, ref_losses, rtol=BF16_LOSS_RTOL, what=f"rank {r} bf16 loss")
     assert res[0][BF16_RUN]["losses"] == res[1][BF16_RUN]["losses"]
-    assert {v.dtype for v in _exported(res["out"] / BF16_RUN).values()} == {torch.bfloat16}
+    assert {v.dtype for v in exported(res["out"] / BF16_RUN).values()} == {torch.bfloat16}
     _check_weights(
         res["out"] / BF16_RUN,
         ref_sd,
@@ -568,7 +562,7 @@ def test_optimizer_state_dict_roundtrip_and_reshard(request):
         assert sd["params_equal"]
         assert _rel(sd["loss"][2], sd["loss"][0]) <= LOSS_RTOL
         assert _rel(sd["norm"][2], sd["norm"][0]) <= NORM_RTOL
-    a, b = _exported(res["out"] / "sd-uninterrupted"), _exported(res["out"] / "sd-resharded")
+    a, b = exported(res["out"] / "sd-uninterrupted"), exported(res["out"] / "sd-resharded")
     assert a.keys() == b.keys()
     assert_close(b, a, atol=RESHARD_WEIGHT_ATOL, what="resharded")
 

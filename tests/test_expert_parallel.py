@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
 from dist import compat, report, spawn, start_watchdog  # noqa: E402
-from models import VOCAB, make_model_dir, tiny_config  # noqa: E402
+from models import VOCAB, exported, make_model_dir, tiny_config  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, dp_rows, moe_reference_run, saved_names  # noqa: E402
 
 import hf3d  # noqa: E402
@@ -239,10 +238,6 @@ def _stock_picks(path: str, ids: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.stack([torch.bincount(i, minlength=cfg.num_experts) for i in picks]).float()
 
 
-def _exported(folder: Path) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 def _update_error(saved: dict, ref: dict, original: dict) -> float:
     """||w - w_ref|| / ||w_ref - w_0|| over every tensor: the error relative to what training changed."""
     assert sorted(saved) == sorted(ref)
@@ -263,8 +258,8 @@ def _check_case(results, out: Path, moe_dirs, references, case: str, prefix: str
         assert_close(run["aux"], auxes, rtol=AUX_RTOL, what=f"{key} load-balancing loss, rank {rank}")
         assert_close(run["norm"], norms, rtol=NORM_RTOL, what=f"{key} grad norm, rank {rank}")
     folder = out / (f"mutation-{prefix.split('/')[1]}" if prefix else case.replace("/", "-"))
-    original = _exported(Path(moe_dirs[family]))
-    err = _update_error(_exported(folder), ref_sd, original)
+    original = exported(Path(moe_dirs[family]))
+    err = _update_error(exported(folder), ref_sd, original)
     assert err <= UPDATE_TOL, f"{prefix or case}: exported weights off stock's by {err:.2e} of the update"
 
 
@@ -305,7 +300,7 @@ def test_sharded_init_is_stock_from_config(world4, moe_dirs, family):
     torch.manual_seed(INIT_SEED)
     stock = AutoModelForCausalLM.from_config(tiny_config(family), dtype=torch.float32)
     want = saved_names(stock.state_dict(), stock.config.moe_intermediate_size)
-    got = _exported(out / f"init-{family}")
+    got = exported(out / f"init-{family}")
     assert sorted(got) == sorted(want)
     different = [k for k in want if not torch.equal(got[k], want[k])]
     assert not different, f"{len(different)} tensors differ from stock's init, e.g. {different[:3]}"
@@ -357,7 +352,7 @@ def test_moe_recompute_equals_no_recompute(world4):
         for what in ("loss", "aux", "norm"):
             assert_close(got[what], want[what], rtol=RECOMPUTE_TOL, what=f"{name} {what}, rank {rank}")
         assert all(torch.equal(a, b) for a, b in zip(got["load"], want["load"], strict=True)), (rank, got["load"])
-    with_rc, without = _exported(out / name.replace("/", "-")), _exported(out / twin.replace("/", "-"))
+    with_rc, without = exported(out / name.replace("/", "-")), exported(out / twin.replace("/", "-"))
     assert sorted(with_rc) == sorted(without)
     assert_close(with_rc, without, atol=RECOMPUTE_TOL, what=f"{name} exported weights")
 

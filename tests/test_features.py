@@ -30,9 +30,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist import report, spawn, start_watchdog
-from models import VOCAB, make_model_dir, tiny_config
+from models import VOCAB, exported, make_model_dir, tiny_config
 from reference import BETAS, CLIP, LR, WD, dp_rows
-from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf3d
@@ -249,19 +248,11 @@ def world4(model_dir, tmp_path_factory):
     return _spawn(4, _world4, model_dir, tmp_path_factory)
 
 
-def _weights(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(f))
-    assert out, f"no safetensors in {path}"
-    return out
-
-
 def _exported(path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of the export at `path`, which must be the names and shapes stock's save_pretrained wrote to
     `model_dir` (tests/models.make_model_dir: this llama ties lm_head to the embedding, so stock writes no
     lm_head.weight)."""
-    got, want = _weights(path), _weights(model_dir)
+    got, want = exported(path), exported(model_dir)
     missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
     assert not missing and not extra, f"{path.name}: export lacks {missing}, has extra {extra}"
     shapes = {k: (tuple(got[k].shape), tuple(v.shape)) for k, v in want.items() if got[k].shape != v.shape}

@@ -30,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # hf3d without an 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
-from models import tiny_config  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
+from models import exported, tiny_config  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import hf3d  # noqa: E402
@@ -113,13 +112,6 @@ def _stock(config, seed: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _exported(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def _assert_equal(got: dict, want: dict, what: str) -> None:
     assert sorted(got) == sorted(want), what
     differ = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
@@ -156,13 +148,13 @@ def test_equals_stock_from_config(world4, family, mesh):
     _, out = world4
     for seed in SEEDS if mesh == "tp2pp2" else SEEDS[:1]:
         want = _stock(tiny_config(family), seed)
-        _assert_equal(_exported(out / f"{family}-{mesh}-s{seed}"), want, f"{family} {mesh} seed {seed}")
+        _assert_equal(exported(out / f"{family}-{mesh}-s{seed}"), want, f"{family} {mesh} seed {seed}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_seed_changes_every_random_tensor(world4, family):
     _, out = world4
-    a, b = _exported(out / f"{family}-tp2pp2-s0"), _exported(out / f"{family}-tp2pp2-s1")
+    a, b = exported(out / f"{family}-tp2pp2-s0"), exported(out / f"{family}-tp2pp2-s1")
     for name in a:
         random = "proj.weight" in name or "embed" in name or name == "lm_head.weight"
         assert torch.equal(a[name], b[name]) != random, name  # norms (ones) and biases (zeros) do not change
@@ -171,7 +163,7 @@ def test_seed_changes_every_random_tensor(world4, family):
 def test_bf16_is_the_fp32_init_cast(world4):
     _, out = world4
     want = {k: v.to(torch.bfloat16) for k, v in _stock(tiny_config("qwen2"), 0).items()}
-    _assert_equal(_exported(out / "qwen2-tp2-s0-bf16"), want, "qwen2 tp2 bf16")
+    _assert_equal(exported(out / "qwen2-tp2-s0-bf16"), want, "qwen2 tp2 bf16")
 
 
 def test_global_rng_untouched(world4):
@@ -185,14 +177,14 @@ def test_example_dir_without_weights(world4):
     assert {r["example_tokenizer_dir"] for r in results} == {str(EXAMPLE)}
     export = out / "example-tp2pp2-s0"
     assert (export / "tokenizer.json").read_bytes() == (EXAMPLE / "tokenizer.json").read_bytes()
-    _assert_equal(_exported(export), _stock(AutoConfig.from_pretrained(EXAMPLE), 0), "example tp2pp2")
+    _assert_equal(exported(export), _stock(AutoConfig.from_pretrained(EXAMPLE), 0), "example tp2pp2")
 
 
 def test_tp3_equals_tp1(world3):
     _, out = world3
     get_adapter("llama").check_tp(tiny_config("llama", **TP3), 3)  # raises if tp=3 were not valid
-    tp1 = _exported(out / "tp3shape-tp1")
-    _assert_equal(_exported(out / "tp3shape-tp3"), tp1, "tp=3 vs tp=1")
+    tp1 = exported(out / "tp3shape-tp1")
+    _assert_equal(exported(out / "tp3shape-tp3"), tp1, "tp=3 vs tp=1")
     _assert_equal(tp1, _stock(tiny_config("llama", **TP3), 5), "tp=1 vs stock")
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world, start_watchdog  # noqa: E402
-from models import VOCAB, make_model_dir  # noqa: E402
+from models import VOCAB, exported, make_model_dir  # noqa: E402
 from reference import (  # noqa: E402
     BETAS,
     CLIP,
@@ -194,20 +194,11 @@ def world(request, dirs, tmp_path_factory) -> dict:
     return spawn_world(_worker, request.param, tmp_path_factory.mktemp("muon"), dirs)
 
 
-def _exported(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out |= load_file(f)
-    return out
-
-
 def _check(res, out: Path, ref, precision: str, what: str, first_step: int = 0) -> None:
     losses, norms, sd = ref
     loss = assert_close(res["losses"], losses[first_step:], rtol=LOSS_RTOL[precision], what=f"{what} loss")
     norm = assert_close(res["norms"], norms[first_step:], rtol=NORM_RTOL[precision], what=f"{what} grad norm")
-    got = _exported(out)
+    got = exported(out)
     want = {k: v for k, v in sd.items() if k in got or k != "lm_head.weight"}
     weights = assert_close(got, want, atol=WEIGHT_ATOL[precision], what=f"{what} weights")
     print(f"{what}: loss {loss:.2g}, grad norm {norm:.2g}, weights {weights:.2g}")

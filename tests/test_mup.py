@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world  # noqa: E402
-from models import FAMILIES, VOCAB, tiny_config  # noqa: E402
+from models import FAMILIES, VOCAB, exported, tiny_config  # noqa: E402
 from reference import BETAS, CLIP, LR, WD, batches, saved_names, train_losses  # noqa: E402
 
 import hf3d  # noqa: E402
@@ -215,12 +215,6 @@ def _oracle(family: str, alpha: float = 1.0) -> tuple[list[float], dict[str, tor
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _exported(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path / "model.safetensors"))
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_rules_equal_the_written_table(family):
     """Every HF parameter of every family gets the init and lr scale of docs/mup.md's table, from its name and
@@ -259,7 +253,7 @@ def test_init_is_stock_times_the_rules(world1, family):
     """From scratch, µP's weights are stock's seeded draws times the table's init scale, tensor for tensor;
     the optimizer puts each HF parameter in the group of lr LR times the table's lr scale."""
     _, want = _stock_init(family)
-    got = _exported(world1["out"] / f"init-{family}")
+    got = exported(world1["out"] / f"init-{family}")
     config = _config(family)
     assert set(got) == set(want) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     for name, t in got.items():
@@ -276,7 +270,7 @@ def test_fp8_keeps_the_rules(world1):
     fp32 one."""
     fp8 = world1[0]["fp8"]
     assert fp8["fp8"] > 0 and fp8["lrs"] == world1[0]["1x1x1"]["lrs"]
-    a, b = _exported(world1["out"] / "init-llama-fp8"), _exported(world1["out"] / "init-llama")
+    a, b = exported(world1["out"] / "init-llama-fp8"), exported(world1["out"] / "init-llama")
     assert all(torch.equal(a[k], b[k]) for k in b)
     assert_close(fp8["losses"], world1[0]["1x1x1"]["losses"], rtol=FP8_LOSS_RTOL, what="fp8 loss")
 
@@ -286,7 +280,7 @@ def test_1x1x1_matches_stock_with_the_rules(world1):
     losses, sd = _oracle("llama")
     run = world1[0]["1x1x1"]
     assert_close(run["losses"], losses, rtol=ORACLE_LOSS_RTOL, what="loss")
-    got = _exported(world1["out"] / "1x1x1")
+    got = exported(world1["out"] / "1x1x1")
     assert_close({k: got[k] for k in got}, {k: sd[k] for k in got}, atol=ORACLE_WEIGHT_ATOL, what="weights")
 
 
@@ -297,7 +291,7 @@ def test_output_multiplier_matches_stock(world1, family):
     losses, sd = _oracle(family, ALPHA)
     run = world1[0][f"alpha-{family}"]
     assert_close(run["losses"], losses, rtol=ORACLE_LOSS_RTOL, what="loss")
-    got = _exported(world1["out"] / f"alpha-{family}")
+    got = exported(world1["out"] / f"alpha-{family}")
     assert_close({k: got[k] for k in got}, {k: sd[k] for k in got}, atol=ORACLE_WEIGHT_ATOL, what="weights")
     if family == "llama":
         assert run["losses"] != world1[0]["1x1x1"]["losses"]  # the gain makes another run than α = 1
@@ -313,7 +307,7 @@ def test_mesh_equals_1x1x1(world1, world2, name):
         assert_close(world2[r][name]["losses"], ref["losses"], rtol=LOSS_RTOL, what=f"rank {r} loss")
         lrs = world2[r][name]["lrs"]
         assert lrs == {k: ref["lrs"][k] for k in lrs}, f"rank {r}: a parameter in another lr group than at 1x1x1"
-    got, want = _exported(world2["out"] / name), _exported(world1["out"] / one)
+    got, want = exported(world2["out"] / name), exported(world1["out"] / one)
     assert set(got) == set(want)
     assert_close(got, want, atol=WEIGHT_ATOL, what=f"{name} weights")
 
@@ -323,7 +317,7 @@ def test_width_equal_to_base_is_standard(world1):
     std, mup = world1[0]["standard"], world1[0]["mup-base-is-width"]
     assert mup["losses"] == std["losses"]
     assert mup["lrs"] == std["lrs"] == {k: LR for k in std["lrs"]}
-    a, b = _exported(world1["out"] / "standard"), _exported(world1["out"] / "mup-base-is-width")
+    a, b = exported(world1["out"] / "standard"), exported(world1["out"] / "mup-base-is-width")
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert world1[0]["1x1x1"]["losses"] != std["losses"]  # while m = 2 is another run
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world, start_watchdog  # noqa: E402
-from models import VOCAB, make_model_dir  # noqa: E402
+from models import VOCAB, exported, make_model_dir  # noqa: E402
 from reference import CLIP, LR, WD, batches, dp_rows, hf3d_run, moe_reference_run, reference_run, train_on  # noqa: E402
 
 import hf3d  # noqa: E402
@@ -248,20 +248,11 @@ def world(request, dirs, tmp_path_factory) -> dict:
     return spawn_world(_worker, request.param, tmp_path_factory.mktemp("sharding"), dirs)
 
 
-def _exported(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out |= load_file(f)
-    return out
-
-
 def _check_run(res: dict, out: Path, ref, initial: dict, kind: str) -> None:
     losses, norms, sd = ref
     assert_close(res["losses"], losses, rtol=LOSS_RTOL, what="loss")
     assert_close(res["norms"], norms, rtol=NORM_RTOL, what="grad norm")
-    _check_weights(_exported(out), sd, initial, kind)
+    _check_weights(exported(out), sd, initial, kind)
 
 
 def _check_weights(got: dict, sd: dict, initial: dict, kind: str, what: str = "exported weights") -> None:
@@ -281,7 +272,7 @@ def _want(sd: dict, got: dict) -> dict:
 @pytest.fixture(scope="module")
 def initial(dirs) -> dict:
     """{family: the weights before training}, under the names stock saves."""
-    return {family: _exported(Path(path)) for family, path in dirs.items()}
+    return {family: exported(Path(path)) for family, path in dirs.items()}
 
 
 def _size(world: dict) -> int:
@@ -312,7 +303,7 @@ def test_zero3_equals_zero1_under_mup_and_fp8(world):
         assert_close(got["losses"], want["losses"], rtol=LOSS_RTOL, what=f"{name} loss")
         assert_close(got["norms"], want["norms"], rtol=NORM_RTOL, what=f"{name} grad norm")
         out = world["out"]
-        assert_close(_exported(out / f"{name}-3"), _exported(out / f"{name}-1"), atol=WEIGHT_ATOL["dense"], what=name)
+        assert_close(exported(out / f"{name}-3"), exported(out / f"{name}-1"), atol=WEIGHT_ATOL["dense"], what=name)
 
 
 def test_a_checkpoint_resumes_across_zero_stages_and_meshes(world, refs, initial):
@@ -324,7 +315,7 @@ def test_a_checkpoint_resumes_across_zero_stages_and_meshes(world, refs, initial
         assert res["step"] == 2, name
         assert_close(res["losses"], losses[2:], rtol=LOSS_RTOL, what=f"{name} loss of step 3")
         assert_close(res["norms"], norms[2:], rtol=NORM_RTOL, what=f"{name} grad norm of step 3")
-        _check_weights(_exported(world["out"] / name / "final"), sd, initial["llama"], "dense", what=name)
+        _check_weights(exported(world["out"] / name / "final"), sd, initial["llama"], "dense", what=name)
 
 
 def test_hf3d_convert_reads_a_zero3_checkpoint(world, dirs, initial, tmp_path):
@@ -336,7 +327,7 @@ def test_hf3d_convert_reads_a_zero3_checkpoint(world, dirs, initial, tmp_path):
         pytest.skip("the checkpoint is saved on 4 ranks")
     _, _, sd = reference_run(dirs["llama"], _data()[:2])
     out = checkpoint_to_hf(world["out"] / "zero3-dp4->zero1-tp2-dp2" / "ckpt", tmp_path / "hf")
-    _check_weights(_exported(out), sd, initial["llama"], "dense", what="hf3d convert to-hf of a ZeRO-3 checkpoint")
+    _check_weights(exported(out), sd, initial["llama"], "dense", what="hf3d convert to-hf of a ZeRO-3 checkpoint")
 
 
 def test_every_planted_mistake_is_caught(world, refs, initial):
@@ -367,7 +358,7 @@ def test_the_memory_report_shards_gradients_and_weights(world):
         pytest.skip("checked at dp4")
     for stage in (2, 3):
         reports = [world[r][f"zero{stage}/dp4"]["report"] for r in range(4)]
-        n = sum(v.numel() for v in _exported(world["out"] / f"zero{stage}/dp4").values())
+        n = sum(v.numel() for v in exported(world["out"] / f"zero{stage}/dp4").values())
         for rep in reports:
             assert rep["total"] == sum(v for k, v in rep.items() if k != "total")
         if stage == 2:
