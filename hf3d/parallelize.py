@@ -178,9 +178,10 @@ def _assemble(
             first=s == 0,
             last=s == pcfg.num_stages - 1,
             stage_index=s,
-            recompute=[pcfg.recomputes(i) for i in plan.layer_split[s]],
+            recompute=[pcfg.recompute_kind(i) for i in plan.layer_split[s]],
             cp=cp,
             dropout_rng=rng if getattr(config, "attention_dropout", 0.0) else None,
+            activation_offload=pcfg.activation_offload,
         )
         for s in plan.mine
     ]
@@ -390,3 +391,4 @@ def _load_pieces(hf_model: nn.Module, source, dtype: torch.dtype) -> None:
             else:
                 p.local(param).copy_(source.get(p.hf_name, p.dim, p.hf_start, p.hf_stop).to(dtype))
         param.requires_grad_(True)
+

@@ -1060,6 +1060,27 @@ CASES: list[Case] = [
         ["unknown parallel.pp_schedule 'gpipe'", "known schedules: afab, 1f1b"],
     ),
     _c(
+        "config-recompute",
+        CFG,
+        "unknown `parallel.recompute` (`some`)",
+        lambda fx: _set("parallel.recompute=some"),
+        ['parallel.recompute must be "none", "full" or "every_<k>"', "or \"selective\", got 'some'"],
+    ),
+    _c(
+        "config-recompute-split-backward",
+        CFG,
+        "`parallel.recompute: selective` with `parallel.pp_schedule: zbv` at pp 2",
+        lambda fx: _set("parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.recompute=selective"),
+        ["recompute is not supported with pp_schedule 'zbv'", "use pp_schedule '1f1b' or 'interleaved-1f1b'"],
+    ),
+    _c(
+        "config-activation-offload",
+        CFG,
+        "`parallel.activation_offload: maybe`",
+        lambda fx: _set("parallel.activation_offload=maybe"),
+        ["parallel.activation_offload must be true or false, got 'maybe'"],
+    ),
+    _c(
         "config-moe-load-balance",
         CFG,
         "`moe.load_balance: fair` (unknown)",
@@ -2694,6 +2715,13 @@ CASES: list[Case] = [
         "`ParallelConfig(zero_stage=4)`",
         lambda fx: __import__("hf3d").ParallelConfig(zero_stage=4),
         ["zero_stage must be 0, 1, 2 or 3, got 4"],
+    ),
+    _c(
+        "api-activation-offload",
+        API,
+        '`ParallelConfig(activation_offload="yes")`',
+        lambda fx: __import__("hf3d").ParallelConfig(activation_offload="yes"),
+        ["ParallelConfig.activation_offload must be true or false, got 'yes'"],
     ),
     _c(
         "api-dp-shard-divides",

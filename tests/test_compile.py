@@ -6,7 +6,9 @@ the same weights and batches, and the parent asserts:
 - the per-step losses and pre-clip grad norms of the compiled run equal the eager ones within LOSS_RTOL;
 - dynamo's counters after the compiled run: no graph break, and exactly one graph (the two layers share
   it), so a new break in hf3d's layers, or layers left uncompiled, fail the test.
-Jobs: tp1 (dp=2), tp2, pp2 with full recompute (checkpoint around the compiled layer); qwen3-moe at tp1
+Jobs: tp1 (dp=2), tp2, pp2 with full recompute (checkpoint around the compiled layer), tp2 with selective
+recompute (the policy sees the compiled layer's extern kernels: it keeps the attention kernel's outputs and
+recomputes the matmuls, which inductor writes into its own buffers with mm out=); qwen3-moe at tp1
 with the aot_eager backend, whose MoE blocks run eager: exactly MOE_BREAKS breaks, values equal; and FP8
 (tensorwise) at tp2 with aot_eager: no break, one graph, the eager values exactly.
 Mutations, run through the same checks with the cheap aot_eager backend (AOTAutograd without inductor):
@@ -42,6 +44,7 @@ JOBS = {
     "tp1": dict(),
     "tp2": dict(tp=2),
     "pp2+rc": dict(pp=2, num_microbatches=2, recompute="full"),
+    "tp2+selective": dict(tp=2, recompute="selective"),
 }
 GRAPHS = 1  # dynamo graphs per compiled run: one layer graph, reused by the layers of the same shape
 # a MoE layer: the graph before its block and the one after it (both layers share them); the counter records the

@@ -79,7 +79,7 @@ def check_parametrization(
         )
 
 
-RECOMPUTE_FORMS = '"none", "full" or "every_<k>" with k a positive integer (e.g. "every_2")'
+RECOMPUTE_FORMS = '"none", "full" or "every_<k>" with k a positive integer (e.g. "every_2"), or "selective"'
 # zbv / dualpipev split each backward into an input pass and weight passes, and a recomputed layer runs
 # its forward again in each of them: measured 4-8 forwards per layer and micro-batch instead of 2
 RECOMPUTE_SPLIT_BACKWARD = (
@@ -109,7 +109,7 @@ def _check_recompute(value) -> str:
     if value is True or value is False:
         return "full" if value else "none"
     if isinstance(value, str):
-        if value in ("none", "full"):
+        if value in ("none", "full", "selective"):
             return value
         k = value.removeprefix("every_")
         if value.startswith("every_") and k.isdecimal() and int(k) >= 1:
@@ -158,7 +158,18 @@ class ParallelConfig:
     recompute: str = "none"
     """Activation recompute: "none"; "full" (every decoder layer keeps only its input and runs its
     forward again in backward); "every_<k>" (layers k-1, 2k-1, ... of the whole model, counted from 0,
-    like every k-th block in torchtitan). True and False mean "full" and "none"."""
+    like every k-th block in torchtitan); "selective" (every decoder layer keeps its input and the outputs of
+    its matmuls and attention kernels, and runs the rest of its forward again in backward: the element-wise
+    ops, norms, rotary, SwiGLU, eager attention's softmax and the layer's tp / cp collectives; PyTorch's
+    selective activation checkpointing, hf3d/parallel/stage.py; under `compile` only the attention kernels'
+    outputs are kept). True and False mean "full" and "none"."""
+    activation_offload: bool = False
+    """Training on CUDA, each pipeline stage's forward moves the tensors it saves for backward to pinned host
+    memory, and backward copies them back as it needs them (torch.autograd.graph.save_on_cpu): GPU memory for
+    PCIe traffic. Everything the stage's autograd saves moves (the weights its matmuls save too); a layer under
+    recompute keeps its own checkpoint hooks, which are the inner ones and win: it saves its input and, under
+    "selective", its kept matmul and attention outputs on the GPU as before. On a CPU the activations already
+    are in host memory: nothing is moved and training is the same, bit for bit."""
     ep: int = 1
     """Expert-parallel degree (MoE models): each MoE layer's experts are split ep ways over groups of ep
     neighbouring dp ranks, which exchange tokens all-to-all (hf3d.parallel.expert). ep divides dp and adds
@@ -198,6 +209,10 @@ class ParallelConfig:
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; known schedules: {', '.join(PP_SCHEDULES)}")
         self.recompute = _check_recompute(self.recompute)
+        if not isinstance(self.activation_offload, bool):
+            raise ValueError(
+                f"ParallelConfig.activation_offload must be true or false, got {self.activation_offload!r}"
+            )
         if self.recompute != "none" and self.pp > 1 and self.pp_schedule in ("zbv", "dualpipev"):
             raise ValueError(RECOMPUTE_SPLIT_BACKWARD.format(schedule=self.pp_schedule))
         if not isinstance(self.compile, bool) and self.compile != "auto":
@@ -290,11 +305,18 @@ class ParallelConfig:
                 )
 
     def recomputes(self, layer_index: int) -> bool:
-        """Whether decoder layer `layer_index` (global, from 0) runs its forward again in backward."""
+        """Whether decoder layer `layer_index` (global, from 0) runs its forward again in backward (whole, or
+        all but its matmuls and attention under "selective")."""
         if self.recompute == "none":
             return False
-        every = 1 if self.recompute == "full" else int(self.recompute.removeprefix("every_"))
+        every = 1 if self.recompute in ("full", "selective") else int(self.recompute.removeprefix("every_"))
         return (layer_index + 1) % every == 0
+
+    def recompute_kind(self, layer_index: int) -> str:
+        """How decoder layer `layer_index` is recomputed: "none", "full" or "selective" (what StageModule runs)."""
+        if not self.recomputes(layer_index):
+            return "none"
+        return "selective" if self.recompute == "selective" else "full"
 
     @property
     def num_stages(self) -> int:

@@ -10,18 +10,95 @@ Activation recompute wraps a layer's call, while grad is enabled, in non-reentra
 `torch.utils.checkpoint`: the layer keeps only its inputs and runs its forward again (its tensor-
 parallel collectives included, in the same order on every tp rank) when backward reaches it. With
 attention dropout, the recomputed forward draws the first forward's masks again (hf3d/parallel/rng.py).
+
+Selective recompute is the same checkpoint with PyTorch's op-level policy
+(`torch.utils.checkpoint.create_selective_checkpoint_contexts`, `selective_policy`): the forward keeps the
+outputs of the matmuls and attention kernels (SAVED_OPS), the expensive ops, and backward runs everything
+else again, the cheap element-wise ops, norms, rotary, SwiGLU and eager attention's softmax, with the kept
+outputs handed back in place of the kernels. The tensor- and context-parallel collectives inside a layer
+are recomputed, not kept. Keeping one would be wrong: hf3d's collectives write into a buffer in place
+(c10d's all_reduce_, all_gather into a preallocated output) and the layer reads that buffer, not the op's
+return value, so a recomputed forward that takes the kept result and skips the op reads an unreduced
+buffer. Recomputing them is deadlock-free for the reason full recompute is: every rank of a tp or cp group
+recomputes the same layer at the same point of the same backward, and the recomputed forward issues its
+collectives in the first forward's order, so each group runs the same collectives in the same order on
+every rank. The random ops (attention dropout) are recomputed too, under the replayed generator state.
+Measured at tp2: keeping the all-reduces instead moved the grad norm by 1e-3 relative, silently.
+
+A compiled layer (hf3d/parallel/compile.py) runs under the same policy, which then sees the compiled code's
+extern kernels, not its fused ones: the attention kernel's outputs are kept, and the matmuls, which inductor
+writes into buffers of its own (mm with out=, recomputed since a kept result would not fill the buffer), run
+again with the rest (measured on CPU at tp2: the losses and grad norms of full recompute under compile).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .attention import is_flash, varlen_kwargs
 from .context import CPContext
 from .segments import Segments, tree_masks
+
+# what selective recompute keeps: the matmuls and every attention kernel this torch has (aten.linear reaches
+# the dispatcher as mm / addmm; it is listed for a backend that keeps it whole)
+_SAVED_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "linear",
+    "_scaled_mm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name) for name in _SAVED_NAMES if hasattr(torch.ops.aten, name))
+
+
+def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Keep the output of a matmul or attention kernel (SAVED_OPS), recompute every other op. An overload that
+    writes into a tensor it is given (out=, in place) is recomputed: a kept result would not write it."""
+    packet = getattr(op, "overloadpacket", None)
+    if packet in SAVED_OPS and not op._schema.is_mutable:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+@contextlib.contextmanager
+def _entered(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
+
+
+def _composed(*context_fns):
+    """One checkpoint `context_fn` from several: the forward contexts entered together, the recompute ones
+    together."""
+
+    def context_fn():
+        pairs = [fn() for fn in context_fns]
+        return _entered(*(forward for forward, _ in pairs)), _entered(*(again for _, again in pairs))
+
+    return context_fn
 
 
 class StageModule(nn.Module):
@@ -33,9 +110,10 @@ class StageModule(nn.Module):
         first: bool,
         last: bool,
         stage_index: int,
-        recompute: list[bool] | None = None,
+        recompute: list[str] | None = None,
         cp: CPContext | None = None,
         dropout_rng=None,
+        activation_offload: bool = False,
     ):
         super().__init__()
         base = hf_model.model
@@ -49,10 +127,12 @@ class StageModule(nn.Module):
         self.lm_head = hf_model.lm_head if last else None
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
         self.layer_types = [types[i] for i in layer_ids]
-        self.recompute = list(recompute) if recompute is not None else [False] * len(self.layers)
-        assert len(self.recompute) == len(self.layers)
+        # each layer's recompute: "none", "full" or "selective" (ParallelConfig.recompute_kind)
+        self.recompute = list(recompute) if recompute is not None else ["none"] * len(self.layers)
+        assert len(self.recompute) == len(self.layers) and set(self.recompute) <= {"none", "full", "selective"}
         self.cp = cp if cp is not None and cp.active else None
         self.dropout_rng = dropout_rng  # when the layers draw dropout masks: recompute replays them
+        self.activation_offload = activation_offload  # ParallelConfig.activation_offload
 
     def forward(self, x: torch.Tensor, *chain: torch.Tensor, position_ids: torch.Tensor, carry=None, **options):
         """`run(x, position_ids, **options)`. Under a pipeline schedule (hf3d/parallel/pipeline.py) the stage is the
@@ -81,7 +161,13 @@ class StageModule(nn.Module):
         segments: rows whose units share a context (hf3d.parallel.segments; scoring), over the full rows.
         decode: a step of KV-cached decoding (hf3d.generation): `decode.cache` goes to the layers and
         `decode.masks(stage, probe, position_ids)` builds their masks, whole rows on every cp rank; unless
-        `decode.split_over_cp` (a prefill), which runs this rank's cp share under the cp masks."""
+        `decode.split_over_cp` (a prefill), which runs this rank's cp share under the cp masks.
+        With `activation_offload` on CUDA, the tensors the forward saves for backward wait in host memory."""
+        offload = self.activation_offload and torch.is_grad_enabled() and x.device.type == "cuda"
+        with torch.autograd.graph.save_on_cpu(pin_memory=True) if offload else contextlib.nullcontext():
+            return self._run(x, position_ids, head, segments, decode)
+
+    def _run(self, x, position_ids, head, segments, decode) -> torch.Tensor:
         hidden = self.embed_tokens(x) if self.first else x
         cp = self.cp if decode is None or decode.split_over_cp else None
         full_positions = position_ids
@@ -106,16 +192,23 @@ class StageModule(nn.Module):
         for layer, kind, again in zip(self.layers, self.layer_types, self.recompute):
             kwargs = dict(attention_mask=masks[kind], position_ids=position_ids, **extra)
             kwargs["position_embeddings"] = position_embeddings
-            if again and torch.is_grad_enabled():
-                if self.dropout_rng is not None and layer.training:
-                    kwargs["context_fn"] = self.dropout_rng.recompute_context
-                hidden = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            if again != "none" and torch.is_grad_enabled():
+                context_fn = self._context_fn(layer, again)
+                hidden = checkpoint(layer, hidden, use_reentrant=False, context_fn=context_fn, **kwargs)
             else:
                 hidden = layer(hidden, **kwargs)
         if self.last:
             hidden = self.norm(hidden)
             return self.lm_head(hidden) if head else hidden
         return hidden
+
+    def _context_fn(self, layer: nn.Module, recompute: str):
+        """The checkpoint's `context_fn` for `layer`: selective recompute's policy, and the replay of the first
+        forward's dropout masks when the layer draws them; both together when both apply."""
+        fns = [_selective_contexts] if recompute == "selective" else []
+        if self.dropout_rng is not None and layer.training:
+            fns.append(self.dropout_rng.recompute_context)
+        return _composed(*fns) if fns else noop_context_fn
 
     @property
     def kinds(self) -> set[str]:

@@ -2,7 +2,8 @@
 
     model        which stock HF model, its dtype and attention, long-context overrides
     data         sources, stages and mixtures, packing, document masking, eval split (hf3d/data)
-    parallel     tp / pp / dp / cp / ep, schedule, micro-batches, recompute, compile, µP (hf3d.ParallelConfig)
+    parallel     tp / pp / dp / cp / ep, schedule, micro-batches, recompute, activation offload, compile, µP
+                 (hf3d.ParallelConfig)
     optim        AdamW, weight decay, clipping, z-loss, and the lr schedule (hf3d/train/lr_schedules.py)
     run          steps, batch, output dir, logging, trackers
     checkpoint   how often to save, what to keep, what to resume and which parts of it

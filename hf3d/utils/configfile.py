@@ -37,6 +37,7 @@ OTHER_NAMES = {
     **dict.fromkeys(("expert_model_parallel_size", "ep_size", "expert_parallel_size"), "parallel.ep"),
     **dict.fromkeys(("gradient_accumulation_steps", "batch_accumulation_per_replica"), "parallel.num_microbatches"),
     **dict.fromkeys(("gradient_checkpointing", "recompute_granularity"), "parallel.recompute"),
+    **dict.fromkeys(("cpu_offloading_activations",), "parallel.activation_offload"),
     **dict.fromkeys(("model_name_or_path", "pretrained_model_name_or_path", "init_checkpoint"), "model.path"),
     **dict.fromkeys(("torch_dtype",), "model.dtype"),
 }
