@@ -206,6 +206,7 @@ class Bench:
 
     def measure(self, name: str, shape: str, make) -> dict:
         """Build a side, run warm-up and timed steps; tokens/s, MFU, peak memory, compile counters."""
+        import hf3d.plan.cost
         import hf3d.train.metrics
 
         torch, cuda = self.torch, self.dev.type == "cuda"
@@ -228,7 +229,7 @@ class Bench:
         step = C.median(timed)
         cfg = self.config(shape)[0]
         peak = None if self.args.cpu_smoke else hf3d.train.metrics.device_peak_flops()
-        flops = None if shape == "moe" else hf3d.train.metrics.flops_per_token(cfg, ids.shape[1])
+        flops = None if shape == "moe" else hf3d.plan.cost.flops_per_token(cfg, ids.shape[1])
         counters = torch._dynamo.utils.counters
         row = dict(
             name=name,

@@ -7,6 +7,7 @@ import os
 import sys
 
 from .parallel.config import DTYPE_NAMES
+from .plan.command import add_parser as plan_parser
 
 SET_HELP = "override config values (repeatable: every --set counts)"
 MESH_HELP = "the mesh, e.g. parallel.tp=2 parallel.pp=2 (repeatable: every --set counts)"
@@ -358,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=_from_hf)
     _average_parser(sub)
+    plan_parser(sub)
     p = sub.add_parser("push", help="upload an HF model directory to the Hub, with a model card")
     p.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")

@@ -392,3 +392,20 @@ def _load_pieces(hf_model: nn.Module, source, dtype: torch.dtype) -> None:
                 p.local(param).copy_(source.get(p.hf_name, p.dim, p.hf_start, p.hf_stop).to(dtype))
         param.requires_grad_(True)
 
+
+def meta_model(config: PretrainedConfig, pcfg: ParallelConfig, *, dtype: torch.dtype, attn: str) -> ParallelModel:
+    """This rank's ParallelModel on the meta device, as `parallelize` would assemble it but never filled: the
+    shapes each rank holds, for `hf3d plan` (hf3d/plan/trace.py), which runs it under a fake process group."""
+    adapter = _checked_adapter(config, pcfg, attn, compile=False)
+    mesh = build_mesh(pcfg)
+    stored = torch.float32 if pcfg.zero_stage == 3 else dtype
+    meta = torch.device("meta")
+    ctx, cp, rng = _rank_contexts(mesh, pcfg, stored, meta)
+    ep = _expert_context(config, adapter, mesh, pcfg, "aux_loss", 1e-3)
+    plan = _stage_plan(config, adapter, pcfg, mesh.get_local_rank("pp"))
+    with meta:
+        hf_model, hf_shapes = _swapped_skeleton(config, adapter, plan, ctx=ctx, ep=ep, attn=attn, dtype=stored)
+        hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config=config)
+    pmodel = _assemble(hf_model, config, pcfg, plan, mesh=mesh, cp=cp, rng=rng, hf_shapes=hf_shapes, tokenizer_dir=None)
+    pmodel.compute_dtype, pmodel.router_stats = dtype, ep.stats
+    return pmodel

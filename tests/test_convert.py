@@ -35,12 +35,13 @@ from reference import batches, hf3d_run  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
-from hf3d.checkpoint.convert import checkpoint_to_hf, hf_to_checkpoint, parse_size  # noqa: E402
+from hf3d.checkpoint.convert import checkpoint_to_hf, hf_to_checkpoint  # noqa: E402
 from hf3d.cli import main as cli_main  # noqa: E402
 from hf3d.hf.folders import EXPORT  # noqa: E402
 from hf3d.hf.load import TensorSpec  # noqa: E402
 from hf3d.hf.save import write_hf_dir  # noqa: E402
 from hf3d.utils import files
+from hf3d.utils.units import parse_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ("llama", "llama-kvrep", "qwen2", "qwen3", "smollm3")

@@ -28,8 +28,9 @@ import torch
 from ..hf.folders import EXPORT, check_output_dir
 from ..hf.load import TensorSpec
 from ..hf.save import DEFAULT_MAX_SHARD_BYTES, write_hf_dir
+from ..utils.units import parse_size
 from . import entries, marker
-from .convert import _nbytes, _state_dict_order, _TensorReader, _whole, parse_size
+from .convert import _nbytes, _state_dict_order, _TensorReader, _whole
 from .reader import SafeReader
 
 OUTPUT_DTYPES = ("bfloat16", "float32")

@@ -28,7 +28,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -52,30 +51,12 @@ from ..hf.load import SafetensorsSource, TensorSpec
 from ..hf.save import DEFAULT_MAX_SHARD_BYTES, write_hf_dir
 from ..parallel.config import DTYPE_NAMES
 from ..utils import files
+from ..utils.units import parse_size
 from . import entries, marker
 from .reader import SafeReader
 from .stored import stored_box
 from .untrusted import load_small, open_in
 from .writer import OneFileWriter, dcp_debug_records_off
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_size(size: str | int) -> int:
-    """Bytes from "5GB", "500MB", "2GiB" or a plain number (GB = 10^9 bytes, as transformers counts)."""
-    if isinstance(size, int):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(size))
-        if m is None or m.group(2).upper() not in _UNITS:
-            raise ValueError(
-                f"--max-shard-size {size!r} is not understood; write it like 5GB, 500MB, 2GiB or a number of bytes"
-            )
-        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-    if value <= 0:
-        raise ValueError(f"--max-shard-size {size!r} must be positive")
-    return value
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from .agreement import check_config, check_data
 from .checks import check_launch, check_run
 from .config import DTYPES, ModelConfig, TrainConfig
 from .lr_schedules import base_lr, build_lr_scheduler
+from .memory_check import plan_line, plan_run
 from .metrics import (
     available_trackers,
     device_peak_flops,
@@ -141,6 +142,8 @@ class Run:
     told: set = dataclasses.field(default_factory=set)  # the checkpoints rotation said it keeps (once each)
     pusher: object = None  # checkpoint.push_to_hub, rank 0: hub_push.CheckpointPusher
     hub_pins: frozenset = frozenset()  # without it: checkpoints an earlier run left waiting for a push (rank 0)
+    plan: list | None = None  # rank 0: the memory plan of the run's mesh, each pipeline rank's bytes (memory_check)
+    meter: object = None  # the first step's activation meter (on a CPU)
 
 
 def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[str]]:
@@ -155,6 +158,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
     if cfg.run.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
         torch.use_deterministic_algorithms(True)
+    plan = plan_run(cfg, lambda: _model_config(cfg.model))  # rank 0, before the process group (a fake one of its own)
     init_distributed(cfg.run.collective_timeout_s)
     check_config(cfg)  # every node runs this config and these versions, or no rank goes on
     if not Path(cfg.model.path).exists():  # a Hub id: the checks that need no model config come before its lookup
@@ -190,6 +194,7 @@ def build_run(cfg: TrainConfig, state: RunState) -> tuple[Run, list[str], list[s
     acc = Accelerator(cpu=pmodel.device.type == "cpu", log_with=trackers or None, project_dir=str(out))
     pmodel, opt = prepare(acc, pmodel, opt)
     run = Run(cfg, pmodel, opt, pipe, acc, out, rank0=dist.get_rank() == 0, trackers=trackers)
+    run.plan = plan
     run.mlp_costs = get_adapter(pmodel.config.model_type).mlp_costs(pmodel.config)
     run.peak_flops = device_peak_flops()
     run.tokenizer = tokenizer
@@ -380,6 +385,8 @@ def announce(run: Run, derived: list[str], missing: list[str]) -> None:
         p = cfg.parallel
         mesh = f"pp={p.pp} dp={run.pmodel.dp_size}" + (f" ep={p.ep}" if p.ep > 1 else "") + f" cp={p.cp} tp={p.tp}"
         say(f"hf3d: mesh {mesh} on {dist.get_world_size()} processes")
+        if run.plan is not None:
+            say(plan_line(run.plan))
         if cfg.precision.fp8 != "off":
             n = len(run.pmodel.fp8_projections)
             say(

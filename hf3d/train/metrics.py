@@ -50,19 +50,6 @@ def _proc_status_bytes(field: str) -> int | None:
     return None
 
 
-def flops_per_token(config, seq_len: int, mlp_costs: list[float] | None = None) -> float:
-    """Training FLOPs per token: 6 * parameters of the matmuls a token meets + attention (PaLM appendix B).
-
-    mlp_costs: each layer's MLP parameters a token meets, when the layers differ (a MoE family's adapter:
-    the router, the top-k experts and a shared expert, `DecoderAdapter.mlp_costs`); default a dense SwiGLU."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
-    mlp = sum(mlp_costs) if mlp_costs is not None else layers * 3 * h * config.intermediate_size
-    active = layers * attn + mlp + h * config.vocab_size
-    return 6 * active + 12 * layers * config.num_attention_heads * d * seq_len
-
-
 def throughput(
     tokens: int, seconds: float, world_size: int, flops_per_token: float, peak: float | None = None
 ) -> dict[str, float]:

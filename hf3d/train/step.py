@@ -4,6 +4,7 @@ step (non-finite, spikes), stop signals agreed over ranks, and evaluation."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import signal
 import time
@@ -12,13 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.expert import load_imbalance
+from ..plan.cost import flops_per_token
 from .build import Run
 from .config import RunConfig
 from .lr_schedules import base_lr
-from .metrics import (
-    flops_per_token,
-    peak_memory_bytes,
-)
+from .memory_check import measuring
+from .metrics import peak_memory_bytes
 from .metrics import throughput as throughput_metrics
 from .watchdog import FORWARD, OPTIMIZER, Watchdog
 
@@ -91,12 +91,13 @@ def one_step(run: Run, step: int, health: StepHealth, stop: StopSignal, watch: W
     batch = pipe.next_batch(step)
     data_s = time.perf_counter() - t0
     watch.enter(FORWARD)
-    loss = pmodel.train_step(
-        batch["input_ids"],
-        shift_labels=batch["shift_labels"],
-        position_ids=batch["position_ids"],
-        z_loss=cfg.optim.z_loss,
-    )
+    with measuring(run) if step == run.start else contextlib.nullcontext():  # the first step, beside the plan
+        loss = pmodel.train_step(
+            batch["input_ids"],
+            shift_labels=batch["shift_labels"],
+            position_ids=batch["position_ids"],
+            z_loss=cfg.optim.z_loss,
+        )
     watch.enter(OPTIMIZER)
     riders = {"loss": loss, "stop": stop.agree()}
     if cfg.optim.z_loss:

@@ -22,6 +22,7 @@ from .build import Run, announce, build_run, report_memory, resume_run
 from .config import TrainConfig
 from .finish import finish_run, training_summary
 from .hub_push import CheckpointPusher, pending_checkpoints
+from .memory_check import report as report_plan
 from .metrics import (
     MetricsWriter,
 )
@@ -92,6 +93,7 @@ def train(cfg: TrainConfig, state: RunState | None = None) -> dict:
             raise
         if step == run.start:  # optimizer state exists from the first step on
             report_memory(run.opt, run.out, run.rank0, tqdm.write)
+            report_plan(run, tqdm.write)
         bar.set_postfix(loss=f"{record['loss']:.3f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_sec']:.0f}")
         bar.update(1)
         if run.rank0 and ((step + 1) % r.log_every == 0 or "eval_loss" in record or DOWNSTREAM in record):

@@ -1,0 +1,179 @@
+"""`hf3d plan CONFIG|MODEL --nproc N`: every mesh N ranks allow, each rank's bytes and the step's cost, the
+meshes that fit ranked fastest first, and the mesh `hf3d train` would run marked. Offline: a model folder with
+a config.json (or a YAML whose model.path is one) is all it reads; nothing is downloaded, allocated or launched."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..parallel.config import ParallelConfig
+from ..utils.units import parse_size
+
+HEADROOM = 0.9  # the share of the GPU the plan fills: the rest is CUDA's context, NCCL's buffers, fragmentation
+GiB = 2**30
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict each rank's memory and the step's cost for every mesh N GPUs allow, offline, before launching",
+    )
+    p.add_argument("source", help="an hf3d train YAML, or a model folder (config.json) / config.json file")
+    p.add_argument("--nproc", type=int, required=True, metavar="N", help="GPUs (processes) per node")
+    p.add_argument("--nnodes", dest="plan_nodes", type=int, default=1, metavar="K", help="nodes (default 1)")
+    p.add_argument("--gpu-memory", default="80GB", metavar="SIZE", help="memory per GPU: 80GB, 141GB, 24GiB")
+    p.add_argument(
+        "--seq-len", type=int, metavar="L", help="tokens per row (default: the YAML's data.seq_len, else 4096)"
+    )
+    p.add_argument("--global-batch", type=int, metavar="B", help="rows per step (default: the YAML's run.global_batch)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the YAML's, else bf16)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="whose attention kernel (default cuda)")
+    p.add_argument("--unpacked", action="store_true", help="rows of one document each (no dense masks under sdpa)")
+    p.add_argument("--top", type=int, default=12, metavar="K", help="rows of the table (default 12)")
+    p.add_argument("--json", action="store_true", help="print every mesh's plan as JSON instead of the table")
+    p.add_argument("--only-config", action="store_true", help="plan only the mesh the YAML names")
+    p.set_defaults(func=run)
+
+
+def _read_source(args):
+    """(HF config, the YAML's ParallelConfig or None, job defaults) from a YAML or a model folder."""
+    from transformers import AutoConfig
+
+    src = Path(args.source)
+    if src.suffix in (".yaml", ".yml"):
+        from ..train.config import TrainConfig
+
+        cfg = TrainConfig.from_yaml(str(src))
+        model_dir = Path(cfg.model.path)
+        defaults = dict(seq_len=cfg.data.seq_len, global_batch=cfg.run.global_batch, dtype=cfg.model.dtype)
+        defaults |= dict(state_precision=cfg.optim.state_precision, bucket_size=cfg.optim.bucket_size)
+        chosen = cfg.parallel
+    else:
+        model_dir, chosen = (src.parent if src.name == "config.json" else src), None
+        defaults = dict(seq_len=4096, global_batch=None, dtype="bfloat16")
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(
+            f"{model_dir} has no config.json: hf3d plan reads a model's config offline; pass a model folder, its "
+            "config.json, or a train YAML whose model.path is one"
+        )
+    return AutoConfig.from_pretrained(model_dir), chosen, defaults
+
+
+def run(args) -> int:
+    from ..models import get_adapter
+    from .cost import Device
+    from .memory import Job
+    from .meshes import check_mesh
+    from .planner import Planner
+
+    config, chosen, defaults = _read_source(args)
+    adapter = get_adapter(config.model_type)
+    memory = parse_size(args.gpu_memory, what="--gpu-memory")
+    if args.nproc < 1 or args.plan_nodes < 1:
+        raise ValueError(f"--nproc {args.nproc} and --nnodes {args.plan_nodes} must be positive")
+    world = args.nproc * args.plan_nodes
+    dtype = args.dtype or defaults["dtype"]
+    job = Job(
+        seq_len=args.seq_len or defaults["seq_len"],
+        global_batch=args.global_batch or defaults["global_batch"] or world,
+        dtype_bytes=4 if dtype == "float32" else 2,
+        state_precision=defaults.get("state_precision", "fp32"),
+        bucket_size=defaults.get("bucket_size", 2**22),
+        target=args.device,
+        packed=not args.unpacked,
+        attn="sdpa",
+    )
+    device = Device(gpus_per_node=args.nproc)
+    planner = Planner(config, job, adapter=adapter, device=device, nnodes=args.plan_nodes)
+    train_mesh = _train_mesh(chosen, world)
+    check_mesh(config, adapter, train_mesh, seq_len=job.seq_len, global_batch=job.global_batch)
+    marked = planner.plan(train_mesh)
+    marked.fits = marked.peak <= HEADROOM * memory
+    plans = [] if args.only_config else _best_per_mesh(planner, config, adapter, job, world, memory)
+    if args.json:
+        out = dict(job=job.__dict__, gpu_memory=memory, headroom=HEADROOM, train_mesh=_row(marked))
+        out["meshes"] = [_row(p) for p in plans]
+        print(json.dumps(out, indent=1))
+        return 0
+    _print_table(plans, marked, job, memory, args)
+    return 0
+
+
+def _train_mesh(chosen: ParallelConfig | None, world: int) -> ParallelConfig:
+    """The mesh `hf3d train` runs on `world` ranks: the YAML's parallel section, or the default (dp over all)."""
+    import dataclasses
+
+    pcfg = dataclasses.replace(chosen, compile=False) if chosen is not None else ParallelConfig()
+    return pcfg.resolve(world)
+
+
+def _best_per_mesh(planner, config, adapter, job, world: int, memory: int) -> list:
+    """For each mesh the fastest variant that fits, else its smallest; fitting ones first, fastest first."""
+    from tqdm import tqdm
+
+    from .meshes import candidate_meshes, variants
+
+    meshes = candidate_meshes(config, adapter, world=world, seq_len=job.seq_len, global_batch=job.global_batch,
+                              gpus_per_node=planner.device.gpus_per_node)  # fmt: skip
+    out = []
+    for mesh in tqdm(meshes, desc="hf3d plan: meshes", file=sys.stderr, disable=not sys.stderr.isatty()):
+        best = smallest = None
+        for pcfg in variants(mesh, global_batch=job.global_batch):
+            plan = planner.plan(pcfg)
+            plan.fits = plan.peak <= HEADROOM * memory
+            if plan.fits and (best is None or plan.cost.seconds < best.cost.seconds):
+                best = plan
+            if smallest is None or plan.peak < smallest.peak:
+                smallest = plan
+        out.append(best or smallest)
+    return sorted(out, key=lambda p: (not p.fits, p.cost.seconds if p.fits else p.peak))
+
+
+def _row(plan) -> dict:
+    d = plan.as_dict()
+    tokens = plan.pcfg.dp * plan.micro_batch * plan.pcfg.num_microbatches
+    d |= dict(fits=plan.fits, peak_bytes=plan.peak, tokens_per_step_rows=tokens)
+    return d
+
+
+def _mesh_name(p: ParallelConfig) -> str:
+    parts = [f"tp{p.tp}", f"pp{p.pp}", f"dp{p.dp}", f"cp{p.cp}"] + ([f"ep{p.ep}"] if p.ep > 1 else [])
+    return " ".join(parts) + (f" {p.pp_schedule}" if p.pp > 1 else "")
+
+
+def _print_table(plans: list, marked, job, memory: int, args) -> None:
+    head = ["", "mesh", "zero", "recompute", "rows x m", "weights", "master", "grads", "state", "activ."]
+    head += ["total", "step s"]
+    rows = []
+    shown = plans[: args.top]
+    if not any(_same(p, marked) for p in shown):
+        shown = [*shown, marked]
+    unit, per = ("GiB", GiB) if max(p.peak for p in shown) >= GiB else ("MiB", 2**20)
+    for p in shown:
+        r = max(p.ranks, key=lambda m: m.total)
+        parts = (r.weights, r.master, r.grads, r.state + r.gathered, r.activations)
+        total = f"{r.total / per:.1f}" + ("" if p.fits else " (no fit)")
+        mesh = [
+            _mesh_name(p.pcfg),
+            str(p.pcfg.zero_stage),
+            p.pcfg.recompute,
+            f"{p.micro_batch} x {p.pcfg.num_microbatches}",
+        ]
+        gib = [f"{x / per:.1f}" for x in parts]
+        rows.append(["*" if _same(p, marked) else "", *mesh, *gib, total, f"{p.cost.seconds:.2f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    print(
+        f"hf3d plan: {args.nproc * args.plan_nodes} GPUs ({args.plan_nodes} node(s)) of {args.gpu_memory}, seq_len "
+        f"{job.seq_len}, {job.global_batch} rows a step; {unit} per rank (the fullest rank), fits at <= "
+        f"{HEADROOM:.0%} of the GPU; * = the mesh hf3d train runs"
+    )
+    for line in [head, *rows]:
+        print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
+    fitting = sum(p.fits for p in plans)
+    print(f"{fitting} of {len(plans)} meshes fit; step s: the cost model's estimate (hf3d/plan/cost.py), to rank them")
+
+
+def _same(a, b) -> bool:
+    return a.as_dict()["mesh"] == b.as_dict()["mesh"]
