@@ -33,7 +33,12 @@ def add_parser(sub) -> None:
     p.add_argument("--unpacked", action="store_true", help="rows of one document each (no dense masks under sdpa)")
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows of the table (default 12)")
     p.add_argument("--json", action="store_true", help="print every mesh's plan as JSON instead of the table")
-    p.add_argument("--only-config", action="store_true", help="plan only the mesh the YAML names")
+    p.add_argument(
+        "--mesh",
+        metavar="KEY=VALUE,...",
+        help="the mesh to mark instead of the YAML's (parallel keys: tp=2,pp=2,zero_stage=3,recompute=selective,...)",
+    )
+    p.add_argument("--only-config", action="store_true", help="plan only the marked mesh (the YAML's or --mesh)")
     p.set_defaults(func=run)
 
 
@@ -87,7 +92,7 @@ def run(args) -> int:
     )
     device = Device(gpus_per_node=args.nproc)
     planner = Planner(config, job, adapter=adapter, device=device, nnodes=args.plan_nodes)
-    train_mesh = _train_mesh(chosen, world)
+    train_mesh = _train_mesh(_mesh_option(args.mesh) if args.mesh else chosen, world)
     check_mesh(config, adapter, train_mesh, seq_len=job.seq_len, global_batch=job.global_batch)
     marked = planner.plan(train_mesh)
     marked.fits = marked.peak <= HEADROOM * memory
@@ -101,8 +106,31 @@ def run(args) -> int:
     return 0
 
 
+MESH_KEYS = ("tp", "pp", "dp", "cp", "ep", "dp_shard", "zero_stage", "recompute", "pp_schedule", "num_microbatches")
+MESH_KEYS += ("virtual_stages", "sequence_parallel")
+
+
+def _mesh_option(text: str) -> ParallelConfig:
+    """--mesh tp=2,pp=2,...: a ParallelConfig, one line for a key or value it cannot take."""
+    values = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in MESH_KEYS:
+            raise ValueError(f"--mesh {item.strip()!r}: write KEY=VALUE pairs with KEY one of {', '.join(MESH_KEYS)}")
+        if key in ("recompute", "pp_schedule"):
+            values[key] = value
+        elif key == "sequence_parallel":
+            values[key] = value.lower() in ("1", "true", "yes")
+        elif value.isdecimal():
+            values[key] = int(value)
+        else:
+            raise ValueError(f"--mesh {item.strip()!r}: {key} takes a positive whole number")
+    return ParallelConfig(**values)
+
+
 def _train_mesh(chosen: ParallelConfig | None, world: int) -> ParallelConfig:
-    """The mesh `hf3d train` runs on `world` ranks: the YAML's parallel section, or the default (dp over all)."""
+    """The mesh `hf3d train` runs on `world` ranks: the YAML's parallel section (or --mesh), else the default (dp
+    over all)."""
     import dataclasses
 
     pcfg = dataclasses.replace(chosen, compile=False) if chosen is not None else ParallelConfig()

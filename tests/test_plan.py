@@ -1,0 +1,128 @@
+"""`hf3d plan` and the memory plan of `hf3d train`.
+
+- hf3d train prints the plan of its own mesh beside what its first step held (the run's buffers and the
+  activation meter): at pp2 under 1f1b (stage 0 holds two micro-batches at its peak, stage 1 one) and at tp2
+  with sequence parallelism and selective recompute, the training state equal and the activations within 15 %
+  (measured: 0.2-2.5 %; benchmarks/bench_plan.py has the full table).
+- The training state of each zero stage against its arithmetic for N parameters over dp ranks (fp32 and bf16).
+- Interleaved 1F1B's peak follows torch's own order: rank 0 of pp2 x 2 chunks with 4 micro-batches holds 3 of
+  chunk 0 and 2 of chunk 2, rank 1 two of chunk 1 and one of chunk 3.
+- The meter: saved tensors count, views of weights do not, and what backward frees is gone.
+- The command: the table marks the train mesh, --json holds every mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from runs import CONFIG, ROOT, TINY
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf3d
+from hf3d.models import get_adapter
+from hf3d.plan.memory import Job, in_flight
+from hf3d.plan.meter import ActivationMeter
+from hf3d.plan.planner import Planner
+
+TINY_MODEL = ROOT / "examples/models/tiny-smollm"
+LINE = re.compile(r"training state ([\d.]+) / ([\d.]+), activations ([\d.]+) / ([\d.]+)")
+ACTIVATIONS_RTOL = 0.15  # the issue's bound (measured at most 2.5 % on these meshes)
+
+
+def _train(tmp_path, *settings: str) -> str:
+    cmd = [sys.executable, "-m", "hf3d", "train", CONFIG, "--nproc-per-node", "2", "--set", *TINY, "run.steps=1"]
+    cmd += ["checkpoint.every=0", f"run.output_dir={tmp_path}/run", *settings]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ("parallel.pp=2", "parallel.num_microbatches=4", "run.global_batch=8"),
+        ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=selective"),
+    ],
+    ids=["pp2-1f1b", "tp2-sp-selective"],
+)
+def test_train_prints_the_plan_beside_the_first_step(tmp_path, settings):
+    out = _train(tmp_path, *settings)
+    assert "hf3d: memory plan per rank (MiB, the fullest rank): weights" in out
+    found = LINE.search(out)
+    assert found, out[-3000:]
+    planned_state, state, planned_act, act = map(float, found.groups())
+    assert planned_state == state
+    assert abs(planned_act / act - 1) <= ACTIVATIONS_RTOL, (planned_act, act)
+
+
+def _n_params(config) -> int:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype_bytes", [4, 2])
+def test_training_state_follows_the_zero_arithmetic(dtype_bytes):
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    n, dp = _n_params(config), 4
+    job = Job(seq_len=32, global_batch=8, dtype_bytes=dtype_bytes, target="cpu")
+    planner = Planner(config, job, adapter=get_adapter(config.model_type))
+    master = 0 if dtype_bytes == 4 else 4
+    expect = {  # (weights, master, grads, state) in bytes per element of N; ZeRO-2's grads + one bucket below
+        0: (dtype_bytes, master, 4, 8),
+        1: (dtype_bytes, master / dp, 4, 8 / dp),
+        2: (dtype_bytes, master / dp, None, 8 / dp),
+        3: (4 / dp, 0, 4 / dp, 8 / dp),
+    }
+    for zero, per in expect.items():
+        r = planner.plan(hf3d.ParallelConfig(zero_stage=zero).resolve(dp)).ranks[0]
+        for name, bytes_per in zip(("weights", "master", "grads", "state"), per):
+            if bytes_per is not None:
+                assert getattr(r, name) == pytest.approx(bytes_per * n, rel=1e-3, abs=16), (zero, name)
+        if zero == 2:  # the shard, and the largest bucket while a micro-batch fills it: here all the matrices
+            assert 4 * n / dp + 0.9 * 4 * n < r.grads <= 4 * n / dp + 4 * n
+        if zero == 3:
+            assert r.gathered > 0
+
+
+def test_interleaved_peak_follows_torchs_order():
+    pcfg = hf3d.ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", num_microbatches=4)
+    peaks = []
+    for rank in (0, 1):
+        moments = in_flight(pcfg, rank)
+        peaks.append(max(moments, key=lambda m: sum(m.values())))
+    assert peaks == [{0: 3, 2: 2}, {1: 2, 3: 1}]
+    assert in_flight(hf3d.ParallelConfig(pp=4, num_microbatches=8), 1) == {1: 3}  # 1f1b: pp - rank
+
+
+def test_meter_counts_what_backward_needs():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(100, 100)
+    x = torch.randn(10, 100)
+    with ActivationMeter() as meter:
+        y = lin(x).relu()  # relu keeps its output; the matmul's view of the weight is no new storage
+        live = meter.live()
+        y.sum().backward()
+    assert live == 10 * 100 * 4
+    del y
+    assert meter.peak >= live and meter.live() == 0
+
+
+def test_plan_command_table_and_json():
+    base = [sys.executable, "-m", "hf3d", "plan", str(TINY_MODEL), "--nproc", "2", "--device", "cpu"]
+    base += ["--seq-len", "64", "--global-batch", "8", "--dtype", "float32"]
+    table = subprocess.run(base + ["--mesh", "tp=2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0, table.stderr
+    marked = [line for line in table.stdout.splitlines() if line.startswith("*")]
+    assert len(marked) == 1 and "tp2 pp1 dp1 cp1" in marked[0]
+    assert re.search(r"\d+ of \d+ meshes fit", table.stdout)
+    out = subprocess.run(base + ["--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    plans = json.loads(out.stdout)
+    meshes = {(m["mesh"]["tp"], m["mesh"]["pp"], m["mesh"]["dp"], m["mesh"]["cp"]) for m in plans["meshes"]}
+    assert {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)} <= meshes
+    assert plans["train_mesh"]["mesh"]["dp"] == 2 and all(m["fits"] for m in plans["meshes"])
