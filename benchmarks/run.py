@@ -250,6 +250,20 @@ def _muon(d: dict) -> str:
     )
 
 
+def _plan(d: dict) -> str:
+    w, rc = d["worst"], d["recompute"]
+    ranks = sum(len(m["ranks"]) for m in d["meshes"].values())
+    acts, steps = rc["activations_over_none"], rc["step_over_none"]
+    return (
+        f"{len(d['meshes'])} meshes, {ranks} ranks (tiny Llama and Qwen3-MoE, fp32): predicted / measured, the worst "
+        f"rank: training state {w['state']:.3f}x (target within ±5 %: {met(abs(w['state'] - 1) <= 0.05)}), "
+        f"activations {w['activations']:.3f}x (target within ±15 %: {met(abs(w['activations'] - 1) <= 0.15)}); "
+        f"tp2 + SP, hidden {rc['hidden']}: selective recompute's activations "
+        f"{acts['selective']:.2f}x none's (full {acts['full']:.2f}x), step time {steps['selective']:.2f}x none's "
+        f"(full {steps['full']:.2f}x; CPU, no target)"
+    )
+
+
 @dataclass
 class Benchmark:
     name: str  # its results file: results/<name>.json
@@ -289,6 +303,9 @@ BENCHMARKS = [
               "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
     Benchmark("sharding", "bench_sharding.py", [], "sharded gradients and weights: what a rank holds at ZeRO-1/2/3 "
               "(dp=4) and the step time (dp=2), CPU", "5", _sharding),
+    Benchmark("plan", "bench_plan.py", [], "`hf3d plan`'s memory prediction / a run's, every rank of 10 meshes "
+              "(dp, recompute, tp + SP, pp 1f1b and interleaved, ZeRO-1/2, cp, ep; CPU); selective recompute's "
+              "activations and step time beside none and full", "2", _plan),
     Benchmark("restart", "bench_restart.py", [], "a worker SIGKILLed under `--max-restarts` (tiny run, dp=2, CPU): "
               "time from the kill to the next finished step, steps lost", "2", _restart),
     Benchmark("mup", "bench_mup.py", [], "spectral µP against standard parametrization: coordinate check and lr "

@@ -6,8 +6,8 @@ temporary folder so no recorded result is touched; it must exit 0, write a resul
 and the runner must make its table row from it. The GPU script runs its `--cpu-smoke` path (every row at tiny
 shapes on the CPU, FP8 emulated, `hf3d train` with async saves). Fast: the GPU script stops cleanly without
 CUDA; the runner marks rows by commit and shows missing, missed and stale rows; the README blocks it rewrites
-exist; benchmarks/ stays within its 3,100 lines (3,000 until bench_sharding.py, which the sharded stages'
-memory and speed guards needed); context parallelism's K/V traffic is the formula's (what
+exist; benchmarks/ stays within its 3,850 lines (3,600 until bench_plan.py, which compares `hf3d plan`'s memory
+prediction with measured runs); context parallelism's K/V traffic is the formula's (what
 bench_cp.py checked before it was dropped).
 """
 
@@ -119,9 +119,9 @@ def test_runner_finds_the_blocks_it_rewrites():
     assert {p.name for p in BENCH.glob("*.py")} == {"_common.py", "run.py", *(b.script for b in run.BENCHMARKS)}
 
 
-def test_benchmarks_stay_within_3600_lines():
+def test_benchmarks_stay_within_3850_lines():
     lines = sum(len(p.read_text().splitlines()) for p in BENCH.rglob("*.py"))
-    assert lines <= 3600, f"benchmarks/ holds {lines} lines of Python"
+    assert lines <= 3850, f"benchmarks/ holds {lines} lines of Python"
 
 
 def _cp_traffic(model_dir: str, out: str) -> None:

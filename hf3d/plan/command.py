@@ -96,7 +96,7 @@ def run(args) -> int:
     check_mesh(config, adapter, train_mesh, seq_len=job.seq_len, global_batch=job.global_batch)
     marked = planner.plan(train_mesh)
     marked.fits = marked.peak <= HEADROOM * memory
-    plans = [] if args.only_config else _best_per_mesh(planner, config, adapter, job, world, memory)
+    plans = [] if args.only_config else best_per_mesh(planner, config, adapter, job, world, memory)
     if args.json:
         out = dict(job=job.__dict__, gpu_memory=memory, headroom=HEADROOM, train_mesh=_row(marked))
         out["meshes"] = [_row(p) for p in plans]
@@ -137,7 +137,7 @@ def _train_mesh(chosen: ParallelConfig | None, world: int) -> ParallelConfig:
     return pcfg.resolve(world)
 
 
-def _best_per_mesh(planner, config, adapter, job, world: int, memory: int) -> list:
+def best_per_mesh(planner, config, adapter, job, world: int, memory: int) -> list:
     """For each mesh the fastest variant that fits, else its smallest; fitting ones first, fastest first."""
     from tqdm import tqdm
 
@@ -172,32 +172,18 @@ def _mesh_name(p: ParallelConfig) -> str:
 
 
 def _print_table(plans: list, marked, job, memory: int, args) -> None:
-    head = ["", "mesh", "zero", "recompute", "rows x m", "weights", "master", "grads", "state", "activ."]
-    head += ["total", "step s"]
-    rows = []
     shown = plans[: args.top]
     if not any(_same(p, marked) for p in shown):
         shown = [*shown, marked]
     unit, per = ("GiB", GiB) if max(p.peak for p in shown) >= GiB else ("MiB", 2**20)
-    for p in shown:
-        r = max(p.ranks, key=lambda m: m.total)
-        parts = (r.weights, r.master, r.grads, r.state + r.gathered, r.activations)
-        total = f"{r.total / per:.1f}" + ("" if p.fits else " (no fit)")
-        mesh = [
-            _mesh_name(p.pcfg),
-            str(p.pcfg.zero_stage),
-            p.pcfg.recompute,
-            f"{p.micro_batch} x {p.pcfg.num_microbatches}",
-        ]
-        gib = [f"{x / per:.1f}" for x in parts]
-        rows.append(["*" if _same(p, marked) else "", *mesh, *gib, total, f"{p.cost.seconds:.2f}"])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    rows = [table_row(p, marked, per) for p in shown]
+    widths = [max(len(str(x)) for x in col) for col in zip(TABLE_HEAD, *rows)]
     print(
         f"hf3d plan: {args.nproc * args.plan_nodes} GPUs ({args.plan_nodes} node(s)) of {args.gpu_memory}, seq_len "
         f"{job.seq_len}, {job.global_batch} rows a step; {unit} per rank (the fullest rank), fits at <= "
         f"{HEADROOM:.0%} of the GPU; * = the mesh hf3d train runs"
     )
-    for line in [head, *rows]:
+    for line in [TABLE_HEAD, *rows]:
         print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
     fitting = sum(p.fits for p in plans)
     print(f"{fitting} of {len(plans)} meshes fit; step s: the cost model's estimate (hf3d/plan/cost.py), to rank them")
@@ -205,3 +191,22 @@ def _print_table(plans: list, marked, job, memory: int, args) -> None:
 
 def _same(a, b) -> bool:
     return a.as_dict()["mesh"] == b.as_dict()["mesh"]
+
+
+TABLE_HEAD = ["", "mesh", "zero", "recompute", "rows x m", "weights", "master", "grads", "state", "activ.", "total"]
+TABLE_HEAD += ["step s"]
+
+
+def table_row(p, marked, per: int) -> list[str]:
+    """A plan's cells, in `per` bytes (the fullest rank's parts); * on the marked mesh."""
+    r = max(p.ranks, key=lambda m: m.total)
+    parts = (r.weights, r.master, r.grads, r.state + r.gathered, r.activations)
+    total = f"{r.total / per:.1f}" + ("" if p.fits else " (no fit)")
+    mesh = [
+        _mesh_name(p.pcfg),
+        str(p.pcfg.zero_stage),
+        p.pcfg.recompute,
+        f"{p.micro_batch} x {p.pcfg.num_microbatches}",
+    ]
+    return ["*" if marked is not None and _same(p, marked) else "", *mesh, *[f"{x / per:.1f}" for x in parts], total,
+            f"{p.cost.seconds:.3g}"]  # fmt: skip
