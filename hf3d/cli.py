@@ -199,6 +199,17 @@ def _generate_parser(sub) -> None:
     p.set_defaults(func=_generate)
 
 
+def _plan(args) -> int:
+    """`hf3d plan`: a train YAML read here (hf3d/plan sits below the trainer), the rest in hf3d/plan/command.py."""
+    from .plan.command import run
+
+    if args.source.endswith((".yaml", ".yml")):
+        from .train.config import TrainConfig
+
+        args.train_config = TrainConfig.from_yaml(args.source)
+    return run(args)
+
+
 def _to_hf(args) -> None:
     from .checkpoint.convert import checkpoint_to_hf
 
@@ -359,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=_from_hf)
     _average_parser(sub)
-    plan_parser(sub)
+    plan_parser(sub, _plan)
     p = sub.add_parser("push", help="upload an HF model directory to the Hub, with a model card")
     p.add_argument("model_dir", help="HF model directory (config.json + *.safetensors)")
     p.add_argument("repo_id", help="Hub repo, NAMESPACE/NAME; created if missing")

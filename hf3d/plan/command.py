@@ -15,7 +15,9 @@ HEADROOM = 0.9  # the share of the GPU the plan fills: the rest is CUDA's contex
 GiB = 2**30
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, func) -> None:
+    """`hf3d plan`'s options; `func(args)` runs it (the command line reads a train YAML into `args.train_config`
+    and calls `run`)."""
     p = sub.add_parser(
         "plan",
         help="predict each rank's memory and the step's cost for every mesh N GPUs allow, offline, before launching",
@@ -39,18 +41,15 @@ def add_parser(sub) -> None:
         help="the mesh to mark instead of the YAML's (parallel keys: tp=2,pp=2,zero_stage=3,recompute=selective,...)",
     )
     p.add_argument("--only-config", action="store_true", help="plan only the marked mesh (the YAML's or --mesh)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=func)
 
 
 def _read_source(args):
     """(HF config, the YAML's ParallelConfig or None, job defaults) from a YAML or a model folder."""
     from transformers import AutoConfig
 
-    src = Path(args.source)
-    if src.suffix in (".yaml", ".yml"):
-        from ..train.config import TrainConfig
-
-        cfg = TrainConfig.from_yaml(str(src))
+    src, cfg = Path(args.source), getattr(args, "train_config", None)
+    if cfg is not None:
         model_dir = Path(cfg.model.path)
         defaults = dict(seq_len=cfg.data.seq_len, global_batch=cfg.run.global_batch, dtype=cfg.model.dtype)
         defaults |= dict(state_precision=cfg.optim.state_precision, bucket_size=cfg.optim.bucket_size)
@@ -185,8 +184,12 @@ def _print_table(plans: list, marked, job, memory: int, args) -> None:
     )
     for line in [TABLE_HEAD, *rows]:
         print("  ".join(str(x).rjust(w) for x, w in zip(line, widths)))
-    fitting = sum(p.fits for p in plans)
-    print(f"{fitting} of {len(plans)} meshes fit; step s: the cost model's estimate (hf3d/plan/cost.py), to rank them")
+    fitting = (
+        f"{sum(p.fits for p in plans)} of {len(plans)} meshes fit"
+        if plans
+        else "the marked mesh " + ("fits" if marked.fits else "does not fit")
+    )
+    print(f"{fitting}; step s: the cost model's estimate (hf3d/plan/cost.py), to rank them")
 
 
 def _same(a, b) -> bool:
