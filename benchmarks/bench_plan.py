@@ -1,21 +1,15 @@
-"""`hf3d plan`'s memory prediction against what a run holds, rank by rank, and selective recompute's cost, on CPU.
+"""`hf3d plan`'s memory prediction against what a run holds, rank by rank, selective recompute's cost, on CPU; and
+the plans of published shapes.
 
-Prediction: tiny models (a Llama: 4 layers, hidden 48, GQA 6/2 heads, tied; a Qwen3-MoE of the same shape with
-4 experts, top-2), fp32 + AdamW, rows of 64 tokens, 2 rows per micro-batch per dp rank, on each mesh of MESHES in
-fresh processes (gloo). Each rank trains one warm-up step, then meters the second step's `train_step` with
-hf3d.plan.meter.ActivationMeter (the activation peak; the optimizer's step is not metered) and reads
-`opt.memory_report()` after it: weights + fp32 master + gradients (+ ZeRO-2's bucket, ZeRO-3's gathered layer) +
-optimizer state. Beside it stands `Planner(config, Job(...)).plan(mesh)` for the rank's pipeline rank (rank //
-(world // pp)), made offline on the meta device. Targets (the issue's): predicted / measured within ±5 % for the
-training state and within ±15 % for the activations, on every rank of every mesh.
-
-Selective recompute's cost: tp2 with sequence parallelism on a larger tiny Llama (hidden 256, 4 layers, 2 rows of
-256 tokens) at recompute none, selective and full, built in the same two processes; a warm-up step, a metered
-step, then `train_step` + `opt.step()` of the three interleaved in rotated order, median of the slowest rank;
-the activation peak of each (measured and planned) and the ratios to none. CPU timings guard regressions: no target.
-
-Plans for published shapes: `hf3d plan` for SmolLM3-3B and an 8B Llama on 8 x 80 GB at 4k, 32k and 64k tokens a row
-(predictions only: no GPU is measured here), the tables docs/fitting.md quotes.
+Prediction: a tiny Llama (4 layers, hidden 48, GQA 6/2, tied) and a Qwen3-MoE of that shape (4 experts, top-2),
+fp32 + AdamW, 2 rows of 64 tokens per micro-batch per dp rank, on each mesh of MESHES in fresh processes. Each rank
+trains a warm-up step, then meters the second step's `train_step` (hf3d.plan.meter.ActivationMeter) and reads
+`opt.memory_report()`; beside it, `Planner(config, Job(...)).plan(mesh)` for its pipeline rank, made offline.
+Targets (the issue's): the training state within ±5 %, the activations within ±15 %, on every rank.
+Selective recompute's cost: tp2 + sequence parallelism on a larger tiny Llama (hidden 256, 4 layers, 2 rows of
+256 tokens) at none / selective / full, interleaved in rotated order, median of the slowest rank, with each one's
+activation peak (measured and planned). CPU timings guard regressions: no target.
+Published shapes: `hf3d plan` for SmolLM3-3B and an 8B Llama on 8 x 80 GB at 4k, 32k and 64k (predictions only).
 
     python benchmarks/bench_plan.py            # ~6 min on 2 cores
     python benchmarks/bench_plan.py --quick    # smoke: 3 meshes, 2 timed rounds of the small model
@@ -221,45 +215,36 @@ GPU, GPUS = "80GB", 8
 
 def published_shapes() -> dict:
     """hf3d plan's best meshes for SmolLM3-3B and an 8B Llama on 8 x 80 GB at 4k, 32k, 64k (bf16, AdamW, flash
-    kernels, packed rows under flash: no masks), and one row's activation bytes per layer and token."""
+    kernels, rows of one document: no masks), and what one layer keeps per token."""
     from transformers import AutoConfig
 
-    import hf3d
+    from hf3d import ParallelConfig
     from hf3d.models import get_adapter
-    from hf3d.plan.command import HEADROOM, TABLE_HEAD, best_per_mesh, table_row
-    from hf3d.plan.memory import Job
-    from hf3d.plan.planner import Planner
-    from hf3d.utils.units import parse_size
+    from hf3d.plan import command, memory, planner
 
-    out, memory = {}, parse_size(GPU, what="GPU")
-    for name, folder in SHAPES.items():
+    out, gpu = {}, int(GPU.removesuffix("GB")) * 10**9
+    for (name, folder), (seq, rows) in ((s, c) for s in SHAPES.items() for c in CONTEXTS.items()):
         config = AutoConfig.from_pretrained(C.BENCH_DIR.parent / "examples" / "models" / folder)
-        adapter = get_adapter(config.model_type)
-        for seq, rows in CONTEXTS.items():
-            planner = Planner(config, Job(seq_len=seq, global_batch=rows, packed=False), adapter=adapter)
-            default = planner.plan(hf3d.ParallelConfig(num_microbatches=rows // GPUS).resolve(GPUS))
-            default.fits = default.peak <= HEADROOM * memory
-            plans = best_per_mesh(planner, config, adapter, planner.job, GPUS, memory)
-            table = [table_row(p, default, 2**30) for p in plans[:4]] + [table_row(default, default, 2**30)]
-            per_token = {}
-            for recompute in ("none", "selective", "full"):
-                acts = planner.activations(hf3d.ParallelConfig(recompute=recompute).resolve(1))
-                per_token[recompute] = acts.layers[0] / seq / config.hidden_size
-            n = sum(n for n, _, _ in planner.params(default.pcfg, 0).params)
-            out[f"{name} at {seq // 1024}k"] = dict(head=TABLE_HEAD, rows=table, fitting=sum(p.fits for p in plans),
-                                                     meshes=len(plans), params=n, per_token_h=per_token,
-                                                     global_batch=rows, seq_len=seq)  # fmt: skip
-            print(name, seq, table[0], flush=True)
+        job = memory.Job(seq_len=seq, global_batch=rows, packed=False)
+        maker = planner.Planner(config, job, adapter=get_adapter(config.model_type))
+        default = maker.plan(ParallelConfig(num_microbatches=rows // GPUS).resolve(GPUS))
+        default.fits = default.peak <= command.HEADROOM * gpu
+        plans = command.best_per_mesh(maker, config, maker.adapter, job, GPUS, gpu)
+        per_h = {r: maker.activations(ParallelConfig(recompute=r).resolve(1)).layers[0] / seq / config.hidden_size
+                 for r in RECOMPUTE}  # fmt: skip
+        out[f"{name} at {seq // 1024}k"] = dict(
+            head=command.TABLE_HEAD, rows=[command.table_row(p, default, 2**30) for p in [*plans[:4], default]],
+            meshes=len(plans), fitting=sum(p.fits for p in plans), per_token_h=per_h, global_batch=rows, seq_len=seq,
+            params=sum(n for n, _, _ in maker.params(default.pcfg, 0).params))  # fmt: skip
     return out
 
 
 def shapes_tables(shapes: dict) -> str:
     body = (
-        f"\n\n## Plans for published shapes: {GPUS} x {GPU}, bf16, AdamW, about 1M tokens a step\n\n"
-        "`hf3d plan` (examples/models/smollm3-3b-shape, llama-8b-shape) with CUDA's flash kernels and rows of one "
-        "document each (no masks). The four fastest meshes that fit (the estimate of hf3d/plan/cost.py ranks them), "
-        "then the default mesh at one row a micro-batch (* : dp over all, ZeRO-1, no recompute); GiB per rank of the "
-        "fullest rank.\n"
+        f"\n\n## Plans for published shapes: {GPUS} x {GPU}, bf16, AdamW, about 1M tokens a step\n\n`hf3d plan` "
+        "(examples/models/smollm3-3b-shape, llama-8b-shape), CUDA's flash kernels, rows of one document (no masks): "
+        "the four fastest meshes that fit (hf3d/plan/cost.py's estimate), then the default mesh at one row a "
+        "micro-batch (*: dp over all, ZeRO-1, no recompute); GiB per rank of the fullest rank.\n"
     )
     for title, s in shapes.items():
         per = ", ".join(f"{k} {v:.1f}h" for k, v in s["per_token_h"].items())

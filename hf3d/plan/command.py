@@ -189,7 +189,7 @@ def _print_table(plans: list, marked, job, memory: int, args) -> None:
         if plans
         else "the marked mesh " + ("fits" if marked.fits else "does not fit")
     )
-    print(f"{fitting}; step s: the cost model's estimate (hf3d/plan/cost.py), to rank them")
+    print(f"{fitting}; comm GB: a rank's collective bytes a step; step s: the cost model's estimate, to rank them")
 
 
 def _same(a, b) -> bool:
@@ -197,7 +197,7 @@ def _same(a, b) -> bool:
 
 
 TABLE_HEAD = ["", "mesh", "zero", "recompute", "rows x m", "weights", "master", "grads", "state", "activ.", "total"]
-TABLE_HEAD += ["step s"]
+TABLE_HEAD += ["comm GB", "step s"]
 
 
 def table_row(p, marked, per: int) -> list[str]:
@@ -205,11 +205,7 @@ def table_row(p, marked, per: int) -> list[str]:
     r = max(p.ranks, key=lambda m: m.total)
     parts = (r.weights, r.master, r.grads, r.state + r.gathered, r.activations)
     total = f"{r.total / per:.1f}" + ("" if p.fits else " (no fit)")
-    mesh = [
-        _mesh_name(p.pcfg),
-        str(p.pcfg.zero_stage),
-        p.pcfg.recompute,
-        f"{p.micro_batch} x {p.pcfg.num_microbatches}",
-    ]
-    return ["*" if marked is not None and _same(p, marked) else "", *mesh, *[f"{x / per:.1f}" for x in parts], total,
-            f"{p.cost.seconds:.3g}"]  # fmt: skip
+    pcfg, mark = p.pcfg, "*" if marked is not None and _same(p, marked) else ""
+    mesh = [_mesh_name(pcfg), str(pcfg.zero_stage), pcfg.recompute, f"{p.micro_batch} x {pcfg.num_microbatches}"]
+    comm = f"{sum(p.cost.comm_bytes.values()) / 1e9:.3g}"  # a rank's bytes a step over every axis
+    return [mark, *mesh, *[f"{x / per:.1f}" for x in parts], total, comm, f"{p.cost.seconds:.3g}"]
