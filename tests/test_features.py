@@ -384,12 +384,21 @@ def test_recompute_config():
     full = hf3d.ParallelConfig(recompute="full")
     assert all(full.recomputes(i) for i in range(5))
     assert hf3d.ParallelConfig(recompute="every_1").recompute == "full"
-    for bad in ("every_0", "every_", "some", 2):
-        with pytest.raises(ValueError, match='"none", "full" or "every_<k>"'):
+    selective = hf3d.ParallelConfig(recompute="selective")  # every layer checkpointed, under the op policy
+    assert all(selective.recomputes(i) for i in range(5))
+    assert [selective.recompute_kind(i) for i in range(3)] == ["selective"] * 3
+    assert [every2.recompute_kind(i) for i in range(3)] == ["none", "full", "none"]
+    assert hf3d.ParallelConfig().recompute_kind(0) == "none"
+    for bad in ("every_0", "every_", "Selective", "some", 2):
+        with pytest.raises(ValueError, match='"none", "full" or "every_<k>" .*or "selective"'):
             hf3d.ParallelConfig(recompute=bad)
-    for schedule in ("zbv", "dualpipev"):
+    for schedule, kind in (("zbv", "full"), ("dualpipev", "selective")):
         with pytest.raises(ValueError, match=f"recompute is not supported with pp_schedule '{schedule}'"):
-            hf3d.ParallelConfig(pp=2, pp_schedule=schedule, recompute="full")
+            hf3d.ParallelConfig(pp=2, pp_schedule=schedule, recompute=kind)
+    assert hf3d.ParallelConfig(activation_offload=True).activation_offload is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="ParallelConfig.activation_offload must be true or false"):
+            hf3d.ParallelConfig(activation_offload=bad)
 
 
 def test_override_config():

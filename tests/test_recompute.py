@@ -186,22 +186,3 @@ def test_the_policy_keeps_matmul_and_attention_outputs_only():
     )
     for op in recomputed:
         assert selective_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
-
-
-def test_recompute_config():
-    selective = hf3d.ParallelConfig(recompute="selective")
-    assert selective.recompute == "selective"
-    assert all(selective.recomputes(i) for i in range(5))
-    assert [selective.recompute_kind(i) for i in range(3)] == ["selective"] * 3
-    assert [hf3d.ParallelConfig(recompute="every_2").recompute_kind(i) for i in range(3)] == ["none", "full", "none"]
-    assert hf3d.ParallelConfig().recompute_kind(0) == "none"
-    for bad in ("every_0", "Selective", "some", 2):
-        with pytest.raises(ValueError, match='"none", "full" or "every_<k>" .*or "selective"'):
-            hf3d.ParallelConfig(recompute=bad)
-    for schedule in ("zbv", "dualpipev"):
-        with pytest.raises(ValueError, match=f"recompute is not supported with pp_schedule '{schedule}'"):
-            hf3d.ParallelConfig(pp=2, pp_schedule=schedule, recompute="selective")
-    assert hf3d.ParallelConfig(activation_offload=True).activation_offload is True
-    for bad in ("yes", 1, None):
-        with pytest.raises(ValueError, match="ParallelConfig.activation_offload must be true or false"):
-            hf3d.ParallelConfig(activation_offload=bad)
