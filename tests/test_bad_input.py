@@ -1408,7 +1408,7 @@ CASES: list[Case] = [
         SET,
         "`hf3d plan --mesh tensor=2` (not a parallel key)",
         lambda fx: ["plan", fx["llama"], "--nproc", "2", "--mesh", "tensor=2"],
-        ["hf3d plan: error: --mesh 'tensor=2': write KEY=VALUE pairs with KEY one of tp, pp, dp, cp, ep"],
+        ["hf3d plan: error: --mesh: unknown key 'tensor' in parallel", "known keys: tp, pp, dp"],
         how="main",
     ),
     _c(

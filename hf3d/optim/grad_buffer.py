@@ -44,6 +44,29 @@ from ..parallel.layout import get_pieces, shard_range
 from ..utils import compat
 
 
+def cut_buckets(sizes: list[tuple[int, bool]], *, bucket_size: int) -> list[list[int]]:
+    """The gradient buckets of parameters given as (numel, is_matrix) in backward order: each bucket's members, as
+    indices into `sizes`. The matrices first, then the vectors (norm weights, biases) in buckets of their own; a
+    bucket closes once its members' elements reach `bucket_size`. Sizes only, so that hf3d/plan cuts the same."""
+    # a layer's norms are registered after its projections but reached by backward among them (post-attention norm)
+    # or after them (input norm), so in the matrices' buckets they would hold a bucket open while the next fills
+    # (two full buckets, ZeRO-2)
+    out = []
+    for matrices in (True, False):
+        current, filled = [], 0
+        for i, (numel, is_matrix) in enumerate(sizes):
+            if is_matrix != matrices:
+                continue
+            current.append(i)
+            filled += numel
+            if filled >= bucket_size:
+                out.append(current)
+                current, filled = [], 0
+        if current:
+            out.append(current)
+    return out
+
+
 @dataclass
 class Bucket:
     params: list[nn.Parameter]
@@ -91,19 +114,9 @@ class GradBuffer:
         self.hf_shapes, self.uses = hf_shapes or {}, uses or {}
         self.buckets: list[Bucket] = []
         offset = base
-        # vectors (norm weights, biases) in buckets of their own, after the matrices: a layer's norms are registered
-        # after its projections but reached by backward among them (post-attention norm) or after them (input norm),
-        # so in the matrices' buckets they would hold a bucket open while the next fills (two full buckets, ZeRO-2)
-        matrices, vectors = [p for p in params if p.dim() > 1], [p for p in params if p.dim() <= 1]
-        for members, is_deferred in ((matrices, False), (vectors, False), (list(deferred), True)):
-            current: list[nn.Parameter] = []
-            for p in members:
-                current.append(p)
-                if sum(q.numel() for q in current) >= bucket_size:
-                    offset = self._add_bucket(current, offset, is_deferred)
-                    current = []
-            if current:
-                offset = self._add_bucket(current, offset, is_deferred)
+        for members, is_deferred in ((list(params), False), (list(deferred), True)):
+            for cut in cut_buckets([(p.numel(), p.dim() > 1) for p in members], bucket_size=bucket_size):
+                offset = self._add_bucket([members[i] for i in cut], offset, is_deferred)
         self.base, self.end = base, offset
         self.main_grad: torch.Tensor | None = None
 

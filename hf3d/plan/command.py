@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..parallel.config import ParallelConfig
+from ..utils.configfile import build_section, set_value
 from ..utils.units import parse_size
 
 HEADROOM = 0.9  # the share of the GPU the plan fills: the rest is CUDA's context, NCCL's buffers, fragmentation
@@ -105,26 +106,21 @@ def run(args) -> int:
     return 0
 
 
-MESH_KEYS = ("tp", "pp", "dp", "cp", "ep", "dp_shard", "zero_stage", "recompute", "pp_schedule", "num_microbatches")
-MESH_KEYS += ("virtual_stages", "sequence_parallel")
-
-
 def _mesh_option(text: str) -> ParallelConfig:
-    """--mesh tp=2,pp=2,...: a ParallelConfig, one line for a key or value it cannot take."""
+    """--mesh tp=2,pp=2,...: a ParallelConfig, each KEY=VALUE read and checked as `hf3d train --set parallel.KEY=VALUE`
+    reads it, with the YAML path's line for a key or value it cannot take."""
     values = {}
-    for item in text.split(","):
-        key, sep, value = item.strip().partition("=")
-        if not sep or key not in MESH_KEYS:
-            raise ValueError(f"--mesh {item.strip()!r}: write KEY=VALUE pairs with KEY one of {', '.join(MESH_KEYS)}")
-        if key in ("recompute", "pp_schedule"):
-            values[key] = value
-        elif key == "sequence_parallel":
-            values[key] = value.lower() in ("1", "true", "yes")
-        elif value.isdecimal():
-            values[key] = int(value)
-        else:
-            raise ValueError(f"--mesh {item.strip()!r}: {key} takes a positive whole number")
-    return ParallelConfig(**values)
+    for item in (part.strip() for part in text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--mesh {item!r}: write KEY=VALUE pairs of parallel keys (tp=2,pp=2,zero_stage=3,...)")
+        values[key.strip()] = set_value(item, value)
+    try:
+        return build_section(ParallelConfig, values, "parallel")
+    except ValueError as e:  # ParallelConfig's own checks name the YAML key, as hf3d train's config does
+        msg = str(e).replace("ParallelConfig.", "parallel.")
+        msg = msg.replace("unknown pp_schedule", "unknown parallel.pp_schedule")
+        raise ValueError(f"--mesh: {msg}") from None
 
 
 def _train_mesh(chosen: ParallelConfig | None, world: int) -> ParallelConfig:

@@ -33,8 +33,9 @@ def plan_run(cfg, model_config) -> list[dict] | None:
     from ..plan.planner import Planner
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    # the plan traces sdpa ("auto" too) or eager, whose packed rows build dense masks; other kernels as sdpa, unmasked
     attn = cfg.model.attn_implementation
-    attn = "sdpa" if attn in ("auto", "sdpa") else attn
+    dense_masks = attn in ("auto", "sdpa", "eager")
     job = Job(
         seq_len=cfg.data.seq_len,
         global_batch=cfg.run.global_batch,
@@ -43,8 +44,8 @@ def plan_run(cfg, model_config) -> list[dict] | None:
         state_precision=cfg.optim.state_precision,
         bucket_size=cfg.optim.bucket_size,
         target="cuda" if torch.cuda.is_available() else "cpu",
-        packed=cfg.data.document_masking and attn in ("sdpa", "eager"),
-        attn="sdpa" if attn not in ("sdpa", "eager") else attn,
+        packed=cfg.data.document_masking and dense_masks,
+        attn="eager" if attn == "eager" else "sdpa",
     )
     try:
         model_config = model_config()
