@@ -194,6 +194,42 @@ def _gathers_before_each_layer(dirs, ahead: int) -> list[int]:
     return seen
 
 
+def _gathered_in_a_step(dirs) -> dict:
+    """ZeRO-3 at dp2, two micro-batches: the all-gathers each FSDP group issued in one step, and the most elements
+    held gathered at once (from a group's all-gather to its reshard) beside `fsdp.gathered_at_peak`, which the
+    memory report and `hf3d plan` count."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    from hf3d.parallel.fsdp import gathered_at_peak
+
+    pm = hf3d.parallelize(dirs["llama4"], hf3d.ParallelConfig(zero_stage=3, num_microbatches=2))
+    gathers, live, peak = {}, {}, [0]
+    unshard, to_sharded = FSDPParamGroup.unshard, FSDPParamGroup._to_sharded
+
+    def counted_unshard(group, *args, **kwargs):
+        idle = group._all_gather_result is None
+        unshard(group, *args, **kwargs)
+        if idle and group._all_gather_result is not None:  # an all-gather was issued
+            gathers[group._module_fqn] = gathers.get(group._module_fqn, 0) + 1
+            live[id(group)] = sum(fp._orig_size.numel() for fp in group.fsdp_params)
+            peak[0] = max(peak[0], sum(live.values()))
+
+    def counted_reshard(group):
+        live.pop(id(group), None)
+        return to_sharded(group)
+
+    FSDPParamGroup.unshard, FSDPParamGroup._to_sharded = counted_unshard, counted_reshard
+    try:
+        opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+        ids, labels = _data()[0]
+        rows = dp_rows(pm, BATCH)
+        pm.train_step(ids[rows], labels[rows])
+        opt.step()
+    finally:
+        FSDPParamGroup.unshard, FSDPParamGroup._to_sharded = unshard, to_sharded
+    return {"gathers": gathers, "peak": peak[0], "counted": gathered_at_peak(pm)}
+
+
 def _worker(world: int, dirs: dict, out: str) -> None:
     start_watchdog(900)
     res = {}
@@ -214,6 +250,7 @@ def _worker(world: int, dirs: dict, out: str) -> None:
             res[name] = _resume(dirs, first, then, f"{out}/{name}")
     if world == 2:
         res["prefetch"] = {ahead: _gathers_before_each_layer(dirs, ahead) for ahead in (1, 2)}
+        res["gathered"] = _gathered_in_a_step(dirs)
     torch.save(res, f"{out}/rank{dist.get_rank()}.pt")
 
 
@@ -348,6 +385,18 @@ def test_the_next_layer_is_gathered_before_a_layer_computes(world):
     expected = [1 + min(i + 2, n) for i in range(n)]
     assert world[0]["prefetch"][1] == expected, world[0]["prefetch"]
     assert world[0]["prefetch"][2] != expected, world[0]["prefetch"]  # the mutation: layer i + 2 instead
+
+
+def test_each_group_is_gathered_as_counted(world):
+    """A step of two micro-batches: a decoder layer gathered for each forward and each backward; the stage's ends
+    (the embedding and the head) once, kept from the first forward to the step; at most the ends and two layers
+    gathered at once, as the memory report and the plan count them."""
+    if _size(world) != 2:
+        pytest.skip("the gathers are counted on 2 ranks")
+    got = world[0]["gathered"]
+    ends = [name for name in got["gathers"] if "embed_tokens" in name]
+    assert got["gathers"] == {**{f"layers.{i}": 4 for i in range(4)}, **dict.fromkeys(ends, 1)}, got
+    assert len(ends) == 1 and got["peak"] == got["counted"], got
 
 
 def test_the_memory_report_shards_gradients_and_weights(world):

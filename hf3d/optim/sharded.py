@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..parallel.fsdp import first_replica, local_grad, local_shard, reshard_all, units
+from ..parallel.fsdp import first_replica, gathered_at_peak, local_grad, local_shard, reshard_all
 from .base import ParallelOptimizer, merge_ranges, owned_runs, tied_embedding_group
 from .grad_buffer import sum_partial_over_tp
 
@@ -110,11 +110,11 @@ class ShardedOptimizer(ParallelOptimizer):
     # -- reporting ---------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank by each part of the training state. params: the fp32 shards (the master
-        weights too); main_grads: their fp32 gradients; gathered_unit: the largest FSDP group gathered for compute
-        (its weights, in the compute dtype, exist only while it runs)."""
+        weights too); main_grads: their fp32 gradients; gathered_unit: the weights gathered for compute at once at the
+        step's peak, in the compute dtype (fsdp.gathered_at_peak: the stage's ends and two layers at pp = 1)."""
         shards = sum(m.numel() for _, m, _, _ in self._masters)
         size = torch.empty((), dtype=self.pmodel.param_dtype).element_size()
-        unit = max((sum(p.numel() for p in _unique(group)) for group in units(self.pmodel)), default=0)
+        unit = gathered_at_peak(self.pmodel)
         report = {
             "params": shards * 4,
             "main_grads": shards * 4,
@@ -124,10 +124,6 @@ class ShardedOptimizer(ParallelOptimizer):
         }
         report["total"] = sum(report.values())
         return report
-
-
-def _unique(modules: list[nn.Module]) -> list[nn.Parameter]:
-    return list({id(p): p for m in modules for p in m.parameters()}.values())
 
 
 def _row(p: torch.Tensor) -> int:

@@ -9,7 +9,11 @@ pipeline stage and bottom-up:
 - every decoder layer is one group; a MoE layer's grouped experts a group of their own (ep > 1: another mesh);
 - the stage's embedding, final norm and lm_head are one group (a tied embedding and head share one Parameter);
   the head's chunked loss (`fused_loss_terms`), called after the stage's forward, is registered as a forward
-  method, so it gathers the head as a forward would (FSDP2's chunked-loss case);
+  method, so it gathers the head as a forward would (FSDP2's chunked-loss case). At pp = 1 the group stays
+  gathered from the step's first forward to the optimizer step, which reshards every group (`reshard_all`): the
+  head's backward comes first and the embedding's last, and FSDP2 resharded the group between them, gathering it
+  again for the embedding's gradient (two all-gathers of the largest group per micro-batch, one a step now, for
+  no memory: the group is gathered at the peak, the turn from forward to backward, anyway);
 - the StageModule is the root, holding no parameter of its own: every call into a stage (train_step, the
   pipeline schedule, evaluation, decoding) enters through it. Under a pipeline schedule the stage is the
   schedule's module itself, so torch.distributed.pipelining runs FSDP2 its own way: gradients accumulate
@@ -81,6 +85,8 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
         if ends:
             # used at both ends of the stage: kept gathered from the forward to the backward
             shard(ends, mesh, reshard=False)
+            if per_layer:  # and to the optimizer step (above)
+                ends[0].set_reshard_after_backward(False)
         if stage.lm_head is not None:
             for method in HEAD_FORWARD_METHODS:
                 register_fsdp_forward_method(stage.lm_head, method)
@@ -136,6 +142,18 @@ def is_sharded(param: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(param, DTensor)
+
+
+def gathered_at_peak(pmodel) -> int:
+    """Elements of the weights ZeRO-3 holds gathered at once at the step's peak, by the rules above: under
+    pipelining every parameter of the rank; at pp = 1 the stage's ends and a layer beside the one it prefetches
+    (the largest 1 + PREFETCH_AHEAD layers). Read on a sharded model or on one before `apply_fsdp` (the plan's)."""
+    params = {id(p): p for stage in pmodel.stages for p in stage.parameters()}
+    total = sum(p.numel() for p in params.values())
+    if pmodel.pcfg.pp > 1:
+        return total
+    layers = sorted(sum(p.numel() for p in layer.parameters()) for st in pmodel.stages for layer in st.layers)
+    return total - sum(layers) + sum(layers[-(1 + PREFETCH_AHEAD) :])
 
 
 def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, int]:

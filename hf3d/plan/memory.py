@@ -9,7 +9,9 @@ The training state follows hf3d's optimizer (hf3d/optim/zero.py, grad_buffer.py,
   at 1 and 2), none when the parameters are fp32 themselves (they are their own masters); the optimizer's
   state (AdamW: two moments) on the same elements, in fp32, bf16 or torchao's 8 bits (+ a scale per 256).
 - ZeRO-3 (FSDP2): fp32 shards (the master weights), their fp32 gradients and the state on 1/shard of every
-  parameter, and one layer gathered in the compute dtype while it runs.
+  parameter, and the weights gathered in the compute dtype at the step's peak: the stage's embedding, norm and
+  head with two layers at pp = 1 (the one computing, the next prefetched), every stage of the rank under a
+  pipeline (gathered from the first forward to the gradients' reduction: hf3d/parallel/fsdp.py).
 The shard group is dp x cp for dense parameters (dp_shard x cp under HSDP) and dp / ep x cp for experts.
 
 Activations: one micro-batch's bytes on each stage (hf3d/plan/trace.py) times the micro-batches the schedule
@@ -24,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
+from ..optim.grad_buffer import cut_buckets
 from .trace import RankParams
 
 STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}  # per state element (8-bit: + a scale per 256)
@@ -53,11 +56,11 @@ class RankMemory:
     grads: int
     state: int
     activations: int
-    gathered: int = 0  # ZeRO-3: the largest layer gathered for compute
+    gathered: int = 0  # ZeRO-3: the weights gathered at once at the step's peak, in the compute dtype
 
     @property
     def state_total(self) -> int:
-        """Weights + master + gradients + optimizer state (+ ZeRO-3's gathered layer)."""
+        """Weights + master + gradients + optimizer state (+ ZeRO-3's gathered weights)."""
         return self.weights + self.master + self.grads + self.state + self.gathered
 
     @property
@@ -76,18 +79,9 @@ def _shard_groups(pcfg) -> tuple[int, int]:
 
 
 def _buckets(params: list[tuple[int, bool, bool]], *, bucket_size: int, shard: int) -> list[int]:
-    """Padded elements of each gradient bucket, as grad_buffer.GradBuffer cuts them (matrices, then vectors)."""
-    out = []
-    for members in ([n for n, matrix, _ in params if matrix], [n for n, matrix, _ in params if not matrix]):
-        filled = 0
-        for n in members:
-            filled += n
-            if filled >= bucket_size:
-                out.append(-(-filled // shard) * shard)
-                filled = 0
-        if filled:
-            out.append(-(-filled // shard) * shard)
-    return out
+    """Padded elements of each gradient bucket, as grad_buffer.GradBuffer cuts them (`cut_buckets`)."""
+    cut = cut_buckets([(n, matrix) for n, matrix, _ in params], bucket_size=bucket_size)
+    return [-(-sum(params[i][0] for i in members) // shard) * shard for members in cut]
 
 
 def training_state(trace: RankParams, pcfg, job: Job, *, zero_stage: int) -> RankMemory:
@@ -99,7 +93,7 @@ def training_state(trace: RankParams, pcfg, job: Job, *, zero_stage: int) -> Ran
         groups = [(shard, [p for p in trace.params if not p[2]]), (expert_shard, [p for p in trace.params if p[2]])]
     if zero_stage == 3:
         elements = sum(-(-n // g) for g, ps in groups for n, _, _ in ps)
-        gathered = trace.largest_layer * job.dtype_bytes
+        gathered = trace.gathered * job.dtype_bytes
         return RankMemory(4 * elements, 0, 4 * elements, _state(elements, job), 0, gathered=gathered)
     buckets = [(g, _buckets(ps, bucket_size=job.bucket_size, shard=g)) for g, ps in groups]
     padded = sum(sum(b) for _, b in buckets)

@@ -35,6 +35,7 @@ from ..models import moe as moe_module
 from ..parallel import context as cp_context
 from ..parallel import expert as expert_module
 from ..parallel.expert import is_expert
+from ..parallel.fsdp import gathered_at_peak
 from .meter import ActivationMeter
 
 META = torch.device("meta")
@@ -46,7 +47,7 @@ class RankParams:
 
     params: list[tuple[int, bool, bool]]  # (elements, a matrix, an expert's) of each parameter, in the model's order
     param_bytes: int  # the parameters as the rank stores them
-    largest_layer: int  # elements of the rank's largest decoder layer (ZeRO-3 gathers one at a time)
+    gathered: int  # elements ZeRO-3 holds gathered at once at the step's peak (parallel.fsdp.gathered_at_peak)
     stages: dict[int, list[int]]  # stage index -> its decoder layers
 
 
@@ -147,9 +148,8 @@ def trace_params(config, pcfg, *, rank: int, dtype: torch.dtype, attn: str = "sd
     params = [p for _, p in pmodel.unique_parameters()]
     shapes = [(p.numel(), p.dim() > 1, is_expert(p)) for p in params]
     stored = sum(p.numel() * p.element_size() for p in params)
-    layers = [layer for stage in pmodel.stages for layer in stage.layers]
-    largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
-    return RankParams(shapes, stored, largest, {st.stage_index: list(st.layer_ids) for st in pmodel.stages})
+    stages = {st.stage_index: list(st.layer_ids) for st in pmodel.stages}
+    return RankParams(shapes, stored, gathered_at_peak(pmodel), stages)
 
 
 def trace_activations(

@@ -89,7 +89,7 @@ MEMORY_LABELS = {  # opt.memory_report()'s keys, as the start line names them
     "master_weights": "fp32 master weights",
     "main_grads": "fp32 gradients",
     "grad_bucket": "+ a bucket in flight",
-    "gathered_unit": "+ the largest group gathered",
+    "gathered_unit": "+ gathered at the peak",
     "optimizer_state": "optimizer state",
     "total": "total",
 }
