@@ -12,6 +12,12 @@ config.json alone, runs aux-loss-free balancing two steps at tp=1 and at tp=2 (w
 parallelism) against stock's router plus the bias, and runs three mutations (a token routed to the wrong
 expert, the router weights skipped, expert gradients reduced over the whole dp group) that the checks must
 catch.
+
+Without a spawn, two MoE layers run side by side as stock's blocks (its grouped_mm experts and
+load_balancing_loss_func) and as hf3d's (TPMoE and RouterStats at tp = ep = 1), top-2 and top-3: the
+outputs and every gradient are stock's bit for bit, the arithmetic in stock's order (its sort of the
+assignments, its sum over each token's k slots, the load-balancing gradient through a softmax of its own in
+stock's order of operations). hf3d's former orders, planted back one at a time, must each show there.
 """
 
 from __future__ import annotations
@@ -282,6 +288,157 @@ def test_the_pipeline_case_leaves_experts_empty(moe_dirs):
                     picks = logits.softmax(-1).topk(cfg.num_experts_per_tok).indices.flatten()
                     empty += int((torch.bincount(picks, minlength=cfg.num_experts) == 0).sum())
     assert empty > 0
+
+
+BLOCK_TOKENS, BLOCK_FORWARDS = 32, 2  # the load-balancing loss weighs coef / forwards, as moe_reference_run's
+
+
+def _block_gradients(top_k: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Two MoE layers of a tiny Qwen3-MoE (router weights large enough that the picks spread), each on tokens of
+    its own, forward and backward of sum(y * g) + coef / forwards * stock's load-balancing loss over both: stock's
+    blocks against hf3d's at tp = ep = 1. {what: (stock's, hf3d's)}."""
+    import copy
+
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from hf3d.models.common import TPContext
+    from hf3d.models.moe import EPContext, TPMoE
+    from hf3d.parallel.expert import RouterStats
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3-moe", num_experts_per_tok=top_k), dtype=torch.float32)
+    cfg = model.config
+    assert cfg._experts_implementation == "grouped_mm", cfg._experts_implementation  # stock's default, whose order
+    blocks = [layer.mlp for layer in model.model.layers[:2]]
+    with torch.no_grad():
+        for b in blocks:
+            b.gate.weight.normal_(0, 0.2)
+    xs = [torch.randn(1, BLOCK_TOKENS, cfg.hidden_size) for _ in blocks]
+    gs = [torch.randn(1, BLOCK_TOKENS, cfg.hidden_size) * 1e-2 for _ in blocks]
+    coef = cfg.router_aux_loss_coef
+
+    stock, logits = [copy.deepcopy(b) for b in blocks], []
+    for b in stock:
+        b.gate.register_forward_hook(lambda _m, _i, out: logits.append(out[0]))
+    stock_x = [x.clone().requires_grad_() for x in xs]
+    stock_y = [b(x) for b, x in zip(stock, stock_x)]
+    aux = load_balancing_loss_func(tuple(logits), cfg.num_experts, top_k)
+    (sum((y * g).sum() for y, g in zip(stock_y, gs)) + coef * (aux / BLOCK_FORWARDS)).backward()
+
+    stats = RouterStats(cfg.num_experts, [0, 1], aux=True, shard_groups=[])
+    stats.rows, stats.coef = BLOCK_TOKENS, coef / BLOCK_FORWARDS
+    stats.start_step("cpu")
+    stats.start(None, "cpu")
+    ours = []
+    for i, b in enumerate(blocks):
+        b = copy.deepcopy(b)
+        moe = TPMoE(
+            b, f"model.layers.{i}.mlp", TPContext(None, 0, 1, dtype=torch.float32), EPContext(None, 0, 1, stats)
+        )
+        with torch.no_grad():  # tp = 1: stock's fused [E, 2I, H] and [E, H, I] are hf3d's stacks as they are
+            moe.grouped_experts.gate_up.copy_(b.experts.gate_up_proj)
+            moe.grouped_experts.down.copy_(b.experts.down_proj)
+        ours.append(moe)
+    our_x = [x.clone().requires_grad_() for x in xs]
+    our_y = [m(x) for m, x in zip(ours, our_x)]
+    term, our_aux = stats.close(stats.stop())
+    (sum((y * g).sum() for y, g in zip(our_y, gs)) + term).backward()
+
+    out = {"load-balancing loss": (aux.detach(), our_aux.detach())}
+    for i, (s, m) in enumerate(zip(stock, ours)):
+        out[f"layer {i} output"] = (stock_y[i].detach(), our_y[i].detach())
+        out[f"layer {i} input gradient"] = (stock_x[i].grad, our_x[i].grad)
+        out[f"layer {i} router gradient"] = (s.gate.weight.grad, m.router.grad)
+        out[f"layer {i} gate_up gradient"] = (s.experts.gate_up_proj.grad, m.grouped_experts.gate_up.grad)
+        out[f"layer {i} down gradient"] = (s.experts.down_proj.grad, m.grouped_experts.down.grad)
+    return out
+
+
+def _differing(pairs: dict) -> list[str]:
+    return [what for what, (a, b) in pairs.items() if not torch.equal(a, b)]
+
+
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_a_moe_layer_is_stocks_bit_for_bit(top_k):
+    """Forward, backward and the load-balancing loss of hf3d's MoE layers equal stock's to the bit: the float
+    noise of a different order is what AdamW turns into weight error on near-zero gradients (tests/test_sharding.py)."""
+    different = _differing(_block_gradients(top_k))
+    assert not different, f"top-{top_k}: {different}"
+
+
+def _old_sort(init):
+    def sort(self, index, num_experts, group):  # each expert's rows in token order (a stable sort)
+        init(self, index, num_experts, group)
+        self.order = torch.sort(index.reshape(-1), stable=True).indices
+        self.rows = self.order // self.k
+
+    return sort
+
+
+def _old_combine(self, y, top_k_weights):  # each token's k outputs added in expert order (index_add)
+    weights = top_k_weights.reshape(-1)[self.order].unsqueeze(-1)
+    return y.new_zeros((self.num_tokens, y.shape[-1])).index_add(0, self.rows, y * weights)
+
+
+def _old_route(self, x):  # the load-balancing loss fed the router's own probabilities, one scale on the counts
+    import torch.nn.functional as F
+
+    from hf3d.parallel.expert import expert_counts
+
+    logits = F.linear(x, self.router)
+    probs = F.softmax(logits, dtype=torch.float, dim=-1)
+    weights, index = torch.topk(probs, self.top_k, dim=-1)
+    if self.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    stats = self.ep.stats
+    counts = expert_counts(index, stats.num_experts).to(torch.float32)
+    stats.load[stats.layers.index(self.layer)] += counts
+    n = stats.rows * stats.num_layers
+    stats.chain = _OldTally.apply(stats.chain, probs.sum(0), counts, stats.coef * stats.num_experts / (n * n))
+    return weights.to(logits.dtype), index
+
+
+class _OldTally(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, chain, prob_sums, counts, scale):
+        ctx.scale = scale
+        return chain + torch.stack([counts, prob_sums.detach()])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, ctx.scale * grad[0], None, None
+
+
+@pytest.mark.parametrize(
+    "mutation, top_k, shows_in",
+    [
+        ("stable sort", 2, "gate_up gradient"),
+        ("expert-order sum", 3, "output"),
+        ("load balancing through the router's softmax", 2, "router gradient"),
+    ],
+)
+def test_the_bitwise_check_catches_the_former_orders(mutation, top_k, shows_in):
+    """hf3d's former orders, each planted back alone, show in the bitwise check where they act."""
+    from hf3d.models.moe import TPMoE
+    from hf3d.parallel import expert
+
+    target, attr = {
+        "stable sort": (expert.Dispatch, "__init__"),
+        "expert-order sum": (expert.Dispatch, "combine"),
+        "load balancing through the router's softmax": (TPMoE, "route"),
+    }[mutation]
+    original = getattr(target, attr)
+    fake = {
+        "stable sort": _old_sort(original),
+        "expert-order sum": _old_combine,
+        "load balancing through the router's softmax": _old_route,
+    }[mutation]
+    setattr(target, attr, fake)
+    try:
+        different = _differing(_block_gradients(top_k))
+    finally:
+        setattr(target, attr, original)
+    assert any(shows_in in what for what in different), f"{mutation}: only {different} differ"
 
 
 @pytest.mark.parametrize("name", list(RESUMES))

@@ -119,7 +119,9 @@ class TPMoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if stats is not None:
-            stats.tally(self.layer, probs, index)
+            # stock's load-balancing loss takes a softmax of the logits of its own, whose backward adds to the
+            # router's at the logits; run whenever the loss is on, so that recompute saves what the forward did
+            stats.tally(self.layer, F.softmax(logits, dtype=torch.float, dim=-1) if stats.aux else probs, index)
         return weights.to(logits.dtype), index
 
     # Under regional compile (hf3d/parallel/compile.py) the block runs eager, one graph break per MoE layer: at

@@ -5,13 +5,15 @@ Each MoE layer's E experts are split over the ep ranks of an expert group, E/ep 
 holds experts [j*E/ep, (j+1)*E/ep)). A layer's step, per rank (hf3d/models/moe.py drives it):
 
 1. the router picks top-k experts per token; the (token, expert) assignments are sorted by expert, so
-   by destination rank (stable, so each expert sees its tokens in token order);
+   by destination rank, with stock's own call (`torch.sort`, not stable, as transformers' grouped_mm
+   experts sort them): each expert sees its rows in stock's order, so its weight gradient, a sum over
+   those rows, rounds as stock's does;
 2. the per-expert counts go all-to-all, then the tokens (`all_to_all_single`, variable splits): no
    capacity factor, no token dropped, so the arithmetic is stock's;
 3. the received tokens are regrouped by local expert and run as one grouped GEMM per projection
    (`torch._grouped_mm`), or a loop over experts where torch has no grouped GEMM;
-4. the outputs go back by the inverse all-to-all and are summed per token with the router weights, in
-   expert order, as stock's expert loop adds them.
+4. the outputs go back by the inverse all-to-all, are weighted by the router, put back in (token, top-k
+   slot) order and summed over each token's k slots, as stock's grouped_mm experts sum them.
 
 Every step is differentiable: the adjoint of an all-to-all is the all-to-all with the splits swapped.
 
@@ -29,7 +31,9 @@ know when its own layers run. So the [2, E] (counts, probability sums) travel as
 from stage to stage, layer by layer (`_Tally`), and the last stage closes the forward (`_Close`): it
 sums the shards of one forward's rows (tp under sequence parallelism, cp) and sends the totals back
 as that tensor's gradient, which every layer's tally reads in its backward. Without a pipeline the same
-chain lives inside one stage.
+chain lives inside one stage. The arithmetic is stock's `load_balancing_loss_func` step for step: a softmax
+of the router logits of its own (whose backward adds to the router's at the logits, as stock's does), and
+the probability sums' gradient coef * E * (counts / n) / n in stock's order of fp32 operations.
 """
 
 from __future__ import annotations
@@ -112,7 +116,9 @@ class Dispatch:
         self.num_tokens, self.k = top_k_index.shape
         self.num_local = num_experts // ep
         flat = top_k_index.reshape(-1)
-        self.order = torch.sort(flat, stable=True).indices  # assignments by expert, so by rank
+        # assignments by expert, so by rank: stock's sort (transformers' grouped_mm experts), so that each expert's
+        # rows, and the sum over them that is its weight gradient, come in stock's order
+        self.order = torch.sort(flat).indices
         self.rows = self.order // self.k  # the token of each sorted assignment
         counts = expert_counts(flat, num_experts)
         if self.group is None:  # nothing to exchange: the counts stay on the device as the GEMMs' groups
@@ -142,14 +148,17 @@ class Dispatch:
 
     def combine(self, y: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """Expert outputs y [R, h] (grouped like send_tokens' rows) -> [T, h]: each token's outputs times
-        its router weights, added in expert order."""
+        its router weights, summed over its k slots in slot order, as transformers' grouped_mm experts do
+        (`weighted[inverse].view(T, k, h).sum(1)`: the same sum, and a deterministic one where index_add's
+        atomics are not)."""
         if self.group is not None:
             back = torch.empty_like(self.regroup)
             back[self.regroup] = torch.arange(len(self.regroup), device=back.device)
             y = _AllToAll.apply(y[back], self.recv, self.send, self.group)
-        weights = top_k_weights.reshape(-1)[self.order].unsqueeze(-1)
-        out = y.new_zeros((self.num_tokens, y.shape[-1]))
-        return out.index_add(0, self.rows, (y * weights).to(out.dtype))
+        weighted = y * top_k_weights.reshape(-1)[self.order].unsqueeze(-1)
+        inverse = torch.empty_like(self.order)
+        inverse[self.order] = torch.arange(len(self.order), device=inverse.device)
+        return weighted[inverse].view(self.num_tokens, self.k, -1).sum(dim=1)
 
 
 # -- the load-balancing loss across layers and stages --------------------------------------------------
@@ -157,16 +166,19 @@ class Dispatch:
 
 class _Tally(torch.autograd.Function):
     """chain + (this layer's pick counts, probability sums); backward: the chain's gradient holds the
-    forward's total counts, so the probability sums' gradient is scale * total counts."""
+    forward's total counts, so the probability sums' gradient is coef * E * (counts / n) / n, n the forward's
+    rows times MoE layers. The order of its fp32 operations is autograd's through stock's loss
+    (`E * sum((counts / n) * (prob_sums / n))`, weighted by coef): (coef * E) * (counts / n), then / n."""
 
     @staticmethod
-    def forward(ctx, chain, prob_sums, counts, scale: float):
-        ctx.scale = scale
+    def forward(ctx, chain, prob_sums, counts, coef: float, num_experts: int, n: int):
+        ctx.coef, ctx.num_experts, ctx.n = coef, num_experts, float(n)
         return chain + torch.stack([counts, prob_sums.detach()])
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, ctx.scale * grad[0], None, None
+        per_loss = grad.new_full((), ctx.coef) * ctx.num_experts
+        return grad, per_loss * (grad[0] / ctx.n) / ctx.n, None, None, None, None
 
 
 class _Close(torch.autograd.Function):
@@ -254,8 +266,10 @@ class RouterStats:
         return chain
 
     def tally(self, layer: int, probs: torch.Tensor, top_k_index: torch.Tensor) -> None:
-        """MoE layer `layer`'s router output: probs [T, E] (fp32 softmax), top_k_index [T, k]. A forward run
-        again by activation recompute (inside backward) counts nothing."""
+        """MoE layer `layer`'s router output: probs [T, E] (fp32 softmax), top_k_index [T, k]. Under the
+        load-balancing loss, probs is a softmax of the router logits of the loss's own, as stock's is, not the
+        router's: its gradient reaches the logits through a softmax backward of its own, added to the
+        router's there. A forward run again by activation recompute (inside backward) counts nothing."""
         if torch._C._current_graph_task_id() != -1:
             return
         counts = expert_counts(top_k_index, self.num_experts).to(torch.float32)
@@ -263,16 +277,15 @@ class RouterStats:
             self.load[self.layers.index(layer)] += counts
         if self.chain is not None:
             n = self.rows * self.num_layers
-            scale = self.coef * self.num_experts / (n * n)
-            self.chain = _Tally.apply(self.chain, probs.sum(0), counts, scale)
+            self.chain = _Tally.apply(self.chain, probs.sum(0), counts, self.coef, self.num_experts, n)
 
     def close(self, chain: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(term to add to the objective, stock's load-balancing loss of this forward)."""
         totals = chain.detach().clone()
         for group in self.shard_groups:
             dist.all_reduce(totals, group=group)
-        n = self.rows * self.num_layers
-        aux = self.num_experts * (totals[0] * totals[1]).sum() / (n * n)
+        n = float(self.rows * self.num_layers)
+        aux = torch.sum(totals[0] / n * (totals[1] / n)) * self.num_experts  # stock's order
         return _Close.apply(chain, totals), aux
 
 
