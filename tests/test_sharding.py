@@ -14,7 +14,8 @@ themselves are measured by benchmarks/bench_sharding.py.
 Mutations, each one thing made wrong that a check here must catch: a ZeRO-2 shard reduced twice; ZeRO-3
 gradients reduced in bf16; ZeRO-3 gradients averaged over dp instead of summed; HSDP shards not summed over
 their replicas; FSDP2's prefetch pointed past the next layer (the prefetch check counts the all-gathers issued
-before each layer computes).
+before each layer computes); the optimizer step's reshard left out (a forward between the step and `zero_grad`
+computes with the gathered embedding and head from before the step).
 
 One spawn per world size (2 and 4) runs every case of that size; the parent asserts.
 """
@@ -236,6 +237,32 @@ def _gathered_in_a_step(dirs) -> dict:
     return {"gathers": gathers, "peak": peak[0], "counted": gathered_at_peak(pm)}
 
 
+def _logits_after_the_step(dirs, *, reshard: bool) -> float:
+    """ZeRO-3 at dp2: max |Δ| between the logits of a forward right after `opt.step()` (a loop that evaluates
+    before it zeroes the gradients) and after `opt.zero_grad()`. The stage's ends stay gathered from the first
+    forward to the step, so the step must free them; `reshard=False` leaves that out (the mutation: the forward
+    then computes with the embedding and head from before the step)."""
+    from hf3d.optim.sharded import ShardedOptimizer
+
+    pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(zero_stage=3))
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+    ids, labels = _data()[0]
+    rows = dp_rows(pm, BATCH)
+    pm.train_step(ids[rows], labels[rows])
+    write_back = ShardedOptimizer._write_back
+    if not reshard:
+        ShardedOptimizer._write_back = lambda self: None
+    try:
+        opt.step()
+    finally:
+        ShardedOptimizer._write_back = write_back
+    with torch.no_grad():
+        right_after = pm.logits(ids[rows])
+        opt.zero_grad()
+        later = pm.logits(ids[rows])
+    return (right_after - later).abs().max().item()
+
+
 def _worker(world: int, dirs: dict, out: str) -> None:
     start_watchdog(900)
     res = {}
@@ -257,6 +284,7 @@ def _worker(world: int, dirs: dict, out: str) -> None:
     if world == 2:
         res["prefetch"] = {ahead: _gathers_before_each_layer(dirs, ahead) for ahead in (1, 2)}
         res["gathered"] = _gathered_in_a_step(dirs)
+        res["after_step"] = {reshard: _logits_after_the_step(dirs, reshard=reshard) for reshard in (True, False)}
     torch.save(res, f"{out}/rank{dist.get_rank()}.pt")
 
 
@@ -424,3 +452,13 @@ def test_the_memory_report_shards_gradients_and_weights(world):
             assert sum(rep["params"] for rep in reports) == 4 * n
             assert all(rep["main_grads"] == rep["params"] and rep["master_weights"] == 0 for rep in reports)
             assert all(rep["optimizer_state"] == 2 * rep["params"] for rep in reports)
+
+
+def test_a_forward_right_after_the_step_sees_the_stepped_weights(world):
+    """Evaluating between `opt.step()` and `opt.zero_grad()` gives the logits of the stepped model, bit for bit;
+    with the step's reshard left out (planted) it does not."""
+    if _size(world) != 2:
+        pytest.skip("checked on 2 ranks")
+    got = world[0]["after_step"]
+    assert got[True] == 0.0, got
+    assert got[False] > 1e-3, got  # the planted mistake: one AdamW step (lr 2e-3) of the embedding and head
