@@ -4,9 +4,8 @@ A SmolLM2-135M-shaped Llama (4 layers, fp32, AdamW, 1M-element buckets) trains a
 step every rank samples what it holds from the run's own tensors, each storage once (weights: the parameters as
 registered now; fp32 gradients: hf3d's flat tensor and filling buckets, or every .grad; optimizer state), before each
 layer's forward, as its backward begins, as each gradient enters a bucket, and after the step; the figures after the
-step stand beside the arithmetic for N parameters (ZeRO-1 4N + 4N + 2N bytes, ZeRO-2 4N + N + 2N, ZeRO-3 N + N + 2N).
-ZeRO-3's weights also count the all-gathers in flight (a prefetched layer), and their peak stands beside what hf3d
-counts as held then (the shards and `fsdp.gathered_at_peak`: the stage's ends and two layers, fp32 here).
+step stand beside the arithmetic for N parameters (ZeRO-1 4N + 4N + 2N bytes, ZeRO-2 4N + N + 2N, ZeRO-3 N + N + 2N);
+ZeRO-3's peak weights (a prefetched layer's all-gather counted) beside hf3d's count: shards + fsdp.gathered_at_peak.
 Targets as the issue set them: ZeRO-3 at most 0.3x ZeRO-1 (the arithmetic is 2/(dp + 1): 0.4x at dp=4); ZeRO-2's
 peak gradients at most 1/dp + one bucket (its largest, as a parameter is never split, plus the norms' small one).
 Speed: the three stages side by side, steps interleaved in rotated order, median of the slowest rank (guards only).
@@ -41,19 +40,13 @@ def held(pm, opt) -> dict[str, int]:
 
     params, masters = [p for _, p in pm.hf_model.named_parameters()], [m for _, m, _, _ in opt._masters]
     weights = sum(map(size, params)) + (sum(map(size, masters)) if opt.zero_stage == 3 else 0)  # ZeRO-3: shards
-    weights += sum(map(size, in_flight(pm)))
+    groups = [g[0]._get_fsdp_state()._fsdp_param_group for g in getattr(pm, "fsdp_modules", [])]  # ZeRO-3's gathers
+    weights += sum(size(g._all_gather_result.all_gather_output) for g in groups if g and g._all_gather_result)
     grads = sum(size(p.grad) for p in params) + size(getattr(opt, "main_grad", None))
     grads += sum(size(b.staging) + size(b.work and b.work[1]) for b in getattr(opt, "buckets", []))
     state = [t for st in opt.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
     out = dict(zip(KEYS, (weights, grads, sum(map(size, state + masters)))))
     return out | {"total": sum(out.values())}
-
-
-def in_flight(pm) -> list:
-    """ZeRO-3: the all-gather buffers of groups gathered ahead (a prefetched layer), whose parameters are not yet
-    registered in place of the shards (FSDP2 copies them out when the group computes)."""
-    groups = (g[0]._get_fsdp_state()._fsdp_param_group for g in getattr(pm, "fsdp_modules", []))
-    return [g._all_gather_result.all_gather_output for g in groups if g is not None and g._all_gather_result]
 
 
 def _sampled(pm, opt, samples: list) -> list:
@@ -72,14 +65,11 @@ def _sampled(pm, opt, samples: list) -> list:
 
 def _record(pm, opt, samples: list) -> dict:
     """After the step and the peak of the samples, with what the arithmetic needs: N and the buckets."""
-    buckets = getattr(opt, "buckets", [])
-    counted = 0
-    if opt.zero_stage == 3:  # the shards, and what hf3d counts as gathered at the peak (memory report, hf3d plan)
-        from hf3d.parallel.fsdp import gathered_at_peak
+    from hf3d.parallel.fsdp import gathered_at_peak  # ZeRO-3: what hf3d counts as gathered at the peak
 
-        counted = samples[-1]["weights"] + gathered_at_peak(pm) * pm.param_dtype.itemsize
+    buckets = getattr(opt, "buckets", [])
     return {
-        "counted_peak_weights": counted,
+        "counted_peak_weights": samples[-1]["weights"] + gathered_at_peak(pm) * pm.param_dtype.itemsize,
         "after": samples[-1],
         "peak": {k: max(x[k] for x in samples) for k in samples[-1]},
         "numel": sum(p.numel() for p in pm.hf_model.parameters()),
@@ -125,9 +115,7 @@ def _memory_rows(worst: dict, n: int, counted: int) -> list[list]:
             m = worst[s][when]
             cells = [f"{C.mib(m[k]):.1f}" + (f" ({C.mib(a * n):.1f})" if when == "after" else "")
                      for k, a in zip(KEYS, arith[s])]  # fmt: skip
-            if s == 3 and when == "peak":
-                cells[0] += f" ({C.mib(counted):.1f} counted)"
-
+            cells[0] += f" ({C.mib(counted):.1f} counted)" if (s, when) == (3, "peak") else ""
             rows.append(
                 [f"ZeRO-{s}", "after the step" if when == "after" else "peak", *cells, f"{C.mib(m['total']):.1f}"]
             )
@@ -167,15 +155,12 @@ def main() -> None:
         "zero2_largest_bucket": z2["bucket"],
         "zero2_vector_buckets": z2["vectors"],
         "zero3_peak_weights": worst[3]["peak"]["weights"],
-        "zero3_counted_peak_weights": max(r["3"]["counted_peak_weights"] for r in mem),
+        "zero3_counted_peak_weights": (z3 := max(r["3"]["counted_peak_weights"] for r in mem)),
     }
     d["speed"] = {"median_step_s": med, "over_zero1": {s: med[s] / med[1] for s in STAGES}}
     body = f"Model: {d['model']} ({d['params'] / 1e6:.1f}M params, fp32, AdamW), buckets of {BUCKET:,} elements.\n\n"
     body += f"## Memory per rank at dp=4 (the worst rank; in brackets the arithmetic for N = {n:,})\n\n"
-    body += C.md_table(
-        ["stage", "when", *(f"{k} MiB" for k in KEYS), "total MiB"],
-        _memory_rows(worst, n, d["memory"]["zero3_counted_peak_weights"]),
-    )
+    body += C.md_table(["stage", "when", *(f"{k} MiB" for k in KEYS), "total MiB"], _memory_rows(worst, n, z3))
     body += f"\n\n## Step time at dp=2 (median of {rounds} interleaved rounds, slowest rank)\n\n"
     body += C.md_table(
         ["stage", "median step s", "over ZeRO-1"], [[f"ZeRO-{s}", med[s], med[s] / med[1]] for s in STAGES]

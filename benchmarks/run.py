@@ -199,20 +199,11 @@ def _sharding(d: dict) -> str:
     return (
         f"{d['params'] / 1e6:.1f}M params, dp=4: ZeRO-3 / ZeRO-1 state {z3:.3f}x (arithmetic 0.4x; target ≤ 0.3x: "
         f"{met(z3 <= 0.3)}); ZeRO-2 peak gradients {m['zero2_peak_gradients'] / 2**20:.1f} MiB, bound "
-        f"{m['zero2_bound'] / 2**20:.1f} ({met(m['zero2_peak_gradients'] <= m['zero2_bound'])}); "
-        + _zero3_peak(m)
-        + "dp=2 step over "
-        f"ZeRO-1: ZeRO-2 {sp['2']:.3f}x (≤ 1.1x: {met(sp['2'] <= 1.1)}), ZeRO-3 {sp['3']:.3f}x "
+        f"{m['zero2_bound'] / 2**20:.1f} ({met(m['zero2_peak_gradients'] <= m['zero2_bound'])}); ZeRO-3 peak weights "
+        f"{m['zero3_peak_weights'] / 2**20:.1f} MiB, counted {m['zero3_counted_peak_weights'] / 2**20:.1f}; dp=2 step "
+        f"over ZeRO-1: ZeRO-2 {sp['2']:.3f}x (≤ 1.1x: {met(sp['2'] <= 1.1)}), ZeRO-3 {sp['3']:.3f}x "
         f"(≤ 1.3x: {met(sp['3'] <= 1.3)})"
     )
-
-
-def _zero3_peak(m: dict) -> str:
-    """ZeRO-3's weights at the peak (shards and the groups gathered then) beside hf3d's count; older files lack it."""
-    if "zero3_peak_weights" not in m:
-        return ""
-    peak, counted = m["zero3_peak_weights"] / 2**20, m["zero3_counted_peak_weights"] / 2**20
-    return f"ZeRO-3 peak weights {peak:.1f} MiB, counted {counted:.1f} ({'equal' if peak == counted else 'differ'}); "
 
 
 def _restart(d: dict) -> str:
