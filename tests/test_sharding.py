@@ -22,6 +22,7 @@ One spawn per world size (2 and 4) runs every case of that size; the parent asse
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -144,6 +145,18 @@ def _resume(dirs, first, then, out) -> dict:
     return dict(step=step, losses=losses, norms=[n.item() for n in norms])
 
 
+@contextlib.contextmanager
+def _patched(target, attr: str, value):
+    """`target.attr` is `value` inside the block, its own again after it (these run in spawned workers: no pytest
+    monkeypatch there)."""
+    original = getattr(target, attr)
+    setattr(target, attr, value)
+    try:
+        yield
+    finally:
+        setattr(target, attr, original)
+
+
 def _mutated(dirs, family, pkw, what, out) -> dict:
     """The run of `pkw` with one thing made wrong (MUTATIONS), put back afterwards."""
     from hf3d.optim import grad_buffer, zero
@@ -163,13 +176,8 @@ def _mutated(dirs, family, pkw, what, out) -> dict:
         "averaged": (fsdp, "GRADIENT_DIVIDE_FACTOR", None),
         "replicas": (zero, "replicate_group", lambda mesh: None),
     }
-    target, attr, fake = patches[what]
-    original = getattr(target, attr)
-    setattr(target, attr, fake)
-    try:
+    with _patched(*patches[what]):
         return _run(dirs, family, pkw, {}, out)
-    finally:
-        setattr(target, attr, original)
 
 
 def _gathers_before_each_layer(dirs, ahead: int) -> list[int]:
@@ -177,12 +185,8 @@ def _gathers_before_each_layer(dirs, ahead: int) -> list[int]:
     prefetch `ahead` layers (hf3d's is one: the mutation points it further)."""
     from hf3d.parallel import fsdp
 
-    original = fsdp.PREFETCH_AHEAD
-    fsdp.PREFETCH_AHEAD = ahead
-    try:
+    with _patched(fsdp, "PREFETCH_AHEAD", ahead):
         pm = hf3d.parallelize(dirs["llama4"], hf3d.ParallelConfig(zero_stage=3))
-    finally:
-        fsdp.PREFETCH_AHEAD = original
     issued, seen = [0], []
     gather = dist.all_gather_single
 
@@ -192,13 +196,10 @@ def _gathers_before_each_layer(dirs, ahead: int) -> list[int]:
 
     for layer in pm.stages[0].layers:  # after FSDP2's own pre-hook, which gathers the layer and starts prefetches
         layer.register_forward_pre_hook(lambda *_: seen.append(issued[0]))
-    dist.all_gather_single = counting
-    try:
+    with _patched(dist, "all_gather_single", counting):
         ids, labels = _data()[0]
         rows = dp_rows(pm, BATCH)
         pm.train_step(ids[rows], labels[rows])
-    finally:
-        dist.all_gather_single = gather
     return seen
 
 
@@ -226,15 +227,12 @@ def _gathered_in_a_step(dirs) -> dict:
         live.pop(id(group), None)
         return to_sharded(group)
 
-    FSDPParamGroup.unshard, FSDPParamGroup._to_sharded = counted_unshard, counted_reshard
-    try:
+    with _patched(FSDPParamGroup, "unshard", counted_unshard), _patched(FSDPParamGroup, "_to_sharded", counted_reshard):
         opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR)
         ids, labels = _data()[0]
         rows = dp_rows(pm, BATCH)
         pm.train_step(ids[rows], labels[rows])
         opt.step()
-    finally:
-        FSDPParamGroup.unshard, FSDPParamGroup._to_sharded = unshard, to_sharded
     return {"gathers": gathers, "peak": peak[0], "counted": gathered_at_peak(pm)}
 
 
@@ -250,13 +248,8 @@ def _logits_after_the_step(dirs, *, reshard: bool) -> float:
     ids, labels = _data()[0]
     rows = dp_rows(pm, BATCH)
     pm.train_step(ids[rows], labels[rows])
-    write_back = ShardedOptimizer._write_back
-    if not reshard:
-        ShardedOptimizer._write_back = lambda self: None
-    try:
+    with _patched(ShardedOptimizer, "_write_back", ShardedOptimizer._write_back if reshard else lambda self: None):
         opt.step()
-    finally:
-        ShardedOptimizer._write_back = write_back
     with torch.no_grad():
         right_after = pm.logits(ids[rows])
         opt.zero_grad()
