@@ -2861,6 +2861,14 @@ CASES: list[Case] = [
     ),
     # --- evaluation (hf3d eval, the evals: section) ---------------------------------------------------------
     _c(
+        "eval-set-parallel-value",
+        EVAL,
+        "`hf3d eval --set parallel.pp_schedule=gpipe` (a mesh value ParallelConfig refuses)",
+        lambda fx: _eval(fx, "shakespeare-word", "--set", "parallel.pp_schedule=gpipe"),
+        ["hf3d eval: error: unknown parallel.pp_schedule 'gpipe'; known schedules: afab, 1f1b"],
+        how="main",
+    ),
+    _c(
         "eval-missing-field",
         EVAL,
         "a task row without `gold`",

@@ -231,3 +231,29 @@ def test_every_set_flag_counts():
     for sub, extra in required.items():
         args = parser.parse_args([sub, "m", *extra, "--set", "parallel.tp=2", "--set", "parallel.pp=2"])
         assert args.set == ["parallel.tp=2", "parallel.pp=2"], sub
+
+
+def test_every_reader_of_the_parallel_keys_names_them_as_a_file_writes_them():
+    """ParallelConfig's own checks name `ParallelConfig.key` (for Python callers); each place that reads the keys
+    from a file or a command line (hf3d train's YAML and --set, hf3d plan --mesh, hf3d eval / generate --set)
+    names `parallel.key` instead, by one rule in build_section, whatever check refused the value."""
+    import pytest
+
+    from hf3d.evaluation.command import parallel_config
+    from hf3d.plan.command import _mesh_option
+    from hf3d.train.config import TrainConfig
+
+    readers = {
+        "hf3d train --set": lambda k, v: TrainConfig.from_yaml(None, [f"parallel.{k}={v}"]),
+        "hf3d plan --mesh": lambda k, v: _mesh_option(f"{k}={v}"),
+        "hf3d eval --set": lambda k, v: parallel_config([f"parallel.{k}={v}"]),
+    }
+    bad = {"tp": "0", "dp": "-1", "dp_shard": "0", "pp_schedule": "gpipe", "compile": "maybe"}
+    bad |= {"recompute": "some", "activation_offload": "maybe"}
+    for reader, read in readers.items():
+        for key, value in bad.items():
+            with pytest.raises(ValueError) as e:
+                read(key, value)
+            assert f"parallel.{key}" in str(e.value) and "ParallelConfig" not in str(e.value), (reader, str(e.value))
+    with pytest.raises(ValueError, match=r"unknown ParallelConfig\.pp_schedule 'gpipe'"):
+        __import__("hf3d").ParallelConfig(pp_schedule="gpipe")  # the Python caller's name for it

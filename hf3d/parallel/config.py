@@ -207,7 +207,9 @@ class ParallelConfig:
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ValueError(f"ParallelConfig.dp must be a positive integer or None, got {self.dp!r}")
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; known schedules: {', '.join(PP_SCHEDULES)}")
+            raise ValueError(
+                f"unknown ParallelConfig.pp_schedule {self.pp_schedule!r}; known schedules: {', '.join(PP_SCHEDULES)}"
+            )
         self.recompute = _check_recompute(self.recompute)
         if not isinstance(self.activation_offload, bool):
             raise ValueError(

@@ -117,10 +117,8 @@ def _mesh_option(text: str) -> ParallelConfig:
         values[key.strip()] = set_value(item, value)
     try:
         return build_section(ParallelConfig, values, "parallel")
-    except ValueError as e:  # ParallelConfig's own checks name the YAML key, as hf3d train's config does
-        msg = str(e).replace("ParallelConfig.", "parallel.")
-        msg = msg.replace("unknown pp_schedule", "unknown parallel.pp_schedule")
-        raise ValueError(f"--mesh: {msg}") from None
+    except ValueError as e:
+        raise ValueError(f"--mesh: {e}") from None
 
 
 def _train_mesh(chosen: ParallelConfig | None, world: int) -> ParallelConfig:

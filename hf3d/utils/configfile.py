@@ -71,7 +71,10 @@ def build_section(cls, values: dict | None, where: str):
     kwargs = {
         fields[key].name: coerce(value, hints[fields[key].name], f"{where}.{key}") for key, value in values.items()
     }
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # the class's own checks name `Class.key` for Python callers; a file names `where.key`
+        raise ValueError(str(e).replace(f"{cls.__name__}.", f"{where}.")) from None
 
 
 def set_value(item: str, value: str):
