@@ -90,6 +90,30 @@ def test_training_state_follows_the_zero_arithmetic(dtype_bytes):
             assert r.gathered > 0
 
 
+def test_the_plan_counts_the_attention_kernel_the_run_picks():
+    """`attn: auto` is planned as the run resolves it (hf3d.parallel.attention): on CUDA flash attention where
+    flash-attn is installed, flex attention under compiled layers, sdpa otherwise and under context parallelism.
+    Only sdpa and eager over packed rows hold a dense [rows, 1, s, s] bool mask (one attention kind here)."""
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    seq, rows = 64, 2  # per micro-batch: 4 rows a step over dp2
+
+    def planned(cp: int, **job):
+        planner = Planner(config, Job(seq_len=seq, global_batch=4, dtype_bytes=4, target="cuda", **job),
+                          adapter=get_adapter(config.model_type))  # fmt: skip
+        mesh = hf3d.ParallelConfig(cp=cp).resolve(2)
+        plan = planner.plan(mesh)
+        assert plan.micro_batch == rows * cp
+        return planner.attention(mesh), plan.ranks[0].activations
+
+    kernel, unmasked = planned(1, attn="sdpa", packed=False)
+    assert planned(1, attn="sdpa") == ("sdpa", unmasked + rows * seq * seq)
+    assert planned(1, attn="auto") == ("sdpa", unmasked + rows * seq * seq)
+    assert planned(1, attn="auto", flash=True) == ("flash_attention_2", unmasked)
+    assert planned(1, attn="auto", compiled=True) == ("flex_attention", unmasked)
+    assert planned(2, attn="auto", flash=True) == planned(2, attn="sdpa")  # cp runs sdpa, masked
+    assert planned(1, attn="eager")[1] > unmasked + rows * seq * seq  # eager keeps its probabilities too
+
+
 def test_interleaved_peak_follows_torchs_order():
     pcfg = hf3d.ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", num_microbatches=4)
     peaks = []

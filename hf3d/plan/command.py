@@ -14,6 +14,7 @@ from ..utils.units import parse_size
 
 HEADROOM = 0.9  # the share of the GPU the plan fills: the rest is CUDA's context, NCCL's buffers, fragmentation
 GiB = 2**30
+ATTENTION_KERNELS = ("auto", "sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 def add_parser(sub, func) -> None:
@@ -34,6 +35,12 @@ def add_parser(sub, func) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the YAML's, else bf16)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="whose attention kernel (default cuda)")
     p.add_argument("--unpacked", action="store_true", help="rows of one document each (no dense masks under sdpa)")
+    p.add_argument(
+        "--attn-implementation",
+        choices=ATTENTION_KERNELS,
+        help="the run's attention: auto, sdpa, eager, flash_attention_2, flex_attention (default: the YAML's, else "
+        "auto, which picks flash_attention_2 on CUDA only where flash-attn is installed: on this machine, as planned)",
+    )
     p.add_argument("--top", type=int, default=12, metavar="K", help="rows of the table (default 12)")
     p.add_argument("--json", action="store_true", help="print every mesh's plan as JSON instead of the table")
     p.add_argument(
@@ -54,6 +61,7 @@ def _read_source(args):
         model_dir = Path(cfg.model.path)
         defaults = dict(seq_len=cfg.data.seq_len, global_batch=cfg.run.global_batch, dtype=cfg.model.dtype)
         defaults |= dict(state_precision=cfg.optim.state_precision, bucket_size=cfg.optim.bucket_size)
+        defaults |= dict(attn=cfg.model.attn_implementation, packed=cfg.data.document_masking)
         chosen = cfg.parallel
     else:
         model_dir, chosen = (src.parent if src.name == "config.json" else src), None
@@ -68,6 +76,7 @@ def _read_source(args):
 
 def run(args) -> int:
     from ..models import get_adapter
+    from ..parallel.attention import flash_attn_installed
     from .cost import Device
     from .memory import Job
     from .meshes import check_mesh
@@ -80,6 +89,8 @@ def run(args) -> int:
         raise ValueError(f"--nproc {args.nproc} and --nnodes {args.plan_nodes} must be positive")
     world = args.nproc * args.plan_nodes
     dtype = args.dtype or defaults["dtype"]
+    attn = args.attn_implementation or defaults.get("attn", "auto")
+    chosen_compile = chosen.compile if chosen is not None else "auto"  # hf3d train's default, as the run takes it
     job = Job(
         seq_len=args.seq_len or defaults["seq_len"],
         global_batch=args.global_batch or defaults["global_batch"] or world,
@@ -87,8 +98,10 @@ def run(args) -> int:
         state_precision=defaults.get("state_precision", "fp32"),
         bucket_size=defaults.get("bucket_size", 2**22),
         target=args.device,
-        packed=not args.unpacked,
-        attn="sdpa",
+        packed=defaults.get("packed", True) and not args.unpacked,
+        attn=attn,
+        flash=args.device == "cuda" and flash_attn_installed(),
+        compiled=chosen_compile is True or (chosen_compile == "auto" and args.device == "cuda"),
     )
     device = Device(gpus_per_node=args.nproc)
     planner = Planner(config, job, adapter=adapter, device=device, nnodes=args.plan_nodes)
@@ -98,12 +111,24 @@ def run(args) -> int:
     marked.fits = marked.peak <= HEADROOM * memory
     plans = [] if args.only_config else best_per_mesh(planner, config, adapter, job, world, memory)
     if args.json:
-        out = dict(job=job.__dict__, gpu_memory=memory, headroom=HEADROOM, train_mesh=_row(marked))
+        out = dict(job=job.__dict__, gpu_memory=memory, headroom=HEADROOM, attention=planner.attention(train_mesh))
+        out["train_mesh"] = _row(marked)
         out["meshes"] = [_row(p) for p in plans]
         print(json.dumps(out, indent=1))
         return 0
     _print_table(plans, marked, job, memory, args)
+    print(_attention_line(planner, train_mesh, job))
     return 0
+
+
+def _attention_line(planner, mesh: ParallelConfig, job) -> str:
+    """Which attention kernel the plan counted on the marked mesh, and why where `auto` chose it."""
+    kernel = planner.attention(mesh)
+    masks = "a dense mask per attention kind" if job.packed and kernel in ("sdpa", "eager") else "no dense mask"
+    why = ""
+    if job.attn == "auto" and job.target == "cuda" and mesh.cp == 1 and not job.flash:
+        why = " (auto: flash-attn is not installed on this machine; --attn-implementation flash_attention_2 plans it)"
+    return f"attention: {kernel}, {masks}{why}"
 
 
 def _mesh_option(text: str) -> ParallelConfig:

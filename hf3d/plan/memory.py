@@ -43,8 +43,10 @@ class Job:
     state_precision: str = "fp32"
     bucket_size: int = 2**22
     target: str = "cuda"  # whose attention kernel the trace keeps ("cuda" or "cpu")
-    packed: bool = True  # rows of packed documents (position ids restart): sdpa / eager build dense masks
-    attn: str = "sdpa"
+    packed: bool = True  # rows of packed documents (position ids restart), as hf3d train packs them by default
+    attn: str = "auto"  # model.attn_implementation; the planner resolves "auto" per mesh as a run does
+    flash: bool = False  # flash-attn is installed where the run goes ("auto" picks it on CUDA)
+    compiled: bool = False  # the run compiles its layers ("auto" on CUDA then picks flex attention for packed rows)
 
 
 @dataclasses.dataclass

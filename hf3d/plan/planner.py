@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from ..parallel.attention import resolve_attn_implementation
 from ..parallel.config import ParallelConfig
 from ..parallel.pipeline import FUSED_HEAD_SCHEDULES
 from .cost import Device, StepCost, step_cost
@@ -58,16 +59,26 @@ class Planner:
         if key not in self._params:
             small = dataclasses.replace(pcfg, dp=pcfg.ep, dp_shard=None)
             rank = pp_rank * pcfg.ep * pcfg.cp * pcfg.tp
-            self._params[key] = trace_params(self.config, small, rank=rank, dtype=self.dtype, attn=self.job.attn)
+            self._params[key] = trace_params(self.config, small, rank=rank, dtype=self.dtype)
         return self._params[key]
 
+    def attention(self, pcfg: ParallelConfig) -> str:
+        """The attention kernel a run of this job builds on `pcfg`: the run's own rule (`resolve_attn_implementation`),
+        so "auto" is flash attention on CUDA where flash-attn is installed, sdpa under context parallelism."""
+        job = self.job
+        return resolve_attn_implementation(
+            job.attn, job.target, document_masking=job.packed, flash_available=job.flash, cp=pcfg.cp,
+            compiled=job.compiled,
+        )  # fmt: skip
+
     def activations(self, pcfg: ParallelConfig) -> Activations:
-        key = (pcfg.tp, pcfg.cp, pcfg.ep, pcfg.sequence_parallel, pcfg.recompute)
+        attn = self.attention(pcfg)
+        key = (pcfg.tp, pcfg.cp, pcfg.ep, pcfg.sequence_parallel, pcfg.recompute, attn)
         if key not in self._activations:
             job = self.job
             self._activations[key] = trace_activations(
                 self.config, pcfg, seq_len=job.seq_len, dtype=self.dtype, target=job.target, packed=job.packed,
-                attn=job.attn,
+                attn=attn,
             )  # fmt: skip
         return self._activations[key]
 

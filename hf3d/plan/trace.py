@@ -139,12 +139,13 @@ def _stand_ins(target: str, dense_masks: bool, b: int, s: int):
         moe_module.Dispatch, moe_module.grouped_mm = saved_dispatch, saved_mm
 
 
-def trace_params(config, pcfg, *, rank: int, dtype: torch.dtype, attn: str = "sdpa") -> RankParams:
-    """`rank`'s parameters under the mesh `pcfg` (its world: tp x pp x dp x cp, dp set)."""
+def trace_params(config, pcfg, *, rank: int, dtype: torch.dtype) -> RankParams:
+    """`rank`'s parameters under the mesh `pcfg` (its world: tp x pp x dp x cp, dp set): the same whatever the
+    attention kernel."""
     from ..parallelize import meta_model
 
     with fake_world(rank, pcfg.tp * pcfg.pp * pcfg.dp * pcfg.cp):
-        pmodel = meta_model(config, pcfg, dtype=dtype, attn=attn)
+        pmodel = meta_model(config, pcfg, dtype=dtype, attn="sdpa")
     params = [p for _, p in pmodel.unique_parameters()]
     shapes = [(p.numel(), p.dim() > 1, is_expert(p)) for p in params]
     stored = sum(p.numel() * p.element_size() for p in params)
@@ -156,15 +157,17 @@ def trace_activations(
     config, pcfg, *, seq_len: int, dtype: torch.dtype, target: str = "cpu", packed: bool = True, attn: str = "sdpa"
 ) -> Activations:
     """One row through the whole model as one stage on rank 0 of `pcfg` without pipelining (pp 1, dp = ep), the
-    meter read between its parts: a layer keeps the same bytes on whichever stage it runs."""
+    meter read between its parts: a layer keeps the same bytes on whichever stage it runs. `attn` is the kernel
+    the run builds; flash and flex attention trace as sdpa without masks (what they keep: out + logsumexp)."""
     from ..parallelize import meta_model
 
     flat = dataclasses.replace(
         pcfg, pp=1, dp=pcfg.ep, dp_shard=None, pp_schedule="1f1b", num_microbatches=1, virtual_stages=1
     )
+    masked = attn in ("sdpa", "eager")
     with fake_world(0, flat.tp * flat.dp * flat.cp):
-        pmodel = meta_model(config, flat, dtype=dtype, attn=attn)
-        with _stand_ins(target, packed and attn in ("sdpa", "eager"), 1, seq_len) as packed_mask:
+        pmodel = meta_model(config, flat, dtype=dtype, attn=attn if masked else "sdpa")
+        with _stand_ins(target, packed and masked, 1, seq_len) as packed_mask:
             stage = pmodel.stages[0]
             stage._packed_mask = packed_mask
             marks = _trace_stage(pmodel, stage, seq_len)

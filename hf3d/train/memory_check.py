@@ -29,26 +29,28 @@ def plan_run(cfg, model_config) -> list[dict] | None:
     if int(os.environ.get("RANK", "0")) != 0 or dist.is_initialized():
         return None
     from ..models import get_adapter
+    from ..parallel.attention import flash_attn_installed
+    from ..parallel.compile import resolve_compile
     from ..plan.memory import Job
     from ..plan.planner import Planner
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    # the plan traces sdpa ("auto" too) or eager, whose packed rows build dense masks; other kernels as sdpa, unmasked
-    attn = cfg.model.attn_implementation
-    dense_masks = attn in ("auto", "sdpa", "eager")
-    job = Job(
-        seq_len=cfg.data.seq_len,
-        global_batch=cfg.run.global_batch,
-        dtype_bytes=torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size(),
-        optimizer_states=1 if cfg.optim.name == "muon" else 2,
-        state_precision=cfg.optim.state_precision,
-        bucket_size=cfg.optim.bucket_size,
-        target="cuda" if torch.cuda.is_available() else "cpu",
-        packed=cfg.data.document_masking and dense_masks,
-        attn="eager" if attn == "eager" else "sdpa",
-    )
+    target = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         model_config = model_config()
+        job = Job(
+            seq_len=cfg.data.seq_len,
+            global_batch=cfg.run.global_batch,
+            dtype_bytes=torch.empty((), dtype=getattr(torch, cfg.model.dtype)).element_size(),
+            optimizer_states=1 if cfg.optim.name == "muon" else 2,
+            state_precision=cfg.optim.state_precision,
+            bucket_size=cfg.optim.bucket_size,
+            target=target,
+            packed=cfg.data.document_masking,
+            attn=cfg.model.attn_implementation,  # the planner picks the kernel as the run will (flash where installed)
+            flash=flash_attn_installed(),
+            compiled=resolve_compile(cfg.parallel.compile, target, model_config)[0],
+        )
         pcfg = dataclasses.replace(cfg.parallel, compile=False).resolve(world)
         plan = Planner(model_config, job, adapter=get_adapter(model_config.model_type)).plan(pcfg)
     except (ValueError, OSError):
