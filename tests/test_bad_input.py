@@ -1412,6 +1412,23 @@ CASES: list[Case] = [
         how="main",
     ),
     _c(
+        "cli-plan-flash-cp",
+        SET,
+        "`hf3d plan --mesh cp=2 --attn-implementation flash_attention_2` (a kernel context parallelism cannot run)",
+        lambda fx: [
+            "plan",
+            fx["llama"],
+            "--nproc",
+            "2",
+            "--mesh",
+            "cp=2",
+            "--attn-implementation",
+            "flash_attention_2",
+        ],
+        ["hf3d plan: error: cp=2 cannot run with attn_implementation='flash_attention_2'", "or use cp=1"],
+        how="main",
+    ),
+    _c(
         "cli-plan-no-config",
         SET,
         "`hf3d plan` of a folder without a config.json",

@@ -112,6 +112,14 @@ def test_the_plan_counts_the_attention_kernel_the_run_picks():
     assert planned(1, attn="auto", compiled=True) == ("flex_attention", unmasked)
     assert planned(2, attn="auto", flash=True) == planned(2, attn="sdpa")  # cp runs sdpa, masked
     assert planned(1, attn="eager")[1] > unmasked + rows * seq * seq  # eager keeps its probabilities too
+    # the meshes offered: cp only with a kernel that runs there (auto: sdpa), as the run refuses flash under cp
+    from hf3d.plan.meshes import candidate_meshes
+
+    def cps(attn: str) -> set[int]:
+        kw = dict(world=4, seq_len=seq, global_batch=4, gpus_per_node=4, attn=attn)
+        return {m.cp for m in candidate_meshes(config, get_adapter(config.model_type), **kw)}
+
+    assert cps("auto") == cps("sdpa") == {1, 2, 4} and cps("flash_attention_2") == cps("flex_attention") == {1}
 
 
 def test_interleaved_peak_follows_torchs_order():

@@ -106,7 +106,7 @@ def run(args) -> int:
     device = Device(gpus_per_node=args.nproc)
     planner = Planner(config, job, adapter=adapter, device=device, nnodes=args.plan_nodes)
     train_mesh = _train_mesh(_mesh_option(args.mesh) if args.mesh else chosen, world)
-    check_mesh(config, adapter, train_mesh, seq_len=job.seq_len, global_batch=job.global_batch)
+    check_mesh(config, adapter, train_mesh, seq_len=job.seq_len, global_batch=job.global_batch, attn=job.attn)
     marked = planner.plan(train_mesh)
     marked.fits = marked.peak <= HEADROOM * memory
     plans = [] if args.only_config else best_per_mesh(planner, config, adapter, job, world, memory)
@@ -162,7 +162,7 @@ def best_per_mesh(planner, config, adapter, job, world: int, memory: int) -> lis
     from .meshes import candidate_meshes, variants
 
     meshes = candidate_meshes(config, adapter, world=world, seq_len=job.seq_len, global_batch=job.global_batch,
-                              gpus_per_node=planner.device.gpus_per_node)  # fmt: skip
+                              gpus_per_node=planner.device.gpus_per_node, attn=job.attn)  # fmt: skip
     out = []
     for mesh in tqdm(meshes, desc="hf3d plan: meshes", file=sys.stderr, disable=not sys.stderr.isatty()):
         best = smallest = None
