@@ -186,3 +186,24 @@ def test_the_launch_flags_reach_the_agent_with_torchruns_meaning():
     assert c.rdzv_configs["last_call_timeout"] == "5" and c.max_restarts == 3
     static = LaunchOptions(nnodes="2", node_rank=1, rdzv_endpoint="head:29500", rdzv_backend="static").config()
     assert static.rdzv_configs["rank"] == 1 and static.rdzv_backend == "static"
+
+
+def test_the_process_group_hf3d_starts_is_destroyed_at_exit_and_a_callers_is_left():
+    """A script of the Python API (parallelize, then the end of the script) leaves no gloo group to the
+    interpreter's finalization, where its threads can abort a finished run; a group the script started itself
+    stays the script's. The check runs after hf3d's own exit handler (atexit runs the last registered first)."""
+    probe = (
+        "import atexit, torch.distributed as dist\n"
+        "atexit.register(lambda: print('initialized at exit:', dist.is_initialized()))\n"
+        "{start}\n"
+        "from hf3d.parallel.mesh import init_distributed\n"
+        "init_distributed()\n"
+        "print('initialized:', dist.is_initialized())\n"
+    )
+    own = "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    for start, at_exit in (("", "False"), (own, "True")):
+        proc = subprocess.run([sys.executable, "-c", probe.format(start=start)], capture_output=True, text=True,
+                              timeout=120, env=env, cwd=ROOT)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split() == ["initialized:", "True", "initialized", "at", "exit:", at_exit], proc.stdout
