@@ -122,6 +122,26 @@ def test_the_plan_counts_the_attention_kernel_the_run_picks():
     assert cps("auto") == cps("sdpa") == {1, 2, 4} and cps("flash_attention_2") == cps("flex_attention") == {1}
 
 
+def test_the_attention_line_says_what_auto_would_pick_with_flash_attn():
+    """The table's last line names the kernel counted, and, where `auto` would pick flash attention had this
+    machine flash-attn (CUDA, cp = 1), how to plan that; on a CPU and under cp the hint would be wrong."""
+    from hf3d.plan.command import _attention_line
+
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+
+    def line(cp: int, **job) -> str:
+        job = Job(seq_len=64, global_batch=4, dtype_bytes=4, **job)
+        planner = Planner(config, job, adapter=get_adapter(config.model_type))
+        return _attention_line(planner, hf3d.ParallelConfig(cp=cp).resolve(2), job)
+
+    hint = " (auto: flash-attn is not installed on this machine; --attn-implementation flash_attention_2 plans it)"
+    assert line(1, target="cuda", compiled=True) == f"attention: flex_attention, no dense mask{hint}"
+    assert line(1, target="cuda") == f"attention: sdpa, a dense mask per attention kind{hint}"
+    assert line(1, target="cuda", flash=True) == "attention: flash_attention_2, no dense mask"
+    assert line(2, target="cuda") == line(1, target="cpu") == "attention: sdpa, a dense mask per attention kind"
+    assert line(1, target="cuda", attn="sdpa", packed=False) == "attention: sdpa, no dense mask"
+
+
 def test_interleaved_peak_follows_torchs_order():
     pcfg = hf3d.ParallelConfig(pp=2, pp_schedule="interleaved-1f1b", num_microbatches=4)
     peaks = []

@@ -25,6 +25,9 @@ import importlib.util
 import torch
 
 AUTO = "auto"
+# the kernels that take transformers' dense [b, 1, q, k] boolean mask: it can hold any pattern (a query chunk at
+# its offset, documents sharing a prefix) and costs b x q x k bytes; flash and flex attention build no such mask
+DENSE_MASK_ATTENTION = ("sdpa", "eager")
 
 
 def flash_attn_installed() -> bool:

@@ -76,6 +76,12 @@ def check_compile(device_type: str, model_config=None, key: str = "compile") -> 
         ) from None
 
 
+def auto_compiles(device_type: str) -> bool:
+    """Whether `compile: auto` compiles on `device_type`, where the compiler can run there (`resolve_compile`
+    checks that on this machine; `hf3d plan`, planning for another, takes it as given)."""
+    return device_type == "cuda"
+
+
 def resolve_compile(requested: bool | str, device_type: str, model_config=None) -> tuple[bool, str]:
     """Whether to compile the decoder layers, and why in a few words: `requested` itself unless it is "auto",
     which turns compile on with CUDA where it can run (`check_compile`) and off on a CPU, where eager was as
@@ -84,7 +90,7 @@ def resolve_compile(requested: bool | str, device_type: str, model_config=None) 
     CUDA, is meant to run compiled (eager it ran 0.58x sdpa)."""
     if requested != "auto":
         return bool(requested), "on" if requested else "off"
-    if device_type != "cuda":
+    if not auto_compiles(device_type):
         return False, f"off on {device_type} (auto: on with CUDA)"
     try:
         check_compile(device_type, model_config, key="parallel.compile")

@@ -41,6 +41,7 @@ from transformers.masking_utils import (
 )
 
 from ..utils import compat
+from .attention import DENSE_MASK_ATTENTION
 from .segments import Segments, interface_mask, layer_mask_function, tree_mask_function
 
 SEQ_DIM = 1  # tokens, targets, position ids and activations are [batch, seq, ...]
@@ -49,7 +50,7 @@ SEQ_DIM = 1  # tokens, targets, position ids and activations are [batch, seq, ..
 # cannot say where a chunk starts. flex_attention on CPU (torch 2.13, no compiler) was measured wrong
 # here already at cp=1 on a packed batch (max |Δlogits| 0.15 vs stock sdpa) and NaN at cp=2, and has no
 # CPU backward, so it is refused until it can be checked on a GPU.
-CP_ATTENTION = ("sdpa", "eager")
+CP_ATTENTION = DENSE_MASK_ATTENTION
 
 
 def check_attention(impl: str, cp: int) -> None:

@@ -34,7 +34,9 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-TREE_ATTENTION = ("sdpa", "eager")  # the implementations whose masks can hold a shared prefix
+from .attention import DENSE_MASK_ATTENTION
+
+TREE_ATTENTION = DENSE_MASK_ATTENTION  # the implementations whose masks can hold a shared prefix
 
 
 @dataclass

@@ -77,6 +77,7 @@ def _read_source(args):
 def run(args) -> int:
     from ..models import get_adapter
     from ..parallel.attention import flash_attn_installed
+    from ..parallel.compile import auto_compiles
     from .cost import Device
     from .memory import Job
     from .meshes import check_mesh
@@ -101,7 +102,7 @@ def run(args) -> int:
         packed=defaults.get("packed", True) and not args.unpacked,
         attn=attn,
         flash=args.device == "cuda" and flash_attn_installed(),
-        compiled=chosen_compile is True or (chosen_compile == "auto" and args.device == "cuda"),
+        compiled=chosen_compile is True or (chosen_compile == "auto" and auto_compiles(args.device)),
     )
     device = Device(gpus_per_node=args.nproc)
     planner = Planner(config, job, adapter=adapter, device=device, nnodes=args.plan_nodes)
@@ -123,10 +124,15 @@ def run(args) -> int:
 
 def _attention_line(planner, mesh: ParallelConfig, job) -> str:
     """Which attention kernel the plan counted on the marked mesh, and why where `auto` chose it."""
+    from ..parallel.attention import AUTO, DENSE_MASK_ATTENTION, resolve_attn_implementation
+
     kernel = planner.attention(mesh)
-    masks = "a dense mask per attention kind" if job.packed and kernel in ("sdpa", "eager") else "no dense mask"
+    masks = "a dense mask per attention kind" if job.packed and kernel in DENSE_MASK_ATTENTION else "no dense mask"
     why = ""
-    if job.attn == "auto" and job.target == "cuda" and mesh.cp == 1 and not job.flash:
+    with_flash = resolve_attn_implementation(
+        AUTO, job.target, document_masking=job.packed, flash_available=True, cp=mesh.cp, compiled=job.compiled
+    )
+    if job.attn == AUTO and not job.flash and with_flash != kernel:
         why = " (auto: flash-attn is not installed on this machine; --attn-implementation flash_attention_2 plans it)"
     return f"attention: {kernel}, {masks}{why}"
 

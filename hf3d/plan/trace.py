@@ -34,6 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from ..models import moe as moe_module
 from ..parallel import context as cp_context
 from ..parallel import expert as expert_module
+from ..parallel.attention import DENSE_MASK_ATTENTION
 from ..parallel.expert import is_expert
 from ..parallel.fsdp import gathered_at_peak
 from .meter import ActivationMeter
@@ -120,7 +121,7 @@ def _stand_ins(target: str, dense_masks: bool, b: int, s: int):
         return torch.empty(b, 1, q, k, dtype=torch.bool, device=META) if dense_masks else None
 
     def chunk_mask(config, kind, fn, *, q_length: int, kv_length: int, dtype, **_):
-        if config._attn_implementation not in ("sdpa", "eager"):
+        if config._attn_implementation not in DENSE_MASK_ATTENTION:
             return None
         return torch.empty(b, 1, q_length, kv_length, dtype=dtype, device=META)
 
@@ -164,7 +165,7 @@ def trace_activations(
     flat = dataclasses.replace(
         pcfg, pp=1, dp=pcfg.ep, dp_shard=None, pp_schedule="1f1b", num_microbatches=1, virtual_stages=1
     )
-    masked = attn in ("sdpa", "eager")
+    masked = attn in DENSE_MASK_ATTENTION
     with fake_world(0, flat.tp * flat.dp * flat.cp):
         pmodel = meta_model(config, flat, dtype=dtype, attn=attn if masked else "sdpa")
         with _stand_ins(target, packed and masked, 1, seq_len) as packed_mask:
