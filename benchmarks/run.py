@@ -290,7 +290,7 @@ BENCHMARKS = [
     Benchmark("step_time_compile", "bench_step_time.py", ["--compile"], "the same with hf3d's compiled decoder "
               "layers (`compile=True`) in the rounds too (inductor on CPU)", "3", _step_time),
     Benchmark("load_memory", "bench_load_memory.py", [], "peak RSS of one tp=3 rank loading a SmolLM2-135M-shaped "
-              "checkpoint / stock `from_pretrained` (above a baseline)", "3", _load_memory),
+              "checkpoint / stock `from_pretrained` (above RSS before the load, code warmed)", "3", _load_memory),
     Benchmark("init_memory", "bench_init_memory.py", [], "peak RSS of one tp=3 rank initialising SmolLM2-135M "
               "from its config / stock `from_config`", "2", _init_memory),
     Benchmark("convert", "bench_convert.py", [], "`hf3d convert to-hf` / `from-hf`, SmolLM2-135M shape, against "
