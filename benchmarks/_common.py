@@ -152,7 +152,8 @@ def child_env(extra: dict | None = None) -> dict:
     hf3d.parallelize writes into os.environ for a world of one): the child starts a world of its own."""
     rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    return {"OMP_NUM_THREADS": "1", **env, "PYTHONWARNINGS": "ignore", **(extra or {})}
+    # PYTHONFAULTHANDLER: a worker killed by a signal (SIGABRT, SIGSEGV) prints where each thread was
+    return {"OMP_NUM_THREADS": "1", **env, "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1", **(extra or {})}
 
 
 def torchrun(script: Path, nproc: int, args: list[str], *, timeout: float = 900, env: dict | None = None):
@@ -173,7 +174,7 @@ def run_workers(script: Path, nproc: int, args: list[str], out: Path, *, env: di
     proc = launch(script, nproc, [*args, "--out", str(out)], env=env)
     files = [Path(f"{out}.rank{r}.json") for r in range(nproc)]
     if proc.returncode != 0 or not all(f.exists() for f in files):
-        raise RuntimeError(f"{script.name} {args[:2]} failed (exit {proc.returncode}):\n{tail(proc.stderr, 40)}")
+        raise RuntimeError(f"{script.name} {args[:2]} failed (exit {proc.returncode}):\n{worker_errors(proc.stderr)}")
     return [json.loads(f.read_text()) for f in files]
 
 
@@ -192,6 +193,14 @@ def hf3d_train(config: str, settings: list[str], *, nproc: int = 2) -> tuple[sub
 
 def tail(text: str, n: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
+
+
+def worker_errors(stderr: str, n: int = 40) -> str:
+    """The last n lines the workers wrote before torchrun's report of their failure (which would fill a tail), and
+    that report's first line."""
+    lines = stderr.strip().splitlines()
+    cut = next((i for i, line in enumerate(lines) if "failed (exitcode" in line), len(lines))
+    return "\n".join(lines[max(0, cut - n) : cut + 1])
 
 
 # -- models ---------------------------------------------------------------------------------------

@@ -580,3 +580,31 @@ def test_build_optimizer_rejects_bad_input(request):
             assert bad[key][0] == "ValueError", (key, bad[key])
         assert "zero_stage" in bad["zero_stage=4"][1] and "ParallelConfig(zero_stage=3)" in bad["zero_stage=3"][1]
         assert "bucket_size" in bad["bucket_size=0"][1]
+
+
+def _freed_worker(world_size: int, model_dir: str, out: str) -> None:
+    import gc
+    import weakref
+
+    res = {}
+    for stage in (0, 1, 2):
+        pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(zero_stage=stage))
+        opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR)
+        ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+        pm.train_step(ids[:, :-1], shift_labels=ids[:, 1:])
+        opt.step()
+        param = weakref.ref(pm.unique_parameters()[0][1])
+        del pm, opt
+        gc.collect()
+        res[stage] = param() is None
+    torch.save(res, Path(out) / f"rank{dist.get_rank()}.pt")
+
+
+def test_a_deleted_model_and_optimizer_are_freed(tmp_path):
+    """`del model, optimizer` frees the parameters (and with them the process groups the run holds): the
+    gradient hooks on the parameters call the optimizer's buffers through a weak reference. A strong one made a
+    cycle through the tensors' C++ side, which the garbage collector cannot follow: every model and optimizer a
+    process built stayed alive, their gloo threads still running when the interpreter exited, where one of them
+    dropping a finished collective's tensors could end a finished run with SIGABRT."""
+    res = spawn_world(_freed_worker, 2, tmp_path, str(make_model_dir(tmp_path / "llama", "llama")))
+    assert all(res[r] == {0: True, 1: True, 2: True} for r in range(2)), res

@@ -34,6 +34,7 @@ reduction.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +81,26 @@ class Bucket:
     grad_offset: int = 0  # where the bucket's gradient starts in the flat tensor: offset, or its shard's (zero 2)
     staging: torch.Tensor | None = None  # zero 2: the bucket's gradient while a micro-batch fills it
     per_launch: int = 0  # gradients (param x use) per reduction: a micro-batch's (zero 2) or the step's
+
+
+def _weak_hook(method):
+    """A parameter hook calling the bound `method` without holding its object: a hook holds what it calls from
+    the tensor's C++ side, where the garbage collector cannot follow, so a strong one would keep the buffer, its
+    parameters and its process groups alive after `del model, optimizer` (and their gloo threads running into
+    the interpreter's exit)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(p: torch.Tensor) -> None:
+        call = ref()
+        if call is not None:
+            call(p)
+
+    return hook
+
+
+def _remove(handles) -> None:
+    for h in handles:
+        h.remove()
 
 
 class GradBuffer:
@@ -151,7 +172,9 @@ class GradBuffer:
             if not self.sharded_grads:
                 self._point(b, main_grad[b.grad_offset : b.grad_offset + b.numel])
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params()] if overlap else []
+        if overlap:
+            hook = _weak_hook(self._on_grad)
+            weakref.finalize(self, _remove, [p.register_post_accumulate_grad_hook(hook) for p in self.params()])
         return ranges
 
     def params(self) -> list[nn.Parameter]:

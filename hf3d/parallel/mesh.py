@@ -71,10 +71,13 @@ def init_distributed(timeout_s: float | None = None) -> None:
     minutes): a rank whose peer hangs without dying raises after that long instead of waiting forever
     (gloo); under nccl the watchdog ends such a rank after that long (`backend_environment`).
 
-    The process group hf3d starts is destroyed when the interpreter exits, unless the script did it first:
-    a gloo group left to the interpreter's finalization can end a finished run with SIGABRT ("terminate called
-    without an active exception"), which torchrun reports as a failed worker (seen here in 3 of 5 runs of a
-    benchmark whose workers exited without it). A group the caller started is the caller's to destroy.
+    The process group hf3d starts is destroyed when the interpreter exits, unless the script did it first, so
+    that gloo's worker threads of a group nothing else holds are joined while Python still runs. One left running
+    into the interpreter's finalization can end a finished run with SIGABRT ("terminate called without an active
+    exception", which torchrun reports as a failed worker): a thread that drops a finished collective's tensors
+    takes the GIL to do it, and a thread that takes the GIL during finalization is made to exit, through C++ code
+    that cannot unwind (a core dump of a benchmark worker showed it). A group the caller started is the caller's
+    to destroy.
     """
     if dist.is_initialized():
         return
