@@ -171,7 +171,7 @@ def main() -> None:
                     Path(__file__), 2, ["--worker", str(work / "model"), str(work), mesh, mode, str(rounds)]
                 )
                 if proc.returncode:
-                    raise SystemExit(f"{mesh} {mode} failed:\n{C.tail(proc.stderr, 40)}")
+                    raise SystemExit(f"{mesh} {mode} failed:\n{C.worker_errors(proc.stderr)}")
                 m = summary(json.loads((work / f"{mesh}-{mode}.json").read_text()), rounds)
                 data["meshes"].setdefault(mesh, {})[mode] = m
                 t, steady = m["slowest"], m["steady_steps"]
