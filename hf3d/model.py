@@ -75,6 +75,7 @@ class ParallelModel(nn.Module):
         # ZeRO-3: this rank's FSDP2 groups, each a list of modules (hf3d/parallel/fsdp.py); empty otherwise
         self.fsdp_modules: list[list[nn.Module]] = []
         self.fsdp_layout: dict = {}  # ZeRO-3: hf3d's parameter attributes by (module, name), put back when lost
+        self.fp8_gathered: list[str] = []  # ZeRO-3: the linears whose weights FSDP2 gathers in float8
 
     # -- mesh coordinates -------------------------------------------------------------------------
     @property

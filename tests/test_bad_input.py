@@ -2596,6 +2596,13 @@ CASES: list[Case] = [
         how="dist",
     ),
     _c(
+        "api-fp8-all-gather",
+        API,
+        '`hf3d.FP8Config("tensorwise", all_gather="yes")`',
+        lambda ctx: __import__("hf3d").FP8Config("tensorwise", all_gather="yes"),
+        ["fp8 all_gather must be true or false, got 'yes'"],
+    ),
+    _c(
         "api-parallelize-flash-attention",
         API,
         "`hf3d.parallelize(..., attn_implementation='flash_attention_2')` without the package",

@@ -81,6 +81,7 @@ def _run(path: str, pcfg_kw: dict, compile: bool, backend: str = "inductor", fp8
         graphs=counters["stats"]["unique_graphs"],
         compiled=[compiled(layer) for stage in pm.stages for layer in stage.layers],
         fp8_projections=len(pm.fp8_projections),
+        fp8_gathered=len(pm.fp8_gathered),
     )
 
 
@@ -125,6 +126,10 @@ def _world2(path: str, moe_path: str, fp8_path: str, out: str) -> None:
     res["fp8-tp2"] = {
         "eager": _run(fp8_path, {"tp": 2}, False, **fp8),
         "compiled": _run(fp8_path, {"tp": 2}, True, "aot_eager", **fp8),
+    }
+    res["fp8-zero3"] = {
+        "eager": _run(fp8_path, {"zero_stage": 3}, False, **fp8),
+        "compiled": _run(fp8_path, {"zero_stage": 3}, True, "aot_eager", **fp8),
     }
     report(res, Path(out) / "results.pt")
 
@@ -183,6 +188,18 @@ def test_fp8_layers_compile_whole(world2):
         assert rec["compiled"]["losses"] == rec["eager"]["losses"], f"rank {rank}"
         assert rec["compiled"]["norms"] == rec["eager"]["norms"], f"rank {rank}"
         _check_graphs(rec["compiled"], f"fp8 rank {rank}")
+
+
+def test_fp8_layers_gathered_in_fp8_compile_whole(world2):
+    """ZeRO-3 at dp2 with FP8: FSDP2 gathers the layers' weights as float8 values and scales (a tensor subclass
+    the compiled layer takes as an input, hf3d/parallel/fp8_gather.py); aot_eager gives the eager values exactly,
+    in one graph."""
+    for rank, res in enumerate(world2):
+        rec = res["fp8-zero3"]
+        assert rec["compiled"]["fp8_gathered"] == rec["eager"]["fp8_gathered"] > 0
+        assert rec["compiled"]["losses"] == rec["eager"]["losses"], f"rank {rank}"
+        assert rec["compiled"]["norms"] == rec["eager"]["norms"], f"rank {rank}"
+        _check_graphs(rec["compiled"], f"fp8 zero3 rank {rank}")
 
 
 def test_mutations_fail_the_checks(world2):

@@ -8,14 +8,16 @@ and sequence parallelism: the gradients each tp rank has only part of), pp2 x dp
 1f1b, HSDP 2 x 2, cp2 x dp2 and ep2; ZeRO-2 also with its other collectives, ZeRO-3 also under zbv with a tied
 head (two stages of one rank, each an FSDP2 root). A checkpoint saved at ZeRO-3 tp1 dp4 resumes at ZeRO-1 tp2
 dp2 and the reverse. ZeRO-3 with full recompute runs against stock too, and with µP's lr groups and with torchao's
-FP8 (emulated) against ZeRO-1 with the same settings. The memory report's arithmetic is checked; the bytes
+FP8 (emulated; ZeRO-3 then gathers the layers' weights in float8, at dp2 and tp2 x dp2) against ZeRO-1 with the
+same settings. The memory report's arithmetic is checked; the bytes
 themselves are measured by benchmarks/bench_sharding.py.
 
 Mutations, each one thing made wrong that a check here must catch: a ZeRO-2 shard reduced twice; ZeRO-3
 gradients reduced in bf16; ZeRO-3 gradients averaged over dp instead of summed; HSDP shards not summed over
 their replicas; FSDP2's prefetch pointed past the next layer (the prefetch check counts the all-gathers issued
 before each layer computes); the optimizer step's reshard left out (a forward between the step and `zero_grad`
-computes with the gathered embedding and head from before the step).
+computes with the gathered embedding and head from before the step); the FP8 all-gather's scales taken from each
+rank's rows alone.
 
 One spawn per world size (2 and 4) runs every case of that size; the parent asserts.
 """
@@ -106,7 +108,11 @@ RUNS["zero3/dp2-recompute"] = (2, "llama", dict(zero_stage=3, recompute="full"),
 PAIRS = {
     "mup": (2, "llama", dict(parametrization="spectral_mup", mup_base_width=32, mup_output_multiplier=2.0), {}),
     "fp8-tensorwise": (2, "llama", {}, dict(fp8=dict(recipe="tensorwise", emulate=True))),
+    "fp8-tensorwise-tp2": (4, "llama", dict(tp=2), dict(fp8=dict(recipe="tensorwise", emulate=True))),
 }
+# ZeRO-3's FP8 all-gather with each projection's amax taken over this rank's rows only (the shard group's MAX
+# all-reduce left out): the pair's ZeRO-3 run again, against the same ZeRO-1 run
+FP8_AMAX_LOCAL = "fp8-tensorwise"
 RESUMES = {  # name: (ParallelConfig keywords of the first two steps, of the third)
     "zero3-dp4->zero1-tp2-dp2": (dict(zero_stage=3), dict(zero_stage=1, tp=2)),
     "zero1-tp2-dp2->zero3-dp4": (dict(zero_stage=1, tp=2), dict(zero_stage=3)),
@@ -128,7 +134,7 @@ def _run(dirs, family, pkw, okw, out, **parallelize_kw) -> dict:
     pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**pkw), **parallelize_kw)
     losses, norms, opt = hf3d_run(pm, _data(), dp_rows(pm, BATCH), **okw)
     pm.save_pretrained(out)
-    return dict(losses=losses, norms=norms, report=opt.memory_report(), dp=pm.dp_size)
+    return dict(losses=losses, norms=norms, report=opt.memory_report(), dp=pm.dp_size, fp8_gathered=pm.fp8_gathered)
 
 
 def _resume(dirs, first, then, out) -> dict:
@@ -267,11 +273,18 @@ def _worker(world: int, dirs: dict, out: str) -> None:
         if w == world:
             res[name] = _mutated(dirs, family, pkw, what, f"{out}/{name}")
     for name, (w, family, pkw, xkw) in PAIRS.items():
-        if w == world and (name != "fp8-tensorwise" or _has_torchao()):
+        if w == world and (not name.startswith("fp8") or _has_torchao()):
             for z in (1, 3):
                 res[f"pair/{name}/zero{z}"] = _run(
                     dirs, family, {**pkw, "zero_stage": z}, {}, f"{out}/{name}-{z}", **xkw
                 )
+    if world == PAIRS[FP8_AMAX_LOCAL][0] and _has_torchao():
+        from hf3d.parallel import fp8_gather
+
+        w, family, pkw, xkw = PAIRS[FP8_AMAX_LOCAL]
+        shard_group_left_out = lambda amax, groups, full=fp8_gather.max_over: full(amax, groups[1:])  # noqa: E731
+        with _patched(fp8_gather, "max_over", shard_group_left_out):
+            res["fp8-amax-local"] = _run(dirs, family, {**pkw, "zero_stage": 3}, {}, f"{out}/fp8-amax-local", **xkw)
     if world == 4:
         for name, (first, then) in RESUMES.items():
             res[name] = _resume(dirs, first, then, f"{out}/{name}")
@@ -357,18 +370,41 @@ def test_sharded_training_matches_stock(world, refs, initial):
         _check_run(world[0][name], world["out"] / name, refs[family], initial[family], _kind(family))
 
 
+def _check_pair(world: dict, name: str, got: dict, out_dir: str) -> None:
+    want = world[0][f"pair/{name}/zero1"]
+    assert_close(got["losses"], want["losses"], rtol=LOSS_RTOL, what=f"{name} loss")
+    assert_close(got["norms"], want["norms"], rtol=NORM_RTOL, what=f"{name} grad norm")
+    out = world["out"]
+    assert_close(exported(out / out_dir), exported(out / f"{name}-1"), atol=WEIGHT_ATOL["dense"], what=name)
+
+
 def test_zero3_equals_zero1_under_mup_and_fp8(world):
-    """µP's lr groups and torchao's FP8 matmuls (emulated) on a ZeRO-3 model: the numbers of ZeRO-1's."""
-    if _size(world) != 2:
-        pytest.skip("the pairs run on 2 ranks")
-    names = [n for n in PAIRS if f"pair/{n}/zero3" in world[0]]
-    assert "mup" in names and ("fp8-tensorwise" in names or not _has_torchao())
+    """µP's lr groups and torchao's FP8 matmuls (emulated) on a ZeRO-3 model: the numbers of ZeRO-1's. Under
+    FP8 ZeRO-3 gathers the decoder layers' weights in float8 (hf3d/parallel/fp8_gather.py), here with each
+    projection's rows split over the shard group (and at tp=2 over tp too)."""
+    size = _size(world)
+    names = [n for n, (w, *_rest) in PAIRS.items() if w == size and f"pair/{n}/zero3" in world[0]]
+    assert names and ("mup" in names or size != 2)
+    assert all(n in names for n, (w, *_rest) in PAIRS.items() if w == size and _has_torchao())
     for name in names:
-        got, want = world[0][f"pair/{name}/zero3"], world[0][f"pair/{name}/zero1"]
-        assert_close(got["losses"], want["losses"], rtol=LOSS_RTOL, what=f"{name} loss")
-        assert_close(got["norms"], want["norms"], rtol=NORM_RTOL, what=f"{name} grad norm")
-        out = world["out"]
-        assert_close(exported(out / f"{name}-3"), exported(out / f"{name}-1"), atol=WEIGHT_ATOL["dense"], what=name)
+        got = world[0][f"pair/{name}/zero3"]
+        if name.startswith("fp8"):  # every decoder layer's q|k|v, o, gate|up and down: 4 a layer
+            assert len(got["fp8_gathered"]) == 4 * 2, got["fp8_gathered"]
+            assert not world[0][f"pair/{name}/zero1"]["fp8_gathered"]
+        _check_pair(world, name, got, f"{name}-3")
+    if size == 2 and _has_torchao():  # both layers and the ends gathered at the peak; fp8: 1 byte + a scale each
+        projections = {k: v for k, v in exported(world["out"] / "fp8-tensorwise-3").items() if "_proj." in k}
+        fp32_unit = world[0]["pair/mup/zero3"]["report"]["gathered_unit"]
+        fp8_unit = world[0]["pair/fp8-tensorwise/zero3"]["report"]["gathered_unit"]
+        assert fp8_unit == fp32_unit - 3 * sum(v.numel() for v in projections.values()) + 4 * len(projections)
+
+
+def test_fp8_all_gather_with_a_local_amax_is_caught(world):
+    """The mutation: each rank scales its rows of a projection by their own amax, not the projection's."""
+    if _size(world) != PAIRS[FP8_AMAX_LOCAL][0] or not _has_torchao():
+        pytest.skip("the mutation runs on the pair's ranks, with torchao")
+    with pytest.raises(AssertionError, match="loss"):
+        _check_pair(world, FP8_AMAX_LOCAL, world[0]["fp8-amax-local"], "fp8-amax-local")
 
 
 def test_a_checkpoint_resumes_across_zero_stages_and_meshes(world, refs, initial):

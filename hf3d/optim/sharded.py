@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..parallel.fsdp import first_replica, gathered_at_peak, local_grad, local_shard, reshard_all
+from ..parallel.fsdp import first_replica, gathered_bytes, local_grad, local_shard, reshard_all
 from .base import ParallelOptimizer, merge_ranges, owned_runs, tied_embedding_group
 from .grad_buffer import sum_partial_over_tp
 
@@ -111,14 +111,12 @@ class ShardedOptimizer(ParallelOptimizer):
     def memory_report(self) -> dict[str, int]:
         """Bytes held on this rank by each part of the training state. params: the fp32 shards (the master
         weights too); main_grads: their fp32 gradients; gathered_unit: the weights gathered for compute at once at the
-        step's peak, in the compute dtype (fsdp.gathered_at_peak: the stage's ends and two layers at pp = 1)."""
+        step's peak, in the compute dtype or float8 (fsdp.gathered_bytes: the stage's ends and two layers at pp = 1)."""
         shards = sum(m.numel() for _, m, _, _ in self._masters)
-        size = torch.empty((), dtype=self.pmodel.param_dtype).element_size()
-        unit = gathered_at_peak(self.pmodel)
         report = {
             "params": shards * 4,
             "main_grads": shards * 4,
-            "gathered_unit": unit * size,
+            "gathered_unit": gathered_bytes(self.pmodel),
             "master_weights": 0,
             "optimizer_state": self._state_bytes(),
         }

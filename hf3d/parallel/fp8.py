@@ -21,12 +21,15 @@ the embedding, norms, a MoE layer's router and its experts (grouped matmuls), ev
 dims are not multiples of 16 (torch._scaled_mm's rule), the ones `keep` names, and, with `auto_filter`,
 the ones torchao's size rule for the recipe leaves out (`_auto_filter_for_recipe`, as torchtitan uses it).
 Parameters, ZeRO-1 master weights, gradients, checkpoints and exports never hold an fp8 tensor: a run can
-switch FP8 on or off at a resume. FP8 all-gather of ZeRO-1 parameters is not built.
+switch FP8 on or off at a resume. Under ZeRO-3, FSDP2 gathers a weight whose projections all train in FP8 under
+the tensorwise recipe as those projections' float8 values and scales (hf3d/parallel/fp8_gather.py), which
+`_Float8GatheredMatmul` reads; FP8 all-gather of ZeRO-1 parameters is not built.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -35,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8_gather import Fp8Gathered
 from .layout import get_pieces
 from .tensor import ColumnParallelLinear, RowParallelLinear
 
@@ -94,6 +98,9 @@ class FP8Config:
     tensorwise keeps K <= 4096 and N <= 1024; rowwise keeps N <= 2048, K <= 1024, or N <= 4096 and K <= 2048."""
     emulate: bool = False
     """torchao's emulated matmul (fp8 values, high-precision matmul) instead of torch._scaled_mm."""
+    all_gather: bool = True
+    """Under ZeRO-3 and the tensorwise recipe, FSDP2 gathers the weights whose projections all train in FP8 as
+    float8 values and scales (hf3d/parallel/fp8_gather.py); False gathers them in the compute dtype."""
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -101,6 +108,8 @@ class FP8Config:
         if isinstance(self.keep, str) or not all(isinstance(k, str) and k for k in self.keep):
             raise ValueError(f"fp8 keep must be a list of module-name substrings, got {self.keep!r}")
         self.keep = list(self.keep)
+        if not isinstance(self.all_gather, bool):
+            raise ValueError(f"fp8 all_gather must be true or false, got {self.all_gather!r}")
         if self.enabled and importlib.util.find_spec("torchao") is None:
             raise ValueError(
                 f"fp8 {self.recipe!r} needs torchao, which is not installed: pip install 'hf3d[fp8]' "
@@ -141,9 +150,10 @@ def as_fp8_config(fp8) -> FP8Config:
     if isinstance(fp8, str):
         return FP8Config(recipe=fp8)
     if isinstance(fp8, dict):
-        unknown = set(fp8) - {f.name for f in dataclasses.fields(FP8Config)}
+        known = [f.name for f in dataclasses.fields(FP8Config)]
+        unknown = set(fp8) - set(known)
         if unknown:
-            raise ValueError(f"unknown fp8 setting(s) {sorted(unknown)}; known: recipe, keep, auto_filter, emulate")
+            raise ValueError(f"unknown fp8 setting(s) {sorted(unknown)}; known: {', '.join(known)}")
         return FP8Config(**fp8)
     raise TypeError(f"fp8 must be None, a recipe name, a dict or an hf3d.FP8Config, got {type(fp8).__name__}")
 
@@ -249,22 +259,104 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_input, grad_weight.t(), None, None, None
 
 
+class _Float8GatheredMatmul(torch.autograd.Function):
+    """input @ weight.t() for a weight FSDP2 gathered in float8 (fp8_gather.Fp8Gathered), each stock projection
+    with its own scale: `_Float8Matmul`'s casts and matmuls per projection, where the weight's two casts
+    (forward, grad_input) are that one copy, as under the tensorwise recipe they are the same cast. The float8
+    rows are saved for the backward as tensors (FSDP2 refills them when it gathers the layer again), not as the
+    parameter, which AOTAutograd would take apart into its inner tensors."""
+
+    @staticmethod
+    def forward(ctx, input_hp, weight: Fp8Gathered, linear: Fp8Linear):
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        ctx.save_for_backward(input_hp, weight._data, weight._scales)
+        ctx.linear, ctx.dtype = linear, weight.dtype
+        cast = functools.partial(_cast, config=linear.config, mm_config=linear.mm_config)
+        input_fp8 = cast(
+            input_hp, linear.config.cast_config_input, role=GemmInputRole.INPUT, dim=-1, split=linear.split.input
+        )
+        shape = input_fp8.shape
+        input_2d = input_fp8.reshape(-1, shape[-1])
+        outs = [torch.mm(input_2d, w.t()) for w in _gathered_pieces(weight._data, weight._scales, weight.dtype, linear)]
+        out = torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0]
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        from torchao.float8.float8_training_tensor import GemmInputRole
+
+        input_hp, data, scales = ctx.saved_tensors
+        linear = ctx.linear
+        config, split = linear.config, linear.split
+        cast = functools.partial(_cast, config=config, mm_config=linear.mm_config)
+        out_shape = grad_output.shape
+        grad_output_2d = grad_output.reshape(-1, out_shape[-1])  # [tokens, out]
+        input_2d = input_hp.reshape(-1, input_hp.shape[-1])  # [tokens, in]
+        input_cols = cast(
+            input_2d, config.cast_config_input_for_grad_weight, role=GemmInputRole.INPUT, dim=0, split=split.input
+        )
+        grad_input, grad_weight = None, []
+        weights = _gathered_pieces(data, scales, ctx.dtype, linear)
+        go_pieces = grad_output_2d.split(linear.widths, dim=-1)
+        for weight_fp8, go in reversed(list(zip(weights, go_pieces))):  # autograd's order of the per-piece sums
+            role = GemmInputRole.GRAD_OUTPUT
+            go_rows = cast(go, config.cast_config_grad_output, role=role, dim=-1, split=split.grad_output)
+            part = torch.mm(go_rows, weight_fp8)
+            grad_input = part if grad_input is None else grad_input + part
+            go_cols = cast(
+                go, config.cast_config_grad_output_for_grad_weight, role=role, dim=0, split=split.grad_output
+            )
+            grad_weight.insert(0, torch.mm(go_cols.t(), input_cols))  # [out, in]
+        grad_input = grad_input.reshape(*out_shape[:-1], input_hp.shape[-1])
+        return grad_input, torch.cat(grad_weight, dim=0), None
+
+
+def _gathered_pieces(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, linear: Fp8Linear) -> list:
+    """torchao Float8TrainingTensors [out, in] of each stock projection of a weight gathered in float8: its
+    rows of `data` [out, in] with its scale."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole
+
+    return [
+        Float8TrainingTensor(rows, scale, dtype, linear.mm_config, GemmInputRole.WEIGHT)
+        for rows, scale in zip(data.split(linear.widths, dim=0), scales.unbind())
+    ]
+
+
 class Fp8Linear:
     """The float8 matmul of one tensor-parallel linear, cut into its stock projections.
 
     widths: the local output (column-parallel) rows of each stock projection, in order; converted: whether
-    each trains in FP8 (the others run F.linear in the parameter dtype)."""
+    each trains in FP8 (the others run F.linear in the parameter dtype); all_gather: FP8Config.all_gather."""
 
-    def __init__(self, widths: list[int], converted: list[bool], config, split: _Split):
+    def __init__(self, widths: list[int], converted: list[bool], config, split: _Split, *, all_gather: bool = False):
         from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
         self.widths, self.converted, self.config, self.split = widths, converted, config, split
+        self.all_gather = all_gather
         gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
         self.mm_config = LinearMMConfig(
             *(ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms)
         )
 
+    @property
+    def gathers_fp8(self) -> bool:
+        """Whether ZeRO-3 gathers this weight in float8 (fp8_gather.py): asked for, every projection in FP8, and
+        the weight cast once per tensor for both matmuls that read it (the tensorwise recipe)."""
+        from torchao.float8.config import ScalingGranularity
+
+        weight = self.config.cast_config_weight
+        return (
+            self.all_gather
+            and all(self.converted)
+            and weight.scaling_granularity is ScalingGranularity.TENSORWISE
+            and self.config.cast_config_weight_for_grad_input == weight
+        )
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, Fp8Gathered):
+            y = _Float8GatheredMatmul.apply(x, weight, self)
+            return y if bias is None else y + bias.to(y.dtype)
         weights = weight.split(self.widths, dim=0) if len(self.widths) > 1 else (weight,)
         biases = bias.split(self.widths, dim=0) if bias is not None and len(self.widths) > 1 else (bias,) * len(weights)
         outs = []
@@ -331,6 +423,6 @@ def apply_fp8(
             split = _Split(input=tokens, weight_t=((-1, tp),), grad_output=((-1, tp), *tokens))
         else:  # input [tokens, in/tp]; weight_t [in/tp, out]
             split = _Split(input=((-1, tp), *tokens), weight_t=((0, tp),), grad_output=tokens)
-        module.fp8 = Fp8Linear([w for _, w in projections], flags, config, split)
+        module.fp8 = Fp8Linear([w for _, w in projections], flags, config, split, all_gather=cfg.all_gather)
         converted_names += [name for (name, _), on in zip(projections, flags) if on]
     return converted_names

@@ -3,8 +3,9 @@
 hf3d owns no all-gather engine: FSDP2 shards each parameter along dim 0 over the shard mesh (dp, dp x cp under
 context parallelism, the (replicate, shard) mesh under HSDP; a MoE layer's experts over the ranks holding the same
 experts), all-gathers a group before its forward (prefetching the next), reshards it after, gathers it again for
-backward and reduce-scatters its gradient. `apply_fsdp` runs after the tensor-parallel swap, FP8 and compile, per
-pipeline stage and bottom-up:
+backward and reduce-scatters its gradient (a weight whose projections all train in FP8 under the tensorwise recipe
+as float8 values and scales: hf3d/parallel/fp8_gather.py). `apply_fsdp` runs after the tensor-parallel swap, FP8
+and compile, per pipeline stage and bottom-up:
 
 - every decoder layer is one group; a MoE layer's grouped experts a group of their own (ep > 1: another mesh);
 - the stage's embedding, final norm and lm_head are one group (a tied embedding and head share one Parameter);
@@ -41,11 +42,13 @@ row-major elements, which is how checkpoints, the optimizer and the grad norm ad
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from .fp8_gather import Fp8Gathered, fp8_gather_specs, gather_in_fp8
+from .layout import get_pieces
 from .mesh import expert_fsdp_mesh, fsdp_mesh
 
 REDUCE_DTYPE = torch.float32  # gradients are reduced in fp32 whatever the compute dtype
@@ -66,6 +69,7 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
     cast = None if compute_dtype == torch.float32 else compute_dtype
     policy = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=REDUCE_DTYPE)
     saved = _layout_attributes(pmodel.hf_model)
+    fp8_specs = fp8_gather_specs(pmodel.hf_model)
     sharded: list[list[nn.Module]] = []
 
     def shard(module, on, *, reshard: bool):
@@ -94,7 +98,8 @@ def apply_fsdp(pmodel, *, compute_dtype: torch.dtype) -> list[list[nn.Module]]:
     for group in sharded:
         group[0].set_gradient_divide_factor(GRADIENT_DIVIDE_FACTOR)  # group[0] holds the group's FSDP state
         group[0].set_force_sum_reduction_for_comms(True)
-    pmodel.fsdp_layout = saved
+    gather_in_fp8(pmodel.hf_model, fp8_specs)
+    pmodel.fsdp_layout, pmodel.fp8_gathered = saved, list(fp8_specs)
     restore_layout_attributes(pmodel.hf_model, saved)
     return sharded
 
@@ -144,16 +149,29 @@ def is_sharded(param: torch.Tensor) -> bool:
     return isinstance(param, DTensor)
 
 
-def gathered_at_peak(pmodel) -> int:
+def gathered_at_peak(pmodel, count: Callable[[nn.Parameter], int] = torch.numel) -> int:
     """Elements of the weights ZeRO-3 holds gathered at once at the step's peak, by the rules above: under
     pipelining every parameter of the rank; at pp = 1 the stage's ends and a layer beside the one it prefetches
-    (the largest 1 + PREFETCH_AHEAD layers). Read on a sharded model or on one before `apply_fsdp` (the plan's)."""
+    (the largest 1 + PREFETCH_AHEAD layers). Read on a sharded model or on one before `apply_fsdp` (the plan's).
+    count: what one parameter counts for (its elements; `gathered_bytes` its bytes)."""
     params = {id(p): p for stage in pmodel.stages for p in stage.parameters()}
-    total = sum(p.numel() for p in params.values())
+    total = sum(count(p) for p in params.values())
     if pmodel.pcfg.pp > 1:
         return total
-    layers = sorted(sum(p.numel() for p in layer.parameters()) for st in pmodel.stages for layer in st.layers)
+    layers = sorted(sum(count(p) for p in layer.parameters()) for st in pmodel.stages for layer in st.layers)
     return total - sum(layers) + sum(layers[-(1 + PREFETCH_AHEAD) :])
+
+
+def gathered_bytes(pmodel) -> int:
+    """Bytes of the weights ZeRO-3 holds gathered at once at the step's peak (`gathered_at_peak`): one an element
+    for a weight gathered in float8 (and 4 for its projections' scales), the compute dtype's size for the rest."""
+    fp8 = {id(pmodel.hf_model.get_submodule(name).weight) for name in pmodel.fp8_gathered}
+    size = torch.empty((), dtype=pmodel.param_dtype).element_size()
+
+    def count(p: nn.Parameter) -> int:
+        return p.numel() + 4 * len(get_pieces(p)) if id(p) in fp8 else p.numel() * size
+
+    return gathered_at_peak(pmodel, count)
 
 
 def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -202,7 +220,8 @@ def gathered(group: list[nn.Module]) -> Iterator[None]:
 def gathered_parameters(pmodel, group: list[nn.Module]) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
     """Collective over the group's shard mesh: [(sharded parameter, its gathered tensor)] of the parameters the
     group owns (not those of a group nested in it, such as a MoE layer's experts), inside; resharded after. The
-    sharded parameter carries hf3d's layout; the gathered one is in the compute dtype and freed on exit."""
+    sharded parameter carries hf3d's layout; the gathered one is in the compute dtype and freed on exit (a weight
+    FSDP2 gathers in float8 is gathered again from its shards, in the compute dtype)."""
     claimed = {id(p) for other in _nested_groups(pmodel, group) for m in other for p in m.parameters()}
     before = {}
     for m in group:
@@ -210,7 +229,13 @@ def gathered_parameters(pmodel, group: list[nn.Module]) -> Iterator[list[tuple[n
             if id(p) not in claimed and id(p) not in before:
                 before[id(p)] = (m, name, p)
     with gathered(group):
-        yield [(p, m.get_parameter(name)) for m, name, p in before.values()]
+        yield [(p, _in_compute_dtype(p, m.get_parameter(name))) for m, name, p in before.values()]
+
+
+def _in_compute_dtype(sharded: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    if isinstance(full, Fp8Gathered):  # collective over the shard mesh, as the gather was
+        return sharded.full_tensor().to(full.dtype)
+    return full
 
 
 def _nested_groups(pmodel, group: list[nn.Module]) -> list[list[nn.Module]]:

@@ -392,6 +392,11 @@ def announce(run: Run, derived: list[str], missing: list[str]) -> None:
             say(
                 f"hf3d: fp8 {cfg.precision.fp8}: {n} projection(s) of this rank's layers in FP8 (torchao); the head, "
                 f"embeddings, norms, routers and experts in {cfg.model.dtype}"
+                + (
+                    f"; ZeRO-3 gathers {len(run.pmodel.fp8_gathered)} weight(s) in float8"
+                    if run.pmodel.fp8_gathered
+                    else ""
+                )
             )
         for line in derived + run.pipe.summary() + _mup_lines(run):
             say(f"hf3d: {line}")

@@ -377,6 +377,9 @@ class PrecisionConfig:
     """Also keep those torchao's size rule for the recipe expects to be slower in FP8 (small K and N)."""
     fp8_emulate: bool = False
     """torchao's emulated matmul instead of torch._scaled_mm (for checking numbers, not for speed)."""
+    fp8_all_gather: bool = True
+    """Under parallel.zero_stage 3 and the tensorwise recipe, gather the projections' weights as float8 values
+    and scales (a quarter of fp32's bytes); false gathers them in model.dtype."""
 
     def __post_init__(self) -> None:
         if self.fp8 is False:  # `fp8: off` in YAML (1.1 reads off as false)
@@ -389,7 +392,7 @@ class PrecisionConfig:
         from ..parallel.fp8 import FP8Config
 
         try:
-            return FP8Config(self.fp8, list(self.fp8_keep), self.fp8_auto_filter, self.fp8_emulate)
+            return FP8Config(self.fp8, list(self.fp8_keep), self.fp8_auto_filter, self.fp8_emulate, self.fp8_all_gather)
         except ValueError as e:
             raise ValueError(f"precision.{e}".replace("precision.fp8 keep", "precision.fp8_keep")) from None
 
