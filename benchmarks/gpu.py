@@ -25,8 +25,10 @@ batch (random tokens, labels = inputs).
 (d) MoE: a Qwen3-MoE of ~472M (hidden 1024, 12 layers, 32 experts of width 288, top-4), 4 x 2048 tokens: hf3d
     ep=1 bf16 against stock with `experts_implementation="grouped_mm"` (fp32 parameters under autocast, fused
     AdamW); both eager. Target ≥ 1.8x.
+(e) hf3d ZeRO-3 (FSDP2) against (a)'s hf3d ZeRO-1 row at the 1.7B shape, compiled: at dp=1 only FSDP2's overhead
+    (target ≥ 0.77x: a step within 1.3x, the CPU guard's bound), and the peak memory of fp32 shards against ZeRO-1's.
 
-Rows run in that order of priority: (a) 360M, (b), (a) 1.7B, (c), (d). A row whose estimated time no longer fits
+Rows run in that order of priority: (a) 360M, (b), (a) 1.7B, (e), (c), (d). A row whose estimated time no longer fits
 `--budget-s` is skipped and reported as skipped; a row that fails records its error and the next one runs.
 Nothing is installed: hf3d's dependencies (transformers, torchao, datasets, ...) come from the environment or
 PYTHONPATH. Without CUDA the script stops (exit 2; 0 with --skip-without-gpu); `--cpu-smoke` runs every row on
@@ -138,12 +140,11 @@ class Stock:
 class HF3D:
     """parallelize(tp=pp=dp=1, bf16) + build_optimizer(AdamW, fused=True), clip 1.0."""
 
-    def __init__(self, torch, model_dir, dev, *, compile: bool, fp8=None):
+    def __init__(self, torch, model_dir, dev, *, compile: bool, fp8=None, zero_stage: int = 1):
         import hf3d
 
-        self.model = hf3d.parallelize(
-            model_dir, hf3d.ParallelConfig(tp=1, pp=1, dp=1), dtype=torch.bfloat16, compile=compile, fp8=fp8
-        )
+        pcfg = hf3d.ParallelConfig(tp=1, pp=1, dp=1, zero_stage=zero_stage)
+        self.model = hf3d.parallelize(model_dir, pcfg, dtype=torch.bfloat16, compile=compile, fp8=fp8)
         self.opt = hf3d.build_optimizer(
             self.model, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP, fused=True
         )
@@ -343,6 +344,7 @@ class Bench:
             ("360M hf3d compiled", 35, "360M", HF3D, dict(compile=True)),
             ("1.7B stock compiled", 50, "1.7B", Stock, dict(compile=True)),
             ("1.7B hf3d compiled", 50, "1.7B", HF3D, dict(compile=True)),
+            ("1.7B hf3d zero3 compiled", 55, "1.7B", HF3D, dict(compile=True, zero_stage=3)),
             ("1.7B hf3d fp8 tensorwise compiled", 70, "1.7B", HF3D, dict(compile=True, fp8="tensorwise")),
             ("1.7B hf3d fp8 rowwise compiled", 70, "1.7B", HF3D, dict(compile=True, fp8="rowwise")),
             ("moe stock grouped_mm", 45, "moe", Stock, dict(compile=False, experts_implementation="grouped_mm")),
@@ -368,6 +370,7 @@ COMPARISONS = [  # (what, row, reference row, target on the tokens/s ratio)
     ("(c) 1.7B: FP8 tensorwise / bf16, compiled", "1.7B hf3d fp8 tensorwise compiled", "1.7B hf3d compiled", 1.2),
     ("(c) 1.7B: FP8 rowwise / bf16, compiled", "1.7B hf3d fp8 rowwise compiled", "1.7B hf3d compiled", 1.2),
     ("(d) MoE: hf3d ep=1 / stock grouped_mm", "moe hf3d ep=1", "moe stock grouped_mm", 1.8),
+    ("(e) 1.7B: ZeRO-3 / ZeRO-1, dp=1", "1.7B hf3d zero3 compiled", "1.7B hf3d compiled", 0.77),
 ]
 
 
