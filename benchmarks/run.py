@@ -314,7 +314,7 @@ BENCHMARKS = [
     Benchmark("muon", "bench_muon.py", [], "the Muon hybrid (`torch.optim.Muon` on the hidden matrices, AdamW on "
               "the rest) / AdamW: the step's cost and state memory at tp2 and dp2 (CPU), the default run's held-out "
               "loss over an lr grid, µP with Muon", "17", _muon),
-    Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock transformers compiled (360M, 1.7B), `hf3d train`, FP8, MoE",
+    Benchmark("gpu", "gpu.py", [], "one GPU: hf3d / stock compiled (360M, 1.7B), `hf3d train`, FP8, MoE, ZeRO-3",
               "9 (GPU)", _gpu, gpu=True),
 ]  # fmt: skip
 BY_NAME = {b.name: b for b in BENCHMARKS}
