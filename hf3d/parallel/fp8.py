@@ -218,45 +218,42 @@ class _Float8Matmul(torch.autograd.Function):
 
         input_hp, weight_hp_t = ctx.saved_tensors
         config, split = ctx.config, ctx.split
-        common = dict(config=config, mm_config=ctx.mm_config)
-        out_shape = grad_output.shape
-        grad_output_2d = grad_output.reshape(-1, out_shape[-1])  # [tokens, out]
-        go_rows = _cast(
-            grad_output_2d,
-            config.cast_config_grad_output,
-            role=GemmInputRole.GRAD_OUTPUT,
-            dim=-1,
-            split=split.grad_output,
-            **common,
-        )
-        weight_cols = _cast(
+        cast = functools.partial(_cast, config=config, mm_config=ctx.mm_config)
+        weight_cols = cast(
             weight_hp_t,
             config.cast_config_weight_for_grad_input,
             role=GemmInputRole.WEIGHT,
             dim=-1,
             split=split.weight_t,
-            **common,
         )
-        grad_input = torch.mm(go_rows, weight_cols.t()).reshape(*out_shape[:-1], weight_hp_t.shape[0])
-        input_2d = input_hp.reshape(-1, input_hp.shape[-1])  # [tokens, in]
-        go_cols = _cast(
-            grad_output_2d,
-            config.cast_config_grad_output_for_grad_weight,
-            role=GemmInputRole.GRAD_OUTPUT,
-            dim=0,
-            split=split.grad_output,
-            **common,
-        )
-        input_cols = _cast(
-            input_2d,
-            config.cast_config_input_for_grad_weight,
-            role=GemmInputRole.INPUT,
-            dim=0,
-            split=split.input,
-            **common,
-        )
-        grad_weight = torch.mm(go_cols.t(), input_cols)  # [out, in]
+        grad_input, grad_weight = _grads(grad_output, input_hp, [weight_cols.t()], config, split, cast)
         return grad_input, grad_weight.t(), None, None, None
+
+
+def _grads(grad_output, input_hp, weights: list, config, split: _Split, cast) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of `input @ cat(weights).t()` in float8 from the weights already cast ([out_i, in] each, one
+    per stock projection): (grad_input, grad_weight [out, in]). Each projection's output gradient is cast on its
+    own (rows for grad_input, columns for grad_weight); the per-projection input gradients are summed in autograd's
+    order (last first)."""
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    role = GemmInputRole.GRAD_OUTPUT
+    out_shape = grad_output.shape
+    grad_output_2d = grad_output.reshape(-1, out_shape[-1])  # [tokens, out]
+    input_2d = input_hp.reshape(-1, input_hp.shape[-1])  # [tokens, in]
+    input_cols = cast(
+        input_2d, config.cast_config_input_for_grad_weight, role=GemmInputRole.INPUT, dim=0, split=split.input
+    )
+    widths = [w.shape[0] for w in weights]
+    grad_input, grad_weight = None, []
+    for weight_fp8, go in reversed(list(zip(weights, grad_output_2d.split(widths, dim=-1)))):
+        go_rows = cast(go, config.cast_config_grad_output, role=role, dim=-1, split=split.grad_output)
+        part = torch.mm(go_rows, weight_fp8)
+        grad_input = part if grad_input is None else grad_input + part
+        go_cols = cast(go, config.cast_config_grad_output_for_grad_weight, role=role, dim=0, split=split.grad_output)
+        grad_weight.insert(0, torch.mm(go_cols.t(), input_cols))  # [out_i, in]
+    grad_weight = torch.cat(grad_weight, dim=0) if len(grad_weight) > 1 else grad_weight[0]
+    return grad_input.reshape(*out_shape[:-1], input_hp.shape[-1]), grad_weight
 
 
 class _Float8GatheredMatmul(torch.autograd.Function):
@@ -284,32 +281,12 @@ class _Float8GatheredMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        from torchao.float8.float8_training_tensor import GemmInputRole
-
         input_hp, data, scales = ctx.saved_tensors
         linear = ctx.linear
-        config, split = linear.config, linear.split
-        cast = functools.partial(_cast, config=config, mm_config=linear.mm_config)
-        out_shape = grad_output.shape
-        grad_output_2d = grad_output.reshape(-1, out_shape[-1])  # [tokens, out]
-        input_2d = input_hp.reshape(-1, input_hp.shape[-1])  # [tokens, in]
-        input_cols = cast(
-            input_2d, config.cast_config_input_for_grad_weight, role=GemmInputRole.INPUT, dim=0, split=split.input
-        )
-        grad_input, grad_weight = None, []
+        cast = functools.partial(_cast, config=linear.config, mm_config=linear.mm_config)
         weights = _gathered_pieces(data, scales, ctx.dtype, linear)
-        go_pieces = grad_output_2d.split(linear.widths, dim=-1)
-        for weight_fp8, go in reversed(list(zip(weights, go_pieces))):  # autograd's order of the per-piece sums
-            role = GemmInputRole.GRAD_OUTPUT
-            go_rows = cast(go, config.cast_config_grad_output, role=role, dim=-1, split=split.grad_output)
-            part = torch.mm(go_rows, weight_fp8)
-            grad_input = part if grad_input is None else grad_input + part
-            go_cols = cast(
-                go, config.cast_config_grad_output_for_grad_weight, role=role, dim=0, split=split.grad_output
-            )
-            grad_weight.insert(0, torch.mm(go_cols.t(), input_cols))  # [out, in]
-        grad_input = grad_input.reshape(*out_shape[:-1], input_hp.shape[-1])
-        return grad_input, torch.cat(grad_weight, dim=0), None
+        grad_input, grad_weight = _grads(grad_output, input_hp, weights, linear.config, linear.split, cast)
+        return grad_input, grad_weight, None
 
 
 def _gathered_pieces(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, linear: Fp8Linear) -> list:
