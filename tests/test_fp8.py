@@ -81,6 +81,7 @@ SGD_LR = 1.0  # moves weights by up to 0.043 in 3 steps (AdamW at LR: 6e-3)
 SGD_WEIGHT_ATOL = 3e-7  # max |Δw| after 3 SGD steps; measured 1.5e-8 (tensorwise, rowwise, rowwise-scaled-mm)
 SGD_MIN_UPDATE = 1e-2  # the SGD weights move at least this much, so SGD_WEIGHT_ATOL is a test that can fail
 MUTATION_MIN = 3e-5  # a wrong scale moves step 1's loss by more than this, relative; measured >= 1.3e-4
+KV_KEPT = ("k_proj", "v_proj")  # the projections a one-KV-head model keeps out of FP8 at tp2
 PROBES = {"tp2": dict(tp=2), "cp2": dict(cp=2)}  # the meshes of the layer probe (world 2)
 # the probe's max |got - want| over max |want|, per tensor; measured 3.2e-7 (cp2 weight grad: two partial
 # sums over tokens), 3.0e-7 (tp2 input grad: two partial sums over out); the output and tp2's weight grad: 0.
@@ -88,12 +89,12 @@ PROBES = {"tp2": dict(tp=2), "cp2": dict(cp=2)}  # the meshes of the layer probe
 PROBE_TOL = 5e-6
 
 
-def fp8_reference(model_dir, recipe: str, chunks: int, *, head_fp8: bool = False, sgd: bool = False):
+def fp8_reference(model_dir, recipe: str, chunks: int, *, head_fp8: bool = False, sgd: bool = False, keep=()):
     """(losses, grad norms, state dict) of torchao's FP8 stock model, gradients accumulated over `chunks`,
-    trained by AdamW or (sgd) by plain SGD at SGD_LR."""
+    trained by AdamW or (sgd) by plain SGD at SGD_LR; `keep`: FP8Config.keep."""
     from torchao.float8 import convert_to_float8_training
 
-    cfg = hf3d.FP8Config(**RECIPES[recipe])
+    cfg = hf3d.FP8Config(**RECIPES[recipe], keep=list(keep))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     keep = (lambda m, fqn: isinstance(m, torch.nn.Linear)) if head_fp8 else cfg.module_filter_fn
     convert_to_float8_training(model, config=cfg.torchao_config(), module_filter_fn=keep)
@@ -226,6 +227,13 @@ def _worker(model_dir, out_dir, world):
             res["kv1"] = "no error"
         except ValueError as e:
             res["kv1"] = str(e)
+        # the remedy that message gives: k and v kept in fp32, q in FP8 (exact rowwise scales, plain SGD)
+        kv1 = hf3d.FP8Config(**RECIPES["rowwise"], keep=list(KV_KEPT))
+        pmodel = hf3d.parallelize(str(Path(out_dir) / "kv1"), hf3d.ParallelConfig(tp=2), fp8=kv1)
+        losses, norms, _ = hf3d_run(pmodel, data, slice(None), torch.optim.SGD, lr=SGD_LR)
+        res["kv1-kept"] = dict(losses=losses, norms=norms)
+        pmodel.save_pretrained(Path(out_dir) / "kv1-kept")
+        res["kv1-kept"] |= dict(out=str(Path(out_dir) / "kv1-kept"), converted=pmodel.fp8_projections)
     report(res, Path(out_dir) / f"world{world}.pt")
 
 
@@ -233,7 +241,7 @@ def _worker(model_dir, out_dir, world):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8")
     model_dir = make_model_dir(tmp / "model", "llama", **SHAPE)
-    make_model_dir(tmp / "kv1", "llama", **{**SHAPE, "num_key_value_heads": 1})
+    kv1 = make_model_dir(tmp / "kv1", "llama", **{**SHAPE, "num_key_value_heads": 1})
     res = {}
     for world in sorted({w for w, _ in CASES.values()}):
         spawn(_worker, world, str(model_dir), str(tmp), world)
@@ -247,6 +255,7 @@ def runs(tmp_path_factory):
                 refs[key] = fp8_reference(model_dir, recipe, _chunks(case), sgd=case.endswith("-sgd"))
     refs["tensorwise", "head_fp8"] = fp8_reference(model_dir, "tensorwise", 2, head_fp8=True)
     refs["tensorwise", "head_fp8", "sgd"] = fp8_reference(model_dir, "tensorwise", 2, head_fp8=True, sgd=True)
+    refs["kv1-kept"] = fp8_reference(kv1, "rowwise", 1, sgd=True, keep=KV_KEPT)
     return res, refs, load_file(model_dir / "model.safetensors")
 
 
@@ -359,6 +368,20 @@ def test_replicated_kv_heads_are_refused(runs):
     msg = runs[0]["kv1"]
     assert "fp8 cannot scale model.layers.0.self_attn.k_proj.weight at this tp" in msg, msg
     assert "keep the k/v projections in high precision" in msg
+
+
+def test_replicated_kv_heads_kept_in_high_precision_train(runs):
+    """tp above the KV heads with k and v kept out of FP8, as the refusal says to do: q trains in FP8, and the
+    run equals torchao's stock model with the same filter."""
+    res, refs, _ = runs
+    got, (losses, norms, want) = res["kv1-kept"], refs["kv1-kept"]
+    assert got["converted"] and not any("k_proj" in n or "v_proj" in n for n in got["converted"]), got["converted"]
+    assert any("q_proj" in n for n in got["converted"]), got["converted"]
+    assert_close(got["losses"], losses, rtol=LOSS_RTOL, what="kv1-kept losses")
+    assert_close(got["norms"], norms, rtol=LOSS_RTOL, what="kv1-kept grad norms")
+    weights = _weights(got["out"])
+    off = max(float((weights[k] - v).abs().max()) for k, v in want.items() if k in weights)
+    assert off < SGD_WEIGHT_ATOL, f"kv1 with k/v kept: weights {off:.1e} off torchao's"
 
 
 def test_filter_rule():

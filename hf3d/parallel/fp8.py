@@ -386,7 +386,8 @@ def apply_fp8(
         flags = [cfg.converts(name, hf_shapes[f"{name}.weight"]) for name, _ in projections]
         if not any(flags):
             continue
-        replicated = [p.hf_name for p in get_pieces(module.weight) if p.partial_grad]
+        converted = {f"{name}.weight" for (name, _), on in zip(projections, flags) if on}
+        replicated = [p.hf_name for p in get_pieces(module.weight) if p.partial_grad and p.hf_name in converted]
         if replicated:
             raise ValueError(
                 f"fp8 cannot scale {replicated[0]} at this tp: tp is larger than the number of key/value heads, "
