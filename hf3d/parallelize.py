@@ -27,6 +27,7 @@ from .parallel.config import ParallelConfig, check_attn_implementation
 from .parallel.context import CPContext, check_attention
 from .parallel.expert import RouterStats, check_load_balance
 from .parallel.fp8 import FP8Config, apply_fp8, as_fp8_config
+from .parallel.fp8_gather import fp8_gather_specs
 from .parallel.fsdp import apply_fsdp
 from .parallel.init_weights import InitSource, has_weights
 from .parallel.layout import get_pieces
@@ -393,9 +394,13 @@ def _load_pieces(hf_model: nn.Module, source, dtype: torch.dtype) -> None:
         param.requires_grad_(True)
 
 
-def meta_model(config: PretrainedConfig, pcfg: ParallelConfig, *, dtype: torch.dtype, attn: str) -> ParallelModel:
+def meta_model(
+    config: PretrainedConfig, pcfg: ParallelConfig, *, dtype: torch.dtype, attn: str, fp8: FP8Config | None = None
+) -> ParallelModel:
     """This rank's ParallelModel on the meta device, as `parallelize` would assemble it but never filled: the
-    shapes each rank holds, for `hf3d plan` (hf3d/plan/trace.py), which runs it under a fake process group."""
+    shapes each rank holds, for `hf3d plan` (hf3d/plan/trace.py), which runs it under a fake process group. With
+    `fp8`, its projections are converted and, under ZeRO-3, `fp8_gathered` names the weights FSDP2 would gather in
+    float8 (no sharding is applied)."""
     adapter = _checked_adapter(config, pcfg, attn, compile=False)
     mesh = build_mesh(pcfg)
     stored = torch.float32 if pcfg.zero_stage == 3 else dtype
@@ -406,6 +411,11 @@ def meta_model(config: PretrainedConfig, pcfg: ParallelConfig, *, dtype: torch.d
     with meta:
         hf_model, hf_shapes = _swapped_skeleton(config, adapter, plan, ctx=ctx, ep=ep, attn=attn, dtype=stored)
         hf_model.model.rotary_emb = type(hf_model.model.rotary_emb)(config=config)
+    fp8 = fp8 or FP8Config()
+    fp8_projections = apply_fp8(hf_model, fp8, hf_shapes, tp_group=ctx.group, cp_group=cp.group)
     pmodel = _assemble(hf_model, config, pcfg, plan, mesh=mesh, cp=cp, rng=rng, hf_shapes=hf_shapes, tokenizer_dir=None)
     pmodel.compute_dtype, pmodel.router_stats = dtype, ep.stats
+    pmodel.fp8, pmodel.fp8_projections = fp8, fp8_projections
+    if pcfg.zero_stage == 3:
+        pmodel.fp8_gathered = list(fp8_gather_specs(hf_model))
     return pmodel

@@ -47,8 +47,9 @@ def _train(tmp_path, *settings: str) -> str:
     [
         ("parallel.pp=2", "parallel.num_microbatches=4", "run.global_batch=8"),
         ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.recompute=selective"),
+        ("parallel.zero_stage=3", "precision.fp8=tensorwise"),  # every projection's weight gathered in float8
     ],
-    ids=["pp2-1f1b", "tp2-sp-selective"],
+    ids=["pp2-1f1b", "tp2-sp-selective", "zero3-fp8"],
 )
 def test_train_prints_the_plan_beside_the_first_step(tmp_path, settings):
     out = _train(tmp_path, *settings)
@@ -88,6 +89,37 @@ def test_training_state_follows_the_zero_arithmetic(dtype_bytes):
             assert 4 * n / dp + 0.9 * 4 * n < r.grads <= 4 * n / dp + 4 * n
         if zero == 3:
             assert r.gathered > 0
+
+
+def test_the_plan_knows_fp8(tmp_path):
+    """ZeRO-3 with tensorwise FP8 gathers each projection's weight in float8 (a byte an element, 4 for each stock
+    projection's scale): the plan's gathered bytes drop by that, and by nothing with the float8 gather off. A mesh
+    the run refuses under FP8 (tp above the KV heads, k/v in FP8) is not offered; keeping k/v out brings it back."""
+    from hf3d.plan.command import best_per_mesh
+
+    config = AutoConfig.from_pretrained(TINY_MODEL)  # 4 layers; q 96x96, k/v 32x96, gate/up 256x96, down 96x256
+    fp8_elements, scales = 4 * (160 * 96 + 96 * 96 + 512 * 96 + 96 * 256), 4 * 4 * (3 + 1 + 2 + 1)
+    mesh = hf3d.ParallelConfig(zero_stage=3).resolve(2)
+
+    def gathered(fp8) -> int:
+        job = Job(seq_len=32, global_batch=4, dtype_bytes=2, target="cpu", fp8=fp8)
+        return Planner(config, job, adapter=get_adapter(config.model_type)).plan(mesh).ranks[0].gathered
+
+    bf16 = gathered(None)
+    assert gathered(hf3d.FP8Config("tensorwise", all_gather=False)) == gathered(hf3d.FP8Config("rowwise")) == bf16
+    # at pp = 1 two of the four layers are gathered at once (the one computing, the next prefetched)
+    assert gathered(hf3d.FP8Config("tensorwise")) == bf16 - (fp8_elements - scales) // 2
+
+    one_kv = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1)
+    config = AutoConfig.for_model("llama", num_hidden_layers=2, vocab_size=256, **one_kv)
+    adapter = get_adapter("llama")
+
+    def tps(fp8) -> set[int]:
+        job = Job(seq_len=32, global_batch=4, dtype_bytes=2, target="cpu", fp8=fp8)
+        return {p.pcfg.tp for p in best_per_mesh(Planner(config, job, adapter=adapter), config, adapter, job, 2, 2**34)}
+
+    assert tps(None) == {1, 2} and tps(hf3d.FP8Config("tensorwise")) == {1}
+    assert tps(hf3d.FP8Config("tensorwise", keep=["k_proj", "v_proj"])) == {1, 2}
 
 
 def test_the_plan_counts_the_attention_kernel_the_run_picks():
@@ -178,3 +210,12 @@ def test_plan_command_table_and_json():
     meshes = {(m["mesh"]["tp"], m["mesh"]["pp"], m["mesh"]["dp"], m["mesh"]["cp"]) for m in plans["meshes"]}
     assert {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)} <= meshes
     assert plans["train_mesh"]["mesh"]["dp"] == 2 and all(m["fits"] for m in plans["meshes"])
+    # --fp8: the float8 gather counted on the marked ZeRO-3 mesh, the recipe in the job
+    zero3 = base + ["--json", "--only-config", "--mesh", "zero_stage=3"]
+    runs = [
+        subprocess.run(zero3 + fp8, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        for fp8 in ([], ["--fp8", "tensorwise"])
+    ]
+    (plain, fp8) = [json.loads(r.stdout) for r in runs]
+    assert fp8["job"]["fp8"]["recipe"] == "tensorwise" and plain["job"]["fp8"] is None
+    assert fp8["train_mesh"]["ranks"][0]["gathered"] < plain["train_mesh"]["ranks"][0]["gathered"]

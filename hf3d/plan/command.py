@@ -4,6 +4,7 @@ a config.json (or a YAML whose model.path is one) is all it reads; nothing is do
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -33,6 +34,11 @@ def add_parser(sub, func) -> None:
     )
     p.add_argument("--global-batch", type=int, metavar="B", help="rows per step (default: the YAML's run.global_batch)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="compute dtype (default: the YAML's, else bf16)")
+    p.add_argument(
+        "--fp8",
+        choices=("off", "tensorwise", "rowwise"),
+        help="FP8 recipe (default: the YAML's precision, else off): under ZeRO-3 tensorwise gathers weights in float8",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="whose attention kernel (default cuda)")
     p.add_argument("--unpacked", action="store_true", help="rows of one document each (no dense masks under sdpa)")
     p.add_argument(
@@ -62,6 +68,7 @@ def _read_source(args):
         defaults = dict(seq_len=cfg.data.seq_len, global_batch=cfg.run.global_batch, dtype=cfg.model.dtype)
         defaults |= dict(state_precision=cfg.optim.state_precision, bucket_size=cfg.optim.bucket_size)
         defaults |= dict(attn=cfg.model.attn_implementation, packed=cfg.data.document_masking)
+        defaults |= dict(fp8=cfg.precision.fp8_config())
         chosen = cfg.parallel
     else:
         model_dir, chosen = (src.parent if src.name == "config.json" else src), None
@@ -78,6 +85,7 @@ def run(args) -> int:
     from ..models import get_adapter
     from ..parallel.attention import flash_attn_installed
     from ..parallel.compile import auto_compiles
+    from ..parallel.fp8 import FP8Config
     from .cost import Device
     from .memory import Job
     from .meshes import check_mesh
@@ -103,6 +111,7 @@ def run(args) -> int:
         attn=attn,
         flash=args.device == "cuda" and flash_attn_installed(),
         compiled=chosen_compile is True or (chosen_compile == "auto" and auto_compiles(args.device)),
+        fp8=FP8Config(args.fp8) if args.fp8 else defaults.get("fp8"),
     )
     device = Device(gpus_per_node=args.nproc)
     planner = Planner(config, job, adapter=adapter, device=device, nnodes=args.plan_nodes)
@@ -112,7 +121,8 @@ def run(args) -> int:
     marked.fits = marked.peak <= HEADROOM * memory
     plans = [] if args.only_config else best_per_mesh(planner, config, adapter, job, world, memory)
     if args.json:
-        out = dict(job=job.__dict__, gpu_memory=memory, headroom=HEADROOM, attention=planner.attention(train_mesh))
+        out = dict(job=dataclasses.asdict(job), gpu_memory=memory, headroom=HEADROOM)
+        out["attention"] = planner.attention(train_mesh)
         out["train_mesh"] = _row(marked)
         out["meshes"] = [_row(p) for p in plans]
         print(json.dumps(out, indent=1))
@@ -155,14 +165,14 @@ def _mesh_option(text: str) -> ParallelConfig:
 def _train_mesh(chosen: ParallelConfig | None, world: int) -> ParallelConfig:
     """The mesh `hf3d train` runs on `world` ranks: the YAML's parallel section (or --mesh), else the default (dp
     over all)."""
-    import dataclasses
-
     pcfg = dataclasses.replace(chosen, compile=False) if chosen is not None else ParallelConfig()
     return pcfg.resolve(world)
 
 
 def best_per_mesh(planner, config, adapter, job, world: int, memory: int) -> list:
-    """For each mesh the fastest variant that fits, else its smallest; fitting ones first, fastest first."""
+    """For each mesh the fastest variant that fits, else its smallest; fitting ones first, fastest first. A mesh
+    whose model the run would refuse as it assembles it (the trace's ValueError: FP8 on replicated KV heads) is
+    left out."""
     from tqdm import tqdm
 
     from .meshes import candidate_meshes, variants
@@ -173,13 +183,17 @@ def best_per_mesh(planner, config, adapter, job, world: int, memory: int) -> lis
     for mesh in tqdm(meshes, desc="hf3d plan: meshes", file=sys.stderr, disable=not sys.stderr.isatty()):
         best = smallest = None
         for pcfg in variants(mesh, global_batch=job.global_batch):
-            plan = planner.plan(pcfg)
+            try:
+                plan = planner.plan(pcfg)
+            except ValueError:
+                break  # every variant of this mesh assembles the same model
             plan.fits = plan.peak <= HEADROOM * memory
             if plan.fits and (best is None or plan.cost.seconds < best.cost.seconds):
                 best = plan
             if smallest is None or plan.peak < smallest.peak:
                 smallest = plan
-        out.append(best or smallest)
+        if smallest is not None:
+            out.append(best or smallest)
     return sorted(out, key=lambda p: (not p.fits, p.cost.seconds if p.fits else p.peak))
 
 

@@ -9,9 +9,10 @@ The training state follows hf3d's optimizer (hf3d/optim/zero.py, grad_buffer.py,
   at 1 and 2), none when the parameters are fp32 themselves (they are their own masters); the optimizer's
   state (AdamW: two moments) on the same elements, in fp32, bf16 or torchao's 8 bits (+ a scale per 256).
 - ZeRO-3 (FSDP2): fp32 shards (the master weights), their fp32 gradients and the state on 1/shard of every
-  parameter, and the weights gathered in the compute dtype at the step's peak: the stage's embedding, norm and
-  head with two layers at pp = 1 (the one computing, the next prefetched), every stage of the rank under a
-  pipeline (gathered from the first forward to the gradients' reduction: hf3d/parallel/fsdp.py).
+  parameter, and the weights gathered at the step's peak, in the compute dtype (in float8, with a scale per
+  projection, where FP8 gathers them): the stage's embedding, norm and head with two layers at pp = 1 (the one
+  computing, the next prefetched), every stage of the rank under a pipeline (gathered from the first forward to
+  the gradients' reduction: hf3d/parallel/fsdp.py).
 The shard group is dp x cp for dense parameters (dp_shard x cp under HSDP) and dp / ep x cp for experts.
 
 Activations: one micro-batch's bytes on each stage (hf3d/plan/trace.py) times the micro-batches the schedule
@@ -27,6 +28,7 @@ import dataclasses
 import types
 
 from ..optim.grad_buffer import cut_buckets
+from ..parallel.fp8 import FP8Config
 from .trace import RankParams
 
 STATE_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}  # per state element (8-bit: + a scale per 256)
@@ -47,6 +49,7 @@ class Job:
     attn: str = "auto"  # model.attn_implementation; the planner resolves "auto" per mesh as a run does
     flash: bool = False  # flash-attn is installed where the run goes ("auto" picks it on CUDA)
     compiled: bool = False  # the run compiles its layers ("auto" on CUDA then picks flex attention for packed rows)
+    fp8: FP8Config | None = None  # the run's FP8 (under ZeRO-3 some weights are gathered in float8)
 
 
 @dataclasses.dataclass
@@ -58,7 +61,7 @@ class RankMemory:
     grads: int
     state: int
     activations: int
-    gathered: int = 0  # ZeRO-3: the weights gathered at once at the step's peak, in the compute dtype
+    gathered: int = 0  # ZeRO-3: the weights gathered at once at the step's peak (compute dtype or float8)
 
     @property
     def state_total(self) -> int:
@@ -95,8 +98,7 @@ def training_state(trace: RankParams, pcfg, job: Job, *, zero_stage: int) -> Ran
         groups = [(shard, [p for p in trace.params if not p[2]]), (expert_shard, [p for p in trace.params if p[2]])]
     if zero_stage == 3:
         elements = sum(-(-n // g) for g, ps in groups for n, _, _ in ps)
-        gathered = trace.gathered * job.dtype_bytes
-        return RankMemory(4 * elements, 0, 4 * elements, _state(elements, job), 0, gathered=gathered)
+        return RankMemory(4 * elements, 0, 4 * elements, _state(elements, job), 0, gathered=trace.gathered)
     buckets = [(g, _buckets(ps, bucket_size=job.bucket_size, shard=g)) for g, ps in groups]
     padded = sum(sum(b) for _, b in buckets)
     stepped = padded if zero_stage == 0 else sum(sum(b) // g for g, b in buckets)

@@ -13,15 +13,27 @@ keep the step's temporaries alive for long.
 
 It works the same on real tensors (a run, `hf3d train`'s first step) and on meta tensors (the plan's
 trace, hf3d/plan/trace.py), so the prediction and the measurement count one thing.
+
+Weights are not activations, wherever the step makes them: given the model, the storages of its parameters
+(under ZeRO-3, FSDP2's gathered weights, whose buffers its first forward allocates) are not counted. Nor is a
+wrapper tensor subclass's own storage (FSDP2's parameter gathered in float8): its inner tensors hold its
+bytes, and count where an op makes them.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 PRUNE_EVERY = 256  # ops between sweeps of the storages only the meter still holds
+
+
+def _storage(param: torch.Tensor) -> int | None:
+    """The storage of a parameter as ops see it: a sharded DTensor's local tensor; None for a wrapper subclass."""
+    param = getattr(param, "_local_tensor", param)
+    return None if is_traceable_wrapper_subclass(param) else param.untyped_storage()._cdata
 
 
 def _held(storage) -> bool:
@@ -31,8 +43,9 @@ def _held(storage) -> bool:
 class ActivationMeter(TorchDispatchMode):
     """`with ActivationMeter() as m: <forward and backward>`; then `m.peak` (bytes). `m.live()` at any time."""
 
-    def __init__(self):
+    def __init__(self, model: nn.Module | None = None):
         super().__init__()
+        self.model = model
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.peak = 0
         self._in_forward = False
@@ -48,7 +61,7 @@ class ActivationMeter(TorchDispatchMode):
         if forward:
             given = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
                     s = t.untyped_storage()
                     if s._cdata not in given:  # a view or an in-place result shares its input's storage
                         self.storages.setdefault(s._cdata, s)
@@ -63,7 +76,8 @@ class ActivationMeter(TorchDispatchMode):
     def live(self) -> int:
         """Bytes of the storages the forward made that are held now."""
         self._prune()
-        return sum(s.nbytes() for s in self.storages.values())
+        weights = set() if self.model is None else {_storage(p) for p in self.model.parameters()}
+        return sum(s.nbytes() for k, s in self.storages.items() if k not in weights)
 
     def __exit__(self, *exc):
         self.peak = max(self.peak, self.live())

@@ -59,7 +59,7 @@ class Planner:
         if key not in self._params:
             small = dataclasses.replace(pcfg, dp=pcfg.ep, dp_shard=None)
             rank = pp_rank * pcfg.ep * pcfg.cp * pcfg.tp
-            self._params[key] = trace_params(self.config, small, rank=rank, dtype=self.dtype)
+            self._params[key] = trace_params(self.config, small, rank=rank, dtype=self.dtype, fp8=self.job.fp8)
         return self._params[key]
 
     def attention(self, pcfg: ParallelConfig) -> str:

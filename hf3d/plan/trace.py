@@ -36,7 +36,7 @@ from ..parallel import context as cp_context
 from ..parallel import expert as expert_module
 from ..parallel.attention import DENSE_MASK_ATTENTION
 from ..parallel.expert import is_expert
-from ..parallel.fsdp import gathered_at_peak
+from ..parallel.fsdp import gathered_bytes
 from .meter import ActivationMeter
 
 META = torch.device("meta")
@@ -48,7 +48,7 @@ class RankParams:
 
     params: list[tuple[int, bool, bool]]  # (elements, a matrix, an expert's) of each parameter, in the model's order
     param_bytes: int  # the parameters as the rank stores them
-    gathered: int  # elements ZeRO-3 holds gathered at once at the step's peak (parallel.fsdp.gathered_at_peak)
+    gathered: int  # ZeRO-3: bytes of the weights gathered at once at the step's peak (parallel.fsdp.gathered_bytes)
     stages: dict[int, list[int]]  # stage index -> its decoder layers
 
 
@@ -140,18 +140,18 @@ def _stand_ins(target: str, dense_masks: bool, b: int, s: int):
         moe_module.Dispatch, moe_module.grouped_mm = saved_dispatch, saved_mm
 
 
-def trace_params(config, pcfg, *, rank: int, dtype: torch.dtype) -> RankParams:
+def trace_params(config, pcfg, *, rank: int, dtype: torch.dtype, fp8=None) -> RankParams:
     """`rank`'s parameters under the mesh `pcfg` (its world: tp x pp x dp x cp, dp set): the same whatever the
-    attention kernel."""
+    attention kernel. fp8: the run's FP8Config (ZeRO-3 gathers some weights in float8)."""
     from ..parallelize import meta_model
 
     with fake_world(rank, pcfg.tp * pcfg.pp * pcfg.dp * pcfg.cp):
-        pmodel = meta_model(config, pcfg, dtype=dtype, attn="sdpa")
+        pmodel = meta_model(config, pcfg, dtype=dtype, attn="sdpa", fp8=fp8)
     params = [p for _, p in pmodel.unique_parameters()]
     shapes = [(p.numel(), p.dim() > 1, is_expert(p)) for p in params]
     stored = sum(p.numel() * p.element_size() for p in params)
     stages = {st.stage_index: list(st.layer_ids) for st in pmodel.stages}
-    return RankParams(shapes, stored, gathered_at_peak(pmodel), stages)
+    return RankParams(shapes, stored, gathered_bytes(pmodel), stages)
 
 
 def trace_activations(

@@ -50,6 +50,7 @@ def plan_run(cfg, model_config) -> list[dict] | None:
             attn=cfg.model.attn_implementation,  # the planner picks the kernel as the run will (flash where installed)
             flash=flash_attn_installed(),
             compiled=resolve_compile(cfg.parallel.compile, target, model_config)[0],
+            fp8=cfg.precision.fp8_config(),
         )
         pcfg = dataclasses.replace(cfg.parallel, compile=False).resolve(world)
         plan = Planner(model_config, job, adapter=get_adapter(model_config.model_type)).plan(pcfg)
@@ -75,7 +76,7 @@ def measuring(run):
         return contextlib.nullcontext()
     from ..plan.meter import ActivationMeter
 
-    run.meter = ActivationMeter()
+    run.meter = ActivationMeter(run.pmodel.hf_model)
     return run.meter
 
 
