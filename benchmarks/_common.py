@@ -179,7 +179,10 @@ def run_workers(script: Path, nproc: int, args: list[str], out: Path, *, env: di
 
 
 def write_rank(out: str, rec: dict) -> None:
+    """A worker's last call: its record, then hf3d.finish() (in a process group every rank leaves together and
+    skips the interpreter's teardown, where a gloo thread freeing the last collective's tensors can abort it)."""
     Path(f"{out}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(rec))
+    import_hf3d().finish()
 
 
 def hf3d_train(config: str, settings: list[str], *, nproc: int = 2) -> tuple[subprocess.CompletedProcess, float]:

@@ -73,7 +73,6 @@ def worker(model_dir: str, mesh: str, rounds: int, limit: int, out: str) -> None
             times[name].append(time.perf_counter() - t0)
     rec = dict(times=times, tokens=tokens, computed=computed, pair_tokens=pair_tokens, plain_rows=len(ids))
     C.write_rank(out, rec)
-    hf3d.finish()
 
 
 def main() -> None:

@@ -71,7 +71,6 @@ def worker(model_dir: str, row: str, mesh: str, rounds: int, new: int, prompt_le
             with torch.no_grad():
                 times[name].append(_timed(run[name]) / per)
     C.write_rank(out, {"times": {k: v for k, v in times.items() if v}})
-    hf3d.finish()
 
 
 def _median_slowest(ranks: list[dict], side: str) -> float:

@@ -45,7 +45,6 @@ def worker(args) -> None:
         if args.export:
             pm.save_pretrained(args.export)
         C.write_rank(args.out, rec)
-        hf3d.finish()
     config = AutoConfig.from_pretrained(args.dir)
 
     def stock():

@@ -69,8 +69,6 @@ def worker(args) -> None:
     first_use(params)
     rec["used"] = C.proc_status()
     C.write_rank(args.out, rec)
-    if args.worker == "hf3d":
-        hf3d.finish()
 
 
 def main() -> None:

@@ -39,6 +39,7 @@ MESHES = {  # name: (model, processes, ParallelConfig keywords)
     "pp2 interleaved-1f1b, 4 mb": ("llama", 2, dict(pp=2, pp_schedule="interleaved-1f1b", num_microbatches=4)),
     "dp2 ZeRO-1": ("llama", 2, dict(zero_stage=1)),
     "dp2 ZeRO-2": ("llama", 2, dict(zero_stage=2)),
+    "dp2 ZeRO-3": ("llama", 2, dict(zero_stage=3)),
     "cp2": ("llama", 2, dict(cp=2)),
     "dp2 ep2 (Qwen3-MoE)": ("moe", 2, dict(ep=2)),
 }
@@ -83,7 +84,7 @@ def mesh_worker(model_dir: str, kw: dict, out: str) -> None:
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**kw))
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=1e-3)
     g = torch.Generator().manual_seed(pm.dp_rank)  # the ranks of one dp replica read the same rows
-    meter = ActivationMeter()
+    meter = ActivationMeter(pm.hf_model)  # its weights are not activations (ZeRO-3 gathers them in the step)
     for step in range(2):  # a warm-up step (the optimizer's state exists after it), then the metered one
         ids, targets = _batch(pm, g, ROWS * pm.pcfg.num_microbatches, SEQ)
         with meter if step else contextlib.nullcontext():

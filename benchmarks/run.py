@@ -304,8 +304,8 @@ BENCHMARKS = [
               "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
     Benchmark("sharding", "bench_sharding.py", [], "sharded gradients and weights: what a rank holds at ZeRO-1/2/3 "
               "(dp=4) and the step time (dp=2), CPU", "5", _sharding),
-    Benchmark("plan", "bench_plan.py", [], "`hf3d plan`'s memory prediction / a run's, every rank of 10 meshes "
-              "(dp, recompute, tp + SP, pp 1f1b and interleaved, ZeRO-1/2, cp, ep; CPU); selective recompute's "
+    Benchmark("plan", "bench_plan.py", [], "`hf3d plan`'s memory prediction / a run's, every rank of 11 meshes "
+              "(dp, recompute, tp + SP, pp 1f1b and interleaved, ZeRO-1/2/3, cp, ep; CPU); selective recompute's "
               "activations and step time beside none and full", "2", _plan),
     Benchmark("restart", "bench_restart.py", [], "a worker SIGKILLed under `--max-restarts` (tiny run, dp=2, CPU): "
               "time from the kill to the next finished step, steps lost", "2", _restart),
