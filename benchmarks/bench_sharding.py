@@ -5,7 +5,7 @@ step every rank samples what it holds from the run's own tensors, each storage o
 registered now; fp32 gradients: hf3d's flat tensor and filling buckets, or every .grad; optimizer state), before each
 layer's forward, as its backward begins, as each gradient enters a bucket, and after the step; the figures after the
 step stand beside the arithmetic for N parameters (ZeRO-1 4N + 4N + 2N bytes, ZeRO-2 4N + N + 2N, ZeRO-3 N + N + 2N);
-ZeRO-3's peak weights (a prefetched layer's all-gather counted) beside hf3d's count: shards + fsdp.gathered_at_peak.
+ZeRO-3's peak weights (a prefetched layer's all-gather counted) beside hf3d's count: shards + fsdp.gathered_bytes.
 Targets as the issue set them: ZeRO-3 at most 0.3x ZeRO-1 (the arithmetic is 2/(dp + 1): 0.4x at dp=4); ZeRO-2's
 peak gradients at most 1/dp + one bucket (its largest, as a parameter is never split, plus the norms' small one).
 Speed: the three stages side by side, steps interleaved in rotated order, median of the slowest rank (guards only).
@@ -65,11 +65,11 @@ def _sampled(pm, opt, samples: list) -> list:
 
 def _record(pm, opt, samples: list) -> dict:
     """After the step and the peak of the samples, with what the arithmetic needs: N and the buckets."""
-    from hf3d.parallel.fsdp import gathered_at_peak  # ZeRO-3: what hf3d counts as gathered at the peak
+    from hf3d.parallel.fsdp import gathered_bytes  # ZeRO-3: what hf3d counts as gathered at the peak
 
     buckets = getattr(opt, "buckets", [])
     return {
-        "counted_peak_weights": samples[-1]["weights"] + gathered_at_peak(pm) * pm.param_dtype.itemsize,
+        "counted_peak_weights": samples[-1]["weights"] + gathered_bytes(pm),
         "after": samples[-1],
         "peak": {k: max(x[k] for x in samples) for k in samples[-1]},
         "numel": sum(p.numel() for p in pm.hf_model.parameters()),
