@@ -43,16 +43,18 @@ def accumulated_steps(model, opt, data, chunks: int) -> tuple[list[float], list[
     return losses, norms
 
 
-def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None, optimizer=None):
+def reference_run(
+    model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None, optimizer=None, eps: float = 1e-8
+):
     """Losses, grad norms and final state dict of the stock model trained on `data`.
 
     param_groups(model) -> AdamW parameter groups (default: every parameter, weight decay WD); optimizer(model) ->
-    another optimizer (StockMuon).
+    another optimizer (StockMuon); eps: AdamW's (torch's default).
     position_ids: the same for every batch (packed documents: stock builds the document mask from
     them when no cache is made, hence use_cache=False)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
     groups = param_groups(model) if param_groups else model.parameters()
-    opt = optimizer(model) if optimizer else torch.optim.AdamW(groups, lr=LR, weight_decay=WD, betas=BETAS)
+    opt = optimizer(model) if optimizer else torch.optim.AdamW(groups, lr=LR, weight_decay=WD, betas=BETAS, eps=eps)
     losses, norms = [], []
     for ids, labels in data:
         extra = {} if position_ids is None else dict(position_ids=position_ids, use_cache=False)
@@ -65,7 +67,7 @@ def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, positi
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def moe_reference_run(model_dir, data, forwards: int, optimizer=None):
+def moe_reference_run(model_dir, data, forwards: int, optimizer=None, eps: float = 1e-8):
     """`reference_run` for a MoE model under hf3d's contract: each step backpropagates the cross-entropy's
     global token mean plus router_aux_loss_coef times the mean, over `forwards` contiguous chunks of the rows
     (dp ranks x micro-batches), of stock's load-balancing loss on each chunk. Returns (cross-entropy per
@@ -74,7 +76,8 @@ def moe_reference_run(model_dir, data, forwards: int, optimizer=None):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = model.config
-    opt = optimizer(model) if optimizer else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
+    adamw = dict(lr=LR, weight_decay=WD, betas=BETAS, eps=eps)
+    opt = optimizer(model) if optimizer else torch.optim.AdamW(model.parameters(), **adamw)
     losses, auxes, norms = [], [], []
     for ids, labels in data:
         targets = labels[:, 1:]
