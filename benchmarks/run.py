@@ -198,8 +198,9 @@ def _sharding(d: dict) -> str:
     m, sp, z3 = d["memory"], d["speed"]["over_zero1"], d["memory"]["zero3_over_zero1"]
     return (
         f"{d['params'] / 1e6:.1f}M params, dp=4: ZeRO-3 / ZeRO-1 state {z3:.3f}x (arithmetic 0.4x; target ≤ 0.3x: "
-        f"{met(z3 <= 0.3)}); ZeRO-2 peak gradients {m['zero2_peak_gradients'] / 2**20:.1f} MiB, bound "
-        f"{m['zero2_bound'] / 2**20:.1f} ({met(m['zero2_peak_gradients'] <= m['zero2_bound'])}); ZeRO-3 peak weights "
+        f"{met(z3 <= 0.3)}), at dp=8 {m['dp8_zero3_over_zero1']:.3f}x (arithmetic 2/9); ZeRO-2 peak gradients "
+        f"{m['zero2_peak_gradients'] / 2**20:.1f} MiB, bound {m['zero2_bound'] / 2**20:.1f} "
+        f"({met(m['zero2_peak_gradients'] <= m['zero2_bound'])}); ZeRO-3 peak weights "
         f"{m['zero3_peak_weights'] / 2**20:.1f} MiB, counted {m['zero3_counted_peak_weights'] / 2**20:.1f}; dp=2 step "
         f"over ZeRO-1: ZeRO-2 {sp['2']:.3f}x (≤ 1.1x: {met(sp['2'] <= 1.1)}), ZeRO-3 {sp['3']:.3f}x "
         f"(≤ 1.3x: {met(sp['3'] <= 1.3)})"
@@ -303,7 +304,7 @@ BENCHMARKS = [
     Benchmark("generate", "bench_generate.py", [], "generation at the mesh (`ParallelModel.generate`): tp1 / stock "
               "generate, tp2 / tp1 on a wide model, the prefill at cp2 / cp1", "4", _generate),
     Benchmark("sharding", "bench_sharding.py", [], "sharded gradients and weights: what a rank holds at ZeRO-1/2/3 "
-              "(dp=4) and the step time (dp=2), CPU", "5", _sharding),
+              "(dp=4, 8) and the step time (dp=2), CPU", "5", _sharding),
     Benchmark("plan", "bench_plan.py", [], "`hf3d plan`'s memory prediction / a run's, every rank of 11 meshes "
               "(dp, recompute, tp + SP, pp 1f1b and interleaved, ZeRO-1/2/3, cp, ep; CPU); selective recompute's "
               "activations and step time beside none and full", "2", _plan),

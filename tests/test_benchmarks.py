@@ -122,9 +122,9 @@ def test_runner_finds_the_blocks_it_rewrites():
     assert {p.name for p in BENCH.glob("*.py")} == {"_common.py", "run.py", *(b.script for b in run.BENCHMARKS)}
 
 
-def test_benchmarks_stay_within_3890_lines():
+def test_benchmarks_stay_within_3900_lines():
     lines = sum(len(p.read_text().splitlines()) for p in BENCH.rglob("*.py"))
-    assert lines <= 3890, f"benchmarks/ holds {lines} lines of Python"
+    assert lines <= 3900, f"benchmarks/ holds {lines} lines of Python"
 
 
 def _cp_traffic(model_dir: str, out: str) -> None:
