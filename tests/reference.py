@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-LR, WD, CLIP, BETAS = 2e-3, 0.1, 0.5, (0.9, 0.95)
+# AdamW's eps (1e-5) on both sides of every comparison with the oracle. AdamW divides each gradient by its own
+# magnitude plus eps, so where a gradient is near eps the float noise of its sums becomes weight noise of up to
+# lr / eps times that noise. At torch's default eps (1e-8: a gain of 2e5 at LR) stock differs from itself, its
+# rows only summed in reverse order, by 1.05e-5 (tests/models.py's Llama) and 2.5e-5 (its Qwen3-MoE) after 3 steps
+# of batches(3, 8, 16): a bound on hf3d's weights below that would measure AdamW, not hf3d. At 1e-5 the same
+# figures are 7.3e-8 and 1.5e-7; 4.5% (Llama) and 8% (MoE) of the first step's gradients lie under eps, the median
+# at 2.6e-4 and 1.2e-4 (the rest of AdamW as a run sees it).
+LR, WD, CLIP, BETAS, EPS = 2e-3, 0.1, 0.5, (0.9, 0.95), 1e-5
+ADAMW = dict(lr=LR, weight_decay=WD, betas=BETAS, eps=EPS)  # the oracle's AdamW settings, hf3d's the same
 
 
 def batches(num_steps: int, batch: int, seq: int, vocab: int, seed: int = 0):
@@ -43,18 +51,16 @@ def accumulated_steps(model, opt, data, chunks: int) -> tuple[list[float], list[
     return losses, norms
 
 
-def reference_run(
-    model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None, optimizer=None, eps: float = 1e-8
-):
+def reference_run(model_dir, data, attn: str = "sdpa", param_groups=None, position_ids=None, optimizer=None):
     """Losses, grad norms and final state dict of the stock model trained on `data`.
 
     param_groups(model) -> AdamW parameter groups (default: every parameter, weight decay WD); optimizer(model) ->
-    another optimizer (StockMuon); eps: AdamW's (torch's default).
+    another optimizer (StockMuon).
     position_ids: the same for every batch (packed documents: stock builds the document mask from
     them when no cache is made, hence use_cache=False)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32)
     groups = param_groups(model) if param_groups else model.parameters()
-    opt = optimizer(model) if optimizer else torch.optim.AdamW(groups, lr=LR, weight_decay=WD, betas=BETAS, eps=eps)
+    opt = optimizer(model) if optimizer else torch.optim.AdamW(groups, **ADAMW)
     losses, norms = [], []
     for ids, labels in data:
         extra = {} if position_ids is None else dict(position_ids=position_ids, use_cache=False)
@@ -67,7 +73,7 @@ def reference_run(
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def moe_reference_run(model_dir, data, forwards: int, optimizer=None, eps: float = 1e-8):
+def moe_reference_run(model_dir, data, forwards: int, optimizer=None):
     """`reference_run` for a MoE model under hf3d's contract: each step backpropagates the cross-entropy's
     global token mean plus router_aux_loss_coef times the mean, over `forwards` contiguous chunks of the rows
     (dp ranks x micro-batches), of stock's load-balancing loss on each chunk. Returns (cross-entropy per
@@ -76,8 +82,7 @@ def moe_reference_run(model_dir, data, forwards: int, optimizer=None, eps: float
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cfg = model.config
-    adamw = dict(lr=LR, weight_decay=WD, betas=BETAS, eps=eps)
-    opt = optimizer(model) if optimizer else torch.optim.AdamW(model.parameters(), **adamw)
+    opt = optimizer(model) if optimizer else torch.optim.AdamW(model.parameters(), **ADAMW)
     losses, auxes, norms = [], [], []
     for ids, labels in data:
         targets = labels[:, 1:]
@@ -142,7 +147,7 @@ def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwarg
     settings, or by `optimizer` with `opt_kwargs` alone (clipped at CLIP either way)."""
     import hf3d
 
-    settings = dict(lr=LR, weight_decay=WD, betas=BETAS) if optimizer is torch.optim.AdamW else {}
+    settings = ADAMW if optimizer is torch.optim.AdamW else {}
     kw = settings | dict(max_grad_norm=CLIP) | opt_kwargs
     opt = hf3d.build_optimizer(pmodel, optimizer, **kw)
     losses, norms = train_on(pmodel, opt, data, rows)

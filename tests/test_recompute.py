@@ -34,7 +34,7 @@ from hf3d.parallel.stage import selective_policy
 
 STEPS, BATCH, SEQ, P = 3, 4, 16, 0.3
 LOSS_RTOL = 1e-6  # against stock, per-step loss, relative; measured 1.0e-7 (every mesh)
-WEIGHT_ATOL = 1e-5  # against stock, max |Δw| after 3 AdamW steps; measured 1.7e-6 (tp2), 9.9e-7 (cp2)
+WEIGHT_ATOL = 4e-6  # against stock, max |Δw| after 3 AdamW steps (eps at reference.EPS); measured 2.6e-7 (tp2, cp2)
 RECOMPUTE_ATOL = 1e-7  # selective vs none on the same mesh, losses and weights; measured 0 (bit-identical)
 JOBS = {
     "tp2": dict(tp=2),

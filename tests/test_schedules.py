@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from dist import report, spawn, start_watchdog
-from reference import BETAS, CLIP, LR, WD, batches
+from reference import ADAMW, CLIP, LR, batches
 from transformers import AutoModelForCausalLM
 
 from hf3d.train.lr_schedules import ScheduleConfig, build_lr_scheduler, decay_start_step, describe_schedule
@@ -169,7 +169,7 @@ SCHED = ScheduleConfig(lr=LR, min_lr=LR / 10, warmup_steps=2, schedule="wsd", de
 
 def _stock(model_dir, data):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, betas=BETAS)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     sched = build_lr_scheduler(opt, SCHED, STEPS)
     losses, lrs = [], []
     for ids, labels in data:
@@ -189,7 +189,7 @@ def _hf3d_worker(model_dir, data, out: str) -> None:
 
     start_watchdog(120)
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(tp=1, pp=1))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, lr=LR, weight_decay=WD, betas=BETAS, max_grad_norm=CLIP)
+    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
     sched = build_lr_scheduler(opt, SCHED, STEPS)
     losses, lrs, norms = [], [], []
     for ids, labels in data:

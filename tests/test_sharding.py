@@ -38,21 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world, start_watchdog  # noqa: E402
 from models import VOCAB, exported, make_model_dir  # noqa: E402
-from reference import CLIP, LR, WD, batches, dp_rows, hf3d_run, moe_reference_run, reference_run, train_on  # noqa: E402
+from reference import ADAMW, CLIP, LR, batches, dp_rows, hf3d_run, moe_reference_run, reference_run, train_on  # noqa: E402
 
 import hf3d  # noqa: E402
 
 STEPS, BATCH, SEQ = 3, 8, 16
 # Losses and grad norms at the bound (1e-6 relative; measured over every run here, gloo on a 2-core CPU:
-# loss 2.1e-7, grad norm 7.6e-7). The weights at the 1e-5, with AdamW's eps at 1e-5 on both sides: AdamW
-# divides each gradient by its own magnitude plus eps, so an element whose gradient is near eps turns the float
-# noise of its sums into weight noise up to lr / eps times it. At torch's default eps (1e-8, a gain of 2e5) stock
-# differs from itself, its rows only summed in reverse order, by 1.05e-5 dense and 2.5e-5 MoE after 3 steps
-# (1e-6: 3.5e-7 and 1.1e-6; 1e-5: 7.3e-8 and 1.5e-7), so no order but stock's own could be held to 1e-5 there.
-# At 1e-5, 4.5% (dense) and 8% (MoE) of the step-1 gradients are under eps; the median is 2.6e-4 and 1.2e-4.
-# Measured at 1e-5 over every run and resume here: max |w - w_ref| 4.3e-7, ||w - w_ref|| / ||w_ref - w_0|| 1.2e-6
-# (at 1e-8 they were 2.9e-5 and 4.8e-5; 8.2e-6 dense on another machine of the same kind, whose BLAS rounds otherwise).
-EPS = 1e-5
+# loss 2.1e-7, grad norm 7.6e-7). The weights at the 1e-5, AdamW's eps at reference.EPS on both sides (why
+# there: tests/reference.py). Measured over every run and resume here: max |w - w_ref| 4.3e-7,
+# ||w - w_ref|| / ||w_ref - w_0|| 1.2e-6 (at torch's default eps 2.9e-5 and 4.8e-5, and the bounds were 1e-4 and
+# 1e-3 (MoE); 8.2e-6 dense on another machine of the same kind, whose BLAS rounds otherwise).
 LOSS_RTOL = 1e-6
 NORM_RTOL = 1e-5
 WEIGHT_ATOL = 6e-6
@@ -133,13 +128,13 @@ def _data():
 # -- worker side -------------------------------------------------------------------------------------------
 def _run(dirs, family, pkw, okw, out, **parallelize_kw) -> dict:
     pm = hf3d.parallelize(dirs[family], hf3d.ParallelConfig(**pkw), **parallelize_kw)
-    losses, norms, opt = hf3d_run(pm, _data(), dp_rows(pm, BATCH), eps=EPS, **okw)
+    losses, norms, opt = hf3d_run(pm, _data(), dp_rows(pm, BATCH), **okw)
     pm.save_pretrained(out)
     return dict(losses=losses, norms=norms, report=opt.memory_report(), dp=pm.dp_size, fp8_gathered=pm.fp8_gathered)
 
 
 def _resume(dirs, first, then, out) -> dict:
-    data, kw = _data(), dict(lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=EPS, max_grad_norm=CLIP)
+    data, kw = _data(), dict(ADAMW, max_grad_norm=CLIP)
     pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(**first))
     opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **kw)
     train_on(pm, opt, data[:2], dp_rows(pm, BATCH))
@@ -322,10 +317,10 @@ def refs(dirs) -> dict:
     data, out = _data(), {}
     for family in FAMILIES:
         if family == "qwen3-moe":
-            losses, _aux, norms, sd = moe_reference_run(dirs[family], data, forwards=2, eps=EPS)
+            losses, _aux, norms, sd = moe_reference_run(dirs[family], data, forwards=2)
             out[family] = (losses, norms, sd)
         else:
-            out[family] = reference_run(dirs[family], data, eps=EPS)
+            out[family] = reference_run(dirs[family], data)
     return out
 
 
@@ -430,7 +425,7 @@ def test_hf3d_convert_reads_a_zero3_checkpoint(world, dirs, initial, tmp_path):
 
     if _size(world) != 4:
         pytest.skip("the checkpoint is saved on 4 ranks")
-    _, _, sd = reference_run(dirs["llama"], _data()[:2], eps=EPS)
+    _, _, sd = reference_run(dirs["llama"], _data()[:2])
     out = checkpoint_to_hf(world["out"] / "zero3-dp4->zero1-tp2-dp2" / "ckpt", tmp_path / "hf")
     _check_weights(exported(out), sd, initial["llama"], what="hf3d convert to-hf of a ZeRO-3 checkpoint")
 

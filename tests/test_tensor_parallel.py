@@ -57,12 +57,11 @@ ATTNS = ("sdpa", "eager")
 LOGITS_ATOL = 5e-6  # max |Δlogits|, measured 3.6e-7 (llama-6x3 tp3 sdpa-sp)
 LOSS_RTOL = 3e-6  # per-step loss, relative; measured 2.1e-7 (llama tp2: 2 ulp of a loss near 4.6)
 NORM_RTOL = 6e-6  # per-step pre-clip grad norm, relative; measured 4.7e-7 (llama-kvrep tp4)
-# Exported weights after 3 AdamW steps. Element-wise, the error is AdamW's: it divides each gradient
-# by its own running magnitude, so float noise in near-zero gradients becomes weight noise near lr
-# times that noise's relative size. The update check sees a small error spread over many elements
-# (a wrong decay, a missing part of a gradient) that the element-wise bound cannot.
-WEIGHT_ATOL = 1e-4  # max |Δw|, measured 9.7e-6 (llama tp2, embed_tokens)
-UPDATE_RTOL = 2e-4  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 1.6e-5 (llama-kvrep tp4)
+# Exported weights after 3 AdamW steps, AdamW's eps at reference.EPS on both sides (why: tests/reference.py;
+# at torch's default eps these measured 9.7e-6 and 1.6e-5). The update check sees a small error spread over
+# many elements (a wrong decay, a missing part of a gradient) that the element-wise bound cannot.
+WEIGHT_ATOL = 6e-6  # max |Δw|, measured 4.2e-7 (llama-6x1 tp3 sp)
+UPDATE_RTOL = 1.5e-5  # ||w - w_ref|| / ||w_ref - w_0|| over all tensors; measured 1.2e-6 (llama-6x1 tp3)
 BATCH, SEQ, STEPS = 4, 12, 3  # SEQ divisible by 2, 3 and 4 (sequence parallelism)
 WATCHDOG_S = 400  # a rank stuck in a collective dumps its stack and exits instead of hanging
 
