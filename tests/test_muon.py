@@ -32,7 +32,7 @@ from asserts import assert_close  # noqa: E402
 from dist import spawn_world, start_watchdog  # noqa: E402
 from models import VOCAB, exported, make_model_dir  # noqa: E402
 from reference import (  # noqa: E402
-    BETAS,
+    ADAMW,
     CLIP,
     StockMuon,
     batches,
@@ -47,14 +47,14 @@ import hf3d  # noqa: E402
 
 STEPS, BATCH, SEQ = 3, 8, 16
 MUON = dict(lr=0.01, weight_decay=0.1, momentum=0.95)
-ADAMW = dict(lr=2e-3, weight_decay=0.1, betas=BETAS)
 # fp32 Newton-Schulz: the bounds (measured over every run here, gloo on a 2-core CPU: loss 4.1e-7 relative,
-# grad norm 1.0e-7, weights 1.4e-6 absolute). torch's bf16 Newton-Schulz: 10-15x the measured bf16 noise (loss
+# grad norm 1.0e-7), the weights at 6e-6 (measured 4.4e-7 with AdamW's eps at reference.EPS on its part, 1.4e-6 at
+# torch's default). torch's bf16 Newton-Schulz: 10-15x the measured bf16 noise (loss
 # 3.5e-6, grad norm 1.3e-4, weights 2.7e-3: one bf16 step of an update of lr 0.01 is about 4e-5, and three steps
 # of momentum carry a flipped rounding on).
 LOSS_RTOL = {"fp32": 1e-6, "bf16": 5e-5}
 NORM_RTOL = {"fp32": 1e-5, "bf16": 2e-3}
-WEIGHT_ATOL = {"fp32": 1e-5, "bf16": 3e-2}
+WEIGHT_ATOL = {"fp32": 6e-6, "bf16": 3e-2}
 FAMILIES = {"llama": ("llama", {}), "llama-kvrep": ("llama-kvrep", {}), "qwen3-moe": ("qwen3-moe", {})}
 # spectral µP at m = 2 (tests/test_mup.py's tiny width 48 over a base of 24) with torch's "match_rms_adamw" adjustment,
 # whose lr hf3d scales by 1/sqrt(m); AdamW's groups by µP's table (test_mup.expected_rule)
