@@ -142,6 +142,13 @@ def train_losses(pmodel, opt, data, batch: int) -> list[float]:
     return train_on(pmodel, opt, data, dp_rows(pmodel, batch))[0]
 
 
+def oracle_adamw(pmodel, **kwargs):
+    """hf3d.build_optimizer with the oracle's AdamW settings (ADAMW), clipped at CLIP; kwargs: its other arguments."""
+    import hf3d
+
+    return hf3d.build_optimizer(pmodel, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP, **kwargs)
+
+
 def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwargs):
     """Losses, grad norms and the optimizer of hf3d trained on `data[rows]`: by AdamW with the oracle's
     settings, or by `optimizer` with `opt_kwargs` alone (clipped at CLIP either way)."""

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
-from reference import ADAMW, CLIP, LR, batches  # noqa: E402
+from reference import ADAMW, CLIP, LR, batches, oracle_adamw  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -74,7 +74,7 @@ def _loop(model_dir, pkw, steps: range, *, save_to=None, load_from=None):
     """The accelerate loop of docs/accelerate.md; returns (losses, lrs, pmodel)."""
     acc = _fresh_accelerator()
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(**pkw))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    opt = oracle_adamw(pm)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda)
     rows = _rows()[steps.start * ROWS :]
     dl = torch.utils.data.DataLoader(rows, batch_size=ROWS // pm.dp_size)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
-from reference import ADAMW, CLIP, batches, train_losses  # noqa: E402
+from reference import batches, oracle_adamw, train_losses  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
@@ -41,7 +41,7 @@ MESHES = {"dp2": dict(), "pp2": dict(pp=2, num_microbatches=2)}
 
 
 def _opt(pm):
-    return hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    return oracle_adamw(pm)
 
 
 def _train(pm, opt, data) -> list[float]:

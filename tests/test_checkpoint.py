@@ -31,7 +31,7 @@ from asserts import assert_close  # noqa: E402
 from crafted import fake_checkpoint, payloads, write_crafted  # noqa: E402
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import make_model_dir  # noqa: E402
-from reference import ADAMW, CLIP, batches, train_losses  # noqa: E402
+from reference import batches, oracle_adamw, train_losses  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d import checkpoint  # noqa: E402
@@ -60,7 +60,7 @@ def _family(name: str) -> str:
 
 
 def _opt(pm, **kw):
-    return hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP, **kw)
+    return oracle_adamw(pm, **kw)
 
 
 def _train(pm, opt, data) -> list[float]:

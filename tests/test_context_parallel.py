@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from dist import V_SCHEDULES, compat, report, spawn, start_watchdog  # noqa: E402
 from models import FAMILIES, VOCAB, make_model_dir, tiny_config  # noqa: E402
-from reference import ADAMW, CLIP, batches, dp_rows, reference_run  # noqa: E402
+from reference import batches, dp_rows, oracle_adamw, reference_run  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -144,7 +144,7 @@ def _data():
 
 
 def _train(pm, data, pos, rows: slice, steps=range(STEPS), opt=None):
-    opt = opt or hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    opt = opt or oracle_adamw(pm)
     losses, norms = [], []
     for i in steps:
         ids, labels = data[i]
@@ -218,7 +218,7 @@ def _checkpoints(res, out, path, data, pos):
         for k, cfg in enumerate((first, second)):
             pm = hf3d.parallelize(path, hf3d.ParallelConfig(**cfg))
             rows = dp_rows(pm, BATCH)
-            opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+            opt = oracle_adamw(pm)
             if k == 0:
                 losses += _train(pm, data, pos, rows, steps=range(1), opt=opt)[0]
                 hf3d.save_checkpoint(Path(out) / tag, pm, opt, step=1)

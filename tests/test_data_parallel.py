@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world  # noqa: E402
 from models import VOCAB, exported, make_model_dir  # noqa: E402
-from reference import ADAMW, CLIP, LR, batches, dp_rows, hf3d_run, reference_run  # noqa: E402
+from reference import CLIP, LR, batches, dp_rows, hf3d_run, oracle_adamw, reference_run  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d.parallel.layout import get_pieces  # noqa: E402
@@ -200,7 +200,7 @@ def _memory_run(dirs, pkw, steps, out: str | None) -> dict:
 def _nonfinite_run(dirs, out, poison: str, okw) -> dict:
     """Step 0 normal, step 1 with a non-finite gradient on ONE dp rank (skipped), step 2 normal."""
     pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(num_microbatches=2))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP, **okw)
+    opt = oracle_adamw(pm, **okw)
     victim = [p for n, p in pm.unique_parameters() if "layers.0.mlp" in n][0]
     res = dict(losses=[], norms=[], skipped=[], warnings=[], unchanged=[])
     for i, (ids, labels) in enumerate(_data()):
@@ -265,9 +265,8 @@ def _state_dict_run(dirs, tmp) -> dict:
     ranks onto a tp=2 mesh, each into a fresh model loaded from the exported weights; the 3rd step
     must equal the uninterrupted one."""
     data = _data()
-    kw = dict(**ADAMW, max_grad_norm=CLIP)
     pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig())
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **kw)
+    opt = oracle_adamw(pm)
     for ids, labels in data[:2]:
         pm.train_step(ids[_rows(pm)], labels[_rows(pm)])
         opt.step()
@@ -282,10 +281,10 @@ def _state_dict_run(dirs, tmp) -> dict:
                 merged["state"].setdefault(name, {}).setdefault(key, []).extend(entries)
     pm.save_pretrained(f"{tmp}/sd-after2")
     pm2 = hf3d.parallelize(f"{tmp}/sd-after2", hf3d.ParallelConfig())
-    opt2 = hf3d.build_optimizer(pm2, torch.optim.AdamW, **kw)
+    opt2 = oracle_adamw(pm2)
     opt2.load_state_dict(saved)
     pm3 = hf3d.parallelize(f"{tmp}/sd-after2", hf3d.ParallelConfig(tp=2))
-    opt3 = hf3d.build_optimizer(pm3, torch.optim.AdamW, **kw)
+    opt3 = oracle_adamw(pm3)
     opt3.load_state_dict(merged)
     ids, labels = data[2]
     out = {}

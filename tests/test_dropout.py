@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dist import report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, make_model_dir  # noqa: E402
-from reference import ADAMW, CLIP, batches  # noqa: E402
+from reference import batches, oracle_adamw  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d.checkpoint import load  # noqa: E402
@@ -36,7 +36,7 @@ BATCH, SEQ, P = 4, 16, 0.3
 
 
 def _opt(pm):
-    return hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    return oracle_adamw(pm)
 
 
 def _fresh(model_dir, seed: int, **pkw):

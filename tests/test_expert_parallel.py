@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import compat, report, spawn, start_watchdog  # noqa: E402
 from models import VOCAB, exported, make_model_dir, tiny_config  # noqa: E402
-from reference import ADAMW, CLIP, batches, dp_rows, moe_reference_run, saved_names  # noqa: E402
+from reference import batches, dp_rows, moe_reference_run, oracle_adamw, saved_names  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -91,7 +91,7 @@ def _ids() -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 def _train(pm, data, *, ckpt: Path | None = None) -> dict:
     """STEPS steps on this dp rank's rows; a checkpoint after step 2 when `ckpt` is given."""
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    opt = oracle_adamw(pm)
     rows = dp_rows(pm, BATCH)
     out = {"loss": [], "aux": [], "norm": [], "load": []}
     for step, (ids, labels) in enumerate(data, 1):
@@ -107,7 +107,7 @@ def _train(pm, data, *, ckpt: Path | None = None) -> dict:
 
 def _resumed_loss(path: str, ckpt: Path, kw: dict, data) -> float:
     pm = hf3d.parallelize(path, hf3d.ParallelConfig(**kw))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    opt = oracle_adamw(pm)
     assert hf3d.load_checkpoint(ckpt, pm, opt) == 2
     ids, labels = data[2]
     rows = dp_rows(pm, BATCH)

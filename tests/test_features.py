@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from dist import report, spawn, start_watchdog
 from models import VOCAB, exported, make_model_dir, tiny_config
-from reference import ADAMW, CLIP, dp_rows
+from reference import ADAMW, CLIP, dp_rows, oracle_adamw
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf3d
@@ -115,7 +115,7 @@ def _train_job(path: str, pcfg_kw: dict, z: float, out: Path) -> dict:
     rec = {"eval": [t.item() for t in pm.eval_loss(eids[rows], shift_labels=esl[rows])]}
     grouped = pm.eval_loss(eids[rows], shift_labels=esl[rows], groups=EVAL_GROUPS[rows], num_groups=NUM_GROUPS)
     rec["eval_groups"] = [t.tolist() for t in grouped]
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    opt = oracle_adamw(pm)
     rec["losses"], rec["z"], rec["norms"] = [], [], []
     for ids, sl in _train_data():
         rec["losses"].append(pm.train_step(ids[rows], shift_labels=sl[rows], z_loss=z).item())

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world  # noqa: E402
 from models import FAMILIES, VOCAB, exported, tiny_config  # noqa: E402
-from reference import ADAMW, BETAS, CLIP, EPS, LR, WD, batches, saved_names, train_losses  # noqa: E402
+from reference import BETAS, CLIP, EPS, LR, WD, batches, oracle_adamw, saved_names, train_losses  # noqa: E402
 
 import hf3d  # noqa: E402
 from hf3d.parallel.layout import get_pieces  # noqa: E402
@@ -101,7 +101,7 @@ def _train(pm, opt, data, out: Path | None) -> list[float]:
 
 
 def _optimizer(pm):
-    return hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP, exclude_from_weight_decay=True)
+    return oracle_adamw(pm, exclude_from_weight_decay=True)
 
 
 def _run(cdir: str, out: Path, name: str, **pkw) -> dict:

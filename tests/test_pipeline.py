@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from asserts import assert_close
 from dist import NEEDS_2_13, V_SCHEDULES, _free_port, _worker, compat
 from models import VOCAB, make_model_dir, tiny_config
-from reference import ADAMW, CLIP, batches, dp_rows, reference_run
+from reference import ADAMW, CLIP, batches, dp_rows, oracle_adamw, reference_run
 
 STEPS, BATCH, SEQ = 3, 4, 16
 # ~10-20x the largest error measured over every job of this file (fp32, gloo, 2-core CPU):
@@ -136,7 +136,7 @@ def job_parity(
     if logits:
         with torch.no_grad():
             rec["logits"] = pm.logits(data[0][0], position_ids=pos).detach().clone()
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP, **(opt_kwargs or {}))
+    opt = oracle_adamw(pm, **(opt_kwargs or {}))
     rec["losses"], rec["norms"], rec["tied"] = [], [], []
     for ids, labels in data:
         p = pos[rows] if pos is not None else None
@@ -165,7 +165,7 @@ def job_bad_microbatches(path, kw, bad_rows, good_rows) -> dict:
     import hf3d
 
     pm = hf3d.parallelize(path, hf3d.ParallelConfig(**kw))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    opt = oracle_adamw(pm)
     ids, labels = batches(1, BATCH, SEQ, VOCAB)[0]
     rec = {}
     try:

