@@ -143,10 +143,11 @@ def train_losses(pmodel, opt, data, batch: int) -> list[float]:
 
 
 def oracle_adamw(pmodel, **kwargs):
-    """hf3d.build_optimizer with the oracle's AdamW settings (ADAMW), clipped at CLIP; kwargs: its other arguments."""
+    """hf3d.build_optimizer with the oracle's AdamW settings (ADAMW), clipped at CLIP; kwargs: its other arguments,
+    or one of those settings replaced."""
     import hf3d
 
-    return hf3d.build_optimizer(pmodel, torch.optim.AdamW, **ADAMW, max_grad_norm=CLIP, **kwargs)
+    return hf3d.build_optimizer(pmodel, torch.optim.AdamW, **(ADAMW | dict(max_grad_norm=CLIP) | kwargs))
 
 
 def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwargs):
@@ -154,9 +155,10 @@ def hf3d_run(pmodel, data, rows: slice, optimizer=torch.optim.AdamW, **opt_kwarg
     settings, or by `optimizer` with `opt_kwargs` alone (clipped at CLIP either way)."""
     import hf3d
 
-    settings = ADAMW if optimizer is torch.optim.AdamW else {}
-    kw = settings | dict(max_grad_norm=CLIP) | opt_kwargs
-    opt = hf3d.build_optimizer(pmodel, optimizer, **kw)
+    if optimizer is torch.optim.AdamW:
+        opt = oracle_adamw(pmodel, **opt_kwargs)
+    else:
+        opt = hf3d.build_optimizer(pmodel, optimizer, **(dict(max_grad_norm=CLIP) | opt_kwargs))
     losses, norms = train_on(pmodel, opt, data, rows)
     return losses, [n.item() for n in norms], opt
 
